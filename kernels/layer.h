@@ -1,0 +1,93 @@
+/* layer.h - what every backend computes: the MoE layer shape, one EP rank's
+ * inputs and outputs, and the routing plan (DESIGN §1, §2). Backend-neutral:
+ * the validation and the plan here are the contract the backends share. */
+#ifndef MOKK_LAYER_H
+#define MOKK_LAYER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "mok_errno.h"
+
+/* Largest single dimension accepted; keeps every index product inside int64. */
+#define MOKK_DIM_MAX (1 << 24)
+
+typedef struct mokk_shape {
+  int64_t H;          /* hidden size */
+  int64_t I;          /* routed expert intermediate size */
+  int64_t E;          /* experts in total */
+  int64_t K;          /* routed experts per token */
+  int64_t I_s;        /* shared expert intermediate size, 0 = none */
+  int64_t P;          /* EP ranks; experts e live on rank e / (E / P) */
+  float swiglu_limit; /* 0 = off; applies to routed and shared experts */
+} mokk_shape;
+
+/* Weight tensors of one rank, nn.Linear layout (out x in), bf16. */
+enum {
+  MOKK_W_GATE,   /* [E_local, I, H] */
+  MOKK_W_UP,     /* [E_local, I, H] */
+  MOKK_W_DOWN,   /* [E_local, H, I] */
+  MOKK_S_GATE,   /* [I_s, H] */
+  MOKK_S_UP,     /* [I_s, H] */
+  MOKK_S_DOWN,   /* [H, I_s] */
+  MOKK_NWEIGHTS
+};
+
+typedef enum {
+  MOKK_GRAD_BF16 = 0,      /* weight gradients written as bf16 */
+  MOKK_GRAD_FP32_ACCUM = 1 /* weight gradients added into caller fp32 buffers */
+} mokk_grad_mode;
+
+/* One EP rank's part of a forward step. */
+typedef struct mokk_fwd_rank {
+  const uint16_t *x;          /* [T, H] bf16 */
+  const int32_t *topk_ids;    /* [T, K] global expert ids */
+  const float *topk_weights;  /* [T, K] */
+  const uint16_t *w[MOKK_NWEIGHTS];
+  uint16_t *out;              /* [T, H] bf16 */
+} mokk_fwd_rank;
+
+/* One EP rank's part of a backward step. Weight gradients go to g_bf16 or to
+ * g_f32 (added into) as the grad mode says; the shared expert's gradient is
+ * the reduction over every rank's tokens and is written for every rank. */
+typedef struct mokk_bwd_rank {
+  const uint16_t *d_out;      /* [T, H] bf16 */
+  uint16_t *d_x;              /* [T, H] bf16 */
+  float *d_topk_weights;      /* [T, K] fp32 */
+  uint16_t *g_bf16[MOKK_NWEIGHTS];
+  float *g_f32[MOKK_NWEIGHTS];
+} mokk_bwd_rank;
+
+/* Routing plan of one step over P ranks of T tokens each. Rows of expert e's
+ * segment are ordered by global token id (r * T + t), then k. A pair is
+ * (r, t, k); its global pair index is (r * T + t) * K + k. */
+typedef struct mokk_plan {
+  int64_t P, T, K, E, E_local;
+  int64_t *count;      /* [P * E]   pairs of rank r routed to expert e */
+  int64_t *seg_rows;   /* [E]       rows of expert e, all ranks together */
+  int64_t *seg_start;  /* [E]       first row of e in its owner's receive buffer */
+  int64_t *recv_rows;  /* [P]       rows each rank receives */
+  int64_t *recv_base;  /* [P + 1]   where rank p's rows start in src[] */
+  int64_t *slot;       /* [P*T*K]   row in the owner's receive buffer, per global pair */
+  int64_t *src;        /* [P*T*K]   global pair index, per row, ranks concatenated */
+} mokk_plan;
+
+int mokk_shape_check(const mokk_shape *s, char *err);
+int64_t mokk_weight_elems(const mokk_shape *s, int which);
+
+/* Checks shapes, pointers and expert ids of a forward step over s->P ranks. */
+int mokk_fwd_check(const mokk_shape *s, int64_t T, const mokk_fwd_rank *ranks,
+                   char *err);
+int mokk_bwd_check(const mokk_shape *s, int64_t T, mokk_grad_mode mode,
+                   const mokk_bwd_rank *ranks, char *err);
+
+/* Builds the plan from the ranks' topk_ids (ranks[r] is rank r's [T, K]). */
+int mokk_plan_build(mokk_plan *plan, const mokk_shape *s, int64_t T,
+                    const int32_t *const *topk_ids, char *err);
+void mokk_plan_free(mokk_plan *plan);
+
+/* Formats an error message into err (MOK_ERRLEN bytes) and returns code. */
+int mokk_fail(char *err, int code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+#endif
