@@ -21,75 +21,146 @@ OPT       += -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-
 LDSAN     := -fsanitize=address,undefined
 endif
 
-INCLUDES  := -Iclient/include -Ikernels -Ikernels/cpu
-CFLAGS    += $(CSTD) $(WARN) $(FPFLAGS) $(OPT) $(INCLUDES) -MMD -MP
+INCLUDES  := -Iclient/include -Iclient -Ikernels -Ikernels/cpu -Iproto -Idaemon -I$(BUILD)
+CFLAGS    += $(CSTD) $(WARN) $(FPFLAGS) $(OPT) $(INCLUDES) -fPIC -MMD -MP
 LDLIBS    += -lm -lpthread
 
 CHECK_CFLAGS := $(shell pkg-config --cflags check 2>/dev/null)
 CHECK_LIBS   := $(shell pkg-config --libs check 2>/dev/null)
 
 # ---- sources ------------------------------------------------------------
+PROTO_C    := $(BUILD)/proto/mokd.pb-c.c
+PROTO_H    := $(BUILD)/proto/mokd.pb-c.h
+COMMON_SRC := client/errors.c client/paths.c proto/frame.c
 KERNEL_SRC := kernels/layer.c kernels/backend.c kernels/cpu/ops.c \
-              kernels/cpu/pool.c kernels/cpu/cpu_moe.c client/errors.c
-TEST_SRC   := tests/check_main.c tests/ref.c tests/check_bf16.c \
+              kernels/cpu/pool.c kernels/cpu/cpu_moe.c
+DAEMON_SRC := daemon/main.c daemon/config.c daemon/log.c daemon/server.c \
+              daemon/session.c daemon/registry.c daemon/executor.c daemon/notify.c
+CLIENT_SRC := client/mok.c
+UNIT_SRC   := tests/check_main.c tests/ref.c tests/check_bf16.c \
               tests/check_schedule.c tests/check_forward.c tests/check_backward.c \
               tests/check_determinism.c tests/check_ep.c tests/check_errors.c \
-              tests/check_pool.c
+              tests/check_pool.c tests/check_frame.c tests/check_config.c
+# config.c and log.c are unit-tested without the rest of the daemon
+UNIT_DAEMON := daemon/config.c daemon/log.c
+INTEG_SRC  := tests/check_daemon.c tests/ref.c
 BENCH_SRC  := tests/bench/bench_cpu.c
 
 obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))
 
+COMMON_OBJ := $(call obj,$(COMMON_SRC)) $(BUILD)/obj/proto/mokd.pb-c.o
 KERNEL_OBJ := $(call obj,$(KERNEL_SRC))
-TEST_OBJ   := $(call obj,$(TEST_SRC))
+DAEMON_OBJ := $(call obj,$(DAEMON_SRC))
+CLIENT_OBJ := $(call obj,$(CLIENT_SRC))
+UNIT_OBJ   := $(call obj,$(UNIT_SRC)) $(call obj,$(UNIT_DAEMON))
+INTEG_OBJ  := $(call obj,$(INTEG_SRC))
 BENCH_OBJ  := $(call obj,$(BENCH_SRC))
+TOOL_OBJ   := $(call obj,client/testbed.c client/mokctl.c client/examples/mok_demo.c)
 
+LIBCOMMON  := $(BUILD)/libmokcommon.a
 LIBMOKK    := $(BUILD)/libmokk.a
-CHECK_BIN  := $(BUILD)/tests/check_mokd
+LIBMOK_A   := $(BUILD)/libmok.a
+LIBMOK_SO  := $(BUILD)/libmok.so
+MOKD_BIN   := $(BUILD)/mokd
+MOKCTL_BIN := $(BUILD)/mokctl
+DEMO_BIN   := $(BUILD)/mok_demo
+UNIT_BIN   := $(BUILD)/tests/check_mokd
+INTEG_BIN  := $(BUILD)/tests/check_daemon
 BENCH_BIN  := $(BUILD)/bench_cpu
+PC_FILE    := $(BUILD)/mok.pc
 
-.PHONY: all deps check check-run asan bench-cpu clean demo
+PROTOBUF_LIBS := $(shell pkg-config --libs libprotobuf-c 2>/dev/null || echo -lprotobuf-c)
+DAEMON_LIBS   := $(shell pkg-config --libs libuv inih libsystemd 2>/dev/null || echo -luv -linih -lsystemd) $(PROTOBUF_LIBS)
+
+PREFIX ?= /usr/local
+
+.PHONY: all deps check check-run asan bench-cpu bench clean demo demo-run install
 .DEFAULT_GOAL := all
 
-all: $(LIBMOKK) $(CHECK_BIN) $(BENCH_BIN)
+all: $(MOKD_BIN) $(MOKCTL_BIN) $(DEMO_BIN) $(LIBMOK_A) $(LIBMOK_SO) $(PC_FILE) \
+     $(UNIT_BIN) $(INTEG_BIN) $(BENCH_BIN)
 
 deps:
 	@bash deploy/install-deps.sh
 
-$(BUILD)/obj/%.o: %.c
+$(PROTO_C) $(PROTO_H): proto/mokd.proto
+	@mkdir -p $(BUILD)
+	protoc-c --c_out=$(BUILD) proto/mokd.proto
+
+# every object may include the generated header
+$(BUILD)/obj/%.o: %.c | $(PROTO_H)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -c $< -o $@
 
-$(TEST_OBJ): CFLAGS += $(CHECK_CFLAGS) -Itests
-
-$(LIBMOKK): $(KERNEL_OBJ)
+$(BUILD)/obj/proto/mokd.pb-c.o: $(PROTO_C)
 	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -Wno-unused-parameter -c $< -o $@
+
+$(call obj,$(UNIT_SRC) $(INTEG_SRC)): CFLAGS += $(CHECK_CFLAGS) -Itests
+
+$(LIBCOMMON): $(COMMON_OBJ)
 	$(AR) rcs $@ $^
+$(LIBMOKK): $(KERNEL_OBJ)
+	$(AR) rcs $@ $^
+$(LIBMOK_A): $(CLIENT_OBJ) $(COMMON_OBJ)
+	$(AR) rcs $@ $^
+$(LIBMOK_SO): $(CLIENT_OBJ) $(COMMON_OBJ)
+	$(CC) $(LDSAN) -shared -Wl,-soname,libmok.so.0 -o $@ $^ $(PROTOBUF_LIBS)
 
-$(CHECK_BIN): $(TEST_OBJ) $(LIBMOKK)
+$(PC_FILE): Makefile
+	@printf 'prefix=%s\nlibdir=$${prefix}/lib\nincludedir=$${prefix}/include\n\nName: mok\nDescription: client library of the mokd MoE daemon\nVersion: 0.1.0\nRequires.private: libprotobuf-c\nLibs: -L$${libdir} -lmok\nCflags: -I$${includedir}\n' '$(PREFIX)' > $@
+
+$(MOKD_BIN): $(DAEMON_OBJ) $(LIBMOKK) $(LIBCOMMON)
+	$(CC) $(LDSAN) -o $@ $^ $(DAEMON_LIBS) $(LDLIBS)
+$(MOKCTL_BIN): $(call obj,client/mokctl.c client/testbed.c) $(LIBMOK_A)
+	$(CC) $(LDSAN) -o $@ $^ $(PROTOBUF_LIBS) $(LDLIBS)
+$(DEMO_BIN): $(call obj,client/examples/mok_demo.c client/testbed.c) $(LIBMOK_A) $(LIBMOKK)
+	$(CC) $(LDSAN) -o $@ $^ $(PROTOBUF_LIBS) $(LDLIBS)
+
+$(UNIT_BIN): $(UNIT_OBJ) $(LIBMOKK) $(LIBCOMMON)
 	@mkdir -p $(dir $@)
-	$(CC) $(LDSAN) -o $@ $(TEST_OBJ) $(LIBMOKK) $(CHECK_LIBS) $(LDLIBS)
+	$(CC) $(LDSAN) -o $@ $^ $(CHECK_LIBS) -linih $(PROTOBUF_LIBS) $(LDLIBS)
+$(INTEG_BIN): $(INTEG_OBJ) $(call obj,client/testbed.c) $(LIBMOK_A) $(LIBMOKK)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDSAN) -o $@ $^ $(CHECK_LIBS) $(PROTOBUF_LIBS) $(LDLIBS)
+$(BENCH_BIN): $(BENCH_OBJ) $(LIBMOKK) $(LIBCOMMON)
+	$(CC) $(LDSAN) -o $@ $^ $(LDLIBS)
 
-$(BENCH_BIN): $(BENCH_OBJ) $(LIBMOKK)
-	$(CC) $(LDSAN) -o $@ $(BENCH_OBJ) $(LIBMOKK) $(LDLIBS)
-
-# check runs deps first so a fresh machine needs nothing else; the suites are
-# rebuilt with the freshly installed Check flags by a recursive make.
+# check runs deps first so a fresh machine needs nothing else; the build is a
+# recursive make so that it sees the freshly installed pkg-config files.
 check: deps
 	@$(MAKE) --no-print-directory check-run
 
-check-run: $(CHECK_BIN)
-	CK_FORK=yes $(CHECK_BIN)
+check-run: all
+	CK_FORK=yes $(UNIT_BIN)
+	CK_FORK=yes MOKD_BIN=$(MOKD_BIN) MOKCTL_BIN=$(MOKCTL_BIN) $(INTEG_BIN)
+	@test -n "$(PYTHON)" || { echo "check: no python3 with numpy (tried python3, /usr/bin/python3); run make deps" >&2; exit 1; }
+	MOKD_BIN=$(MOKD_BIN) MOK_LIB=$(LIBMOK_SO) PYTHONPATH=client/python $(PYTHON) -m unittest discover -s tests/python -v
 
 asan: deps
 	@$(MAKE) --no-print-directory BUILD=$(BUILD)/asan SAN=1 check-run
+
+demo: deps
+	@$(MAKE) --no-print-directory demo-run
+
+demo-run: $(MOKD_BIN) $(MOKCTL_BIN) $(DEMO_BIN)
+	@bash client/examples/demo.sh $(BUILD)
 
 bench-cpu: $(BENCH_BIN)
 	@test -n "$(PYTHON)" || { echo "bench-cpu: no python3 with numpy found (tried python3, /usr/bin/python3); run make deps" >&2; exit 1; }
 	$(BENCH_BIN) --numpy "$(PYTHON) tests/bench/numpy_matmul.py"
 
-demo:
-	@echo "make demo arrives with the daemon (issue 3); for now run: make check" >&2
-	@exit 1
+bench: bench-cpu
+
+install: all
+	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/lib $(DESTDIR)$(PREFIX)/include \
+	  $(DESTDIR)$(PREFIX)/lib/pkgconfig
+	install -m 755 $(MOKD_BIN) $(MOKCTL_BIN) $(DESTDIR)$(PREFIX)/bin
+	install -m 644 $(LIBMOK_A) $(DESTDIR)$(PREFIX)/lib
+	install -m 755 $(LIBMOK_SO) $(DESTDIR)$(PREFIX)/lib/libmok.so.0
+	ln -sf libmok.so.0 $(DESTDIR)$(PREFIX)/lib/libmok.so
+	install -m 644 client/include/mok.h client/include/mok_errno.h $(DESTDIR)$(PREFIX)/include
+	install -m 644 $(PC_FILE) $(DESTDIR)$(PREFIX)/lib/pkgconfig
 
 clean:
 	rm -rf $(BUILD)

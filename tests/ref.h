@@ -88,3 +88,5 @@ Suite *determinism_suite(void);
 Suite *ep_suite(void);
 Suite *errors_suite(void);
 Suite *pool_suite(void);
+Suite *frame_suite(void);
+Suite *config_suite(void);

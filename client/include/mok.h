@@ -1,0 +1,157 @@
+/* mok.h - libmok, the C client of mokd. A client connects to the daemon's Unix
+ * socket, creates or imports shared-memory arenas, describes MoE layers and
+ * runs forward and backward steps on tensors that live in those arenas; the
+ * outputs come back as tensors in daemon-owned arenas that the client has
+ * mapped, so they are read in place.
+ *
+ * Every call returns 0 or a negative code from mok_errno.h; mok_strerror()
+ * explains the code and mok_last_error() gives the daemon's own message for the
+ * last failed call on that client. A client is one connection; use it from
+ * one thread at a time. */
+#ifndef MOK_H
+#define MOK_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "mok_errno.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MOK_PROTOCOL_VERSION 1
+#define MOK_MAX_DIMS 4
+
+typedef struct mok_client mok_client;
+
+typedef enum { MOK_DTYPE_BF16 = 1, MOK_DTYPE_F32 = 2, MOK_DTYPE_I32 = 3 } mok_dtype;
+
+typedef enum { MOK_GRAD_BF16 = 0, MOK_GRAD_FP32_ACCUM = 1 } mok_grad_mode;
+
+/* Weight order in mok_layer_set_weights and in gradients. */
+enum { MOK_W_GATE, MOK_W_UP, MOK_W_DOWN, MOK_S_GATE, MOK_S_UP, MOK_S_DOWN, MOK_NWEIGHTS };
+
+/* A tensor in an arena: what travels on the wire. */
+typedef struct mok_tensor {
+  uint64_t arena;
+  uint64_t offset;
+  mok_dtype dtype;
+  int ndim;
+  int64_t shape[MOK_MAX_DIMS];
+} mok_tensor;
+
+typedef struct mok_arena_info {
+  uint64_t id;
+  void *ptr;     /* mapped in this process */
+  size_t bytes;
+} mok_arena_info;
+
+typedef struct mok_layer_desc {
+  int64_t hidden;       /* H */
+  int64_t intermediate; /* I */
+  int64_t experts;      /* E, over the whole EP group */
+  int64_t top_k;        /* K */
+  int64_t shared_intermediate; /* I_s, 0 = no shared expert */
+  float swiglu_limit;   /* 0 = off */
+  uint64_t ep_group;    /* 0 with ep_size 1: no group */
+  uint32_t ep_size;     /* P; 0 or 1 = alone */
+  uint32_t ep_rank;
+  mok_grad_mode grad_mode;
+} mok_layer_desc;
+
+typedef struct mok_timing {
+  uint64_t queued_ns;  /* waiting in the daemon before compute started */
+  uint64_t compute_ns;
+} mok_timing;
+
+typedef struct mok_forward_result {
+  uint64_t context;    /* owns out; name it in mok_backward; release it */
+  mok_tensor out;      /* bf16 [T, H] */
+  void *out_ptr;       /* out, mapped */
+  mok_timing timing;
+} mok_forward_result;
+
+typedef struct mok_backward_result {
+  uint64_t result;     /* owns the daemon-allocated tensors below; release it */
+  mok_tensor d_x;      /* bf16 [T, H] */
+  mok_tensor d_topk_weights; /* f32 [T, K] */
+  void *d_x_ptr, *d_topk_weights_ptr;
+  int ngrads;          /* 6 with a shared expert, else 3 */
+  mok_tensor grads[MOK_NWEIGHTS];
+  void *grad_ptrs[MOK_NWEIGHTS];
+  mok_timing timing;
+} mok_backward_result;
+
+typedef struct mok_usage {
+  uint64_t sessions, arenas, arena_bytes, layers, contexts, context_bytes, results;
+  uint64_t requests, forwards, backwards, errors;
+} mok_usage;
+
+typedef struct mok_stats {
+  mok_usage daemon;   /* all sessions */
+  mok_usage session;  /* this connection */
+  uint64_t uptime_ns;
+  char backend[32];
+} mok_stats;
+
+typedef struct mok_welcome {
+  uint32_t protocol_version;
+  char daemon_version[32];
+  char backend[32];
+  uint64_t session_id;
+  uint32_t max_frame_bytes;
+  uint64_t max_arena_bytes;
+  uint64_t session_quota_bytes;
+  int ndevices;
+} mok_welcome;
+
+/* Where the daemon listens by default: $MOKD_SOCKET, else /run/mokd/mokd.sock
+ * as root, else $XDG_RUNTIME_DIR/mokd.sock, else /tmp/mokd-UID.sock. */
+void mok_default_socket(char *buf, size_t n);
+
+/* path NULL = mok_default_socket(). Sends Hello and waits for Welcome. On
+ * failure *out may still be set, so that mok_last_error() can say why; pass it
+ * to mok_close() either way. */
+int mok_connect(const char *path, const char *client_name, mok_client **out);
+void mok_close(mok_client *c);
+const char *mok_last_error(const mok_client *c);
+const mok_welcome *mok_server_info(const mok_client *c);
+
+int mok_ping(mok_client *c, uint64_t *rtt_ns);
+int mok_stats_get(mok_client *c, mok_stats *out);
+
+/* A daemon-created arena (memfd on the CPU backend), mapped here. */
+int mok_arena_create(mok_client *c, size_t bytes, mok_arena_info *out);
+/* Hands a memfd (or any mmap-able fd) of `bytes` to the daemon; fd stays ours. */
+int mok_arena_import(mok_client *c, int fd, size_t bytes, mok_arena_info *out);
+int mok_arena_destroy(mok_client *c, uint64_t arena);
+/* The mapped address of a tensor in any arena this client knows, or NULL. */
+void *mok_tensor_ptr(const mok_client *c, const mok_tensor *t);
+
+/* A tensor at `offset` of `arena`; shape[0..ndim). */
+mok_tensor mok_tensor_make(uint64_t arena, uint64_t offset, mok_dtype dtype, int ndim,
+                           const int64_t *shape);
+size_t mok_tensor_bytes(const mok_tensor *t);
+
+int mok_layer_create(mok_client *c, const mok_layer_desc *d, uint64_t *layer);
+int mok_layer_destroy(mok_client *c, uint64_t layer);
+/* w[MOK_S_*] are ignored without a shared expert. Read in place every step. */
+int mok_layer_set_weights(mok_client *c, uint64_t layer, const mok_tensor *w);
+
+/* inference != 0 keeps no state for a backward (the context still owns out). */
+int mok_forward(mok_client *c, uint64_t layer, const mok_tensor *x,
+                const mok_tensor *topk_ids, const mok_tensor *topk_weights, int inference,
+                mok_forward_result *res);
+/* grads: NULL, or ngrads tensors (fp32 to add into for MOK_GRAD_FP32_ACCUM,
+ * bf16 to write otherwise). NULL in bf16 mode: the daemon returns them. */
+int mok_backward(mok_client *c, uint64_t context, const mok_tensor *d_out,
+                 const mok_tensor *grads, int ngrads, mok_backward_result *res);
+/* Releases contexts and backward results (and the outputs they own). */
+int mok_release(mok_client *c, const uint64_t *ids, int n);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

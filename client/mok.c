@@ -1,0 +1,645 @@
+/* mok.c - libmok: a blocking client of mokd. One request in flight per
+ * client; every reply is matched to its request id. Arenas the daemon shares
+ * (created ones, and output arenas announced in replies) are mapped here as
+ * they arrive and stay mapped until mok_close. */
+#include "mok.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "frame.h"
+#include "proto/mokd.pb-c.h"
+
+typedef struct mapped {
+  uint64_t id;
+  void *ptr;
+  size_t bytes;
+} mapped;
+
+struct mok_client {
+  int fd;
+  uint64_t next_id;
+  mokw_framer rx;
+  char err[MOK_ERRLEN];
+  mok_welcome info;
+  mapped *maps;
+  int nmaps, capmaps;
+  int fds[16];
+  int nfds;
+};
+
+static int fail(mok_client *c, int code, const char *fmt, ...)
+{
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(c->err, sizeof c->err, fmt, ap);
+  va_end(ap);
+  return code;
+}
+
+const char *mok_last_error(const mok_client *c)
+{
+  return c != NULL ? c->err : "no client";
+}
+
+const mok_welcome *mok_server_info(const mok_client *c)
+{
+  return &c->info;
+}
+
+static uint64_t now_ns(void)
+{
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static int add_map(mok_client *c, uint64_t id, int fd, size_t bytes)
+{
+  void *p;
+  if (c->nmaps == c->capmaps) {
+    int cap = c->capmaps ? 2 * c->capmaps : 8;
+    mapped *m = realloc(c->maps, (size_t)cap * sizeof *m);
+    if (m == NULL)
+      return fail(c, MOK_ENOMEM, "out of memory");
+    c->maps = m, c->capmaps = cap;
+  }
+  p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED)
+    return fail(c, MOK_ENOMEM, "cannot map arena %llu (%zu bytes): %s",
+                (unsigned long long)id, bytes, strerror(errno));
+  c->maps[c->nmaps++] = (mapped){id, p, bytes};
+  return 0;
+}
+
+static mapped *find_map(const mok_client *c, uint64_t id)
+{
+  for (int i = 0; i < c->nmaps; i++)
+    if (c->maps[i].id == id)
+      return &c->maps[i];
+  return NULL;
+}
+
+static void drop_fds(mok_client *c)
+{
+  for (int i = 0; i < c->nfds; i++)
+    close(c->fds[i]);
+  c->nfds = 0;
+}
+
+static int send_frame(mok_client *c, const Mokd__Request *req, const int *fds, int nfds)
+{
+  uint8_t *buf;
+  size_t len, off = 0;
+  int rc = mokw_pack(&req->base, &buf, &len);
+
+  if (rc != 0)
+    return fail(c, rc, "cannot pack the request");
+  while (off < len) {
+    struct iovec iov = {buf + off, len - off};
+    struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1};
+    union {
+      struct cmsghdr h;
+      char b[CMSG_SPACE(sizeof(int) * 4)];
+    } cm;
+    ssize_t n;
+    if (nfds > 0 && off == 0) {
+      memset(&cm, 0, sizeof cm);
+      mh.msg_control = cm.b;
+      mh.msg_controllen = CMSG_SPACE(sizeof(int) * (size_t)nfds);
+      struct cmsghdr *h = CMSG_FIRSTHDR(&mh);
+      h->cmsg_level = SOL_SOCKET;
+      h->cmsg_type = SCM_RIGHTS;
+      h->cmsg_len = CMSG_LEN(sizeof(int) * (size_t)nfds);
+      memcpy(CMSG_DATA(h), fds, sizeof(int) * (size_t)nfds);
+    }
+    n = sendmsg(c->fd, &mh, MSG_NOSIGNAL);
+    if (n < 0) {
+      if (errno == EINTR)
+        continue;
+      free(buf);
+      return fail(c, MOK_ECONNRESET, "sending to mokd failed: %s", strerror(errno));
+    }
+    off += (size_t)n;
+  }
+  free(buf);
+  return 0;
+}
+
+static int recv_frame(mok_client *c, Mokd__Response **out)
+{
+  for (;;) {
+    const uint8_t *payload;
+    size_t len, avail;
+    int rc = mokw_framer_next(&c->rx, &payload, &len, NULL);
+    if (rc == 1) {
+      *out = mokd__response__unpack(NULL, len, payload);
+      return *out != NULL ? 0 : fail(c, MOK_EPROTO, "mokd sent a reply that does not parse");
+    }
+    if (rc < 0)
+      return fail(c, MOK_EPROTO, "mokd sent a bad frame (%s)", mok_strerror(rc));
+    uint8_t *dst = mokw_framer_space(&c->rx, 65536, &avail);
+    if (dst == NULL)
+      return fail(c, MOK_ENOMEM, "out of memory");
+    union {
+      struct cmsghdr h;
+      char b[CMSG_SPACE(sizeof(int) * 8)];
+    } cm;
+    struct iovec iov = {dst, avail};
+    struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cm.b,
+                        .msg_controllen = sizeof cm.b};
+    ssize_t n = recvmsg(c->fd, &mh, MSG_CMSG_CLOEXEC);
+    if (n < 0 && errno == EINTR)
+      continue;
+    if (n < 0)
+      return fail(c, MOK_ECONNRESET, "reading from mokd failed: %s", strerror(errno));
+    for (struct cmsghdr *h = CMSG_FIRSTHDR(&mh); h != NULL; h = CMSG_NXTHDR(&mh, h)) {
+      if (h->cmsg_level != SOL_SOCKET || h->cmsg_type != SCM_RIGHTS)
+        continue;
+      int nf = (int)((h->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+      int *f = (int *)CMSG_DATA(h);
+      for (int i = 0; i < nf; i++) {
+        if (c->nfds < 16)
+          c->fds[c->nfds++] = f[i];
+        else
+          close(f[i]);
+      }
+    }
+    if (n == 0)
+      return fail(c, MOK_ECONNRESET, "mokd closed the connection");
+    mokw_framer_commit(&c->rx, (size_t)n);
+  }
+}
+
+/* Sends req and waits for its reply; maps the arenas the reply announces. */
+static int call(mok_client *c, Mokd__Request *req, const int *fds, int nfds,
+                Mokd__Response **out)
+{
+  Mokd__Response *r;
+  int rc, next = 0;
+
+  *out = NULL;
+  c->err[0] = 0;
+  req->id = ++c->next_id;
+  if ((rc = send_frame(c, req, fds, nfds)) != 0)
+    return rc;
+  if ((rc = recv_frame(c, &r)) != 0)
+    return rc;
+  if (r->id != req->id && r->status == 0) {
+    mokd__response__free_unpacked(r, NULL);
+    drop_fds(c);
+    return fail(c, MOK_EPROTO, "reply for request %llu while waiting for %llu",
+                (unsigned long long)r->id, (unsigned long long)req->id);
+  }
+  if (r->status != 0) {
+    rc = fail(c, r->status, "%s", r->message != NULL && r->message[0] ? r->message
+                                                                       : mok_strerror(r->status));
+    mokd__response__free_unpacked(r, NULL);
+    drop_fds(c);
+    return rc;
+  }
+  if (r->body_case == MOKD__RESPONSE__BODY_ARENA_CREATED)
+    next = 1; /* fds[0] is the new arena itself */
+  for (size_t i = 0; i < r->n_new_arenas; i++) {
+    if (next >= c->nfds) {
+      rc = fail(c, MOK_EPROTO, "mokd announced arena %llu without its fd",
+                (unsigned long long)r->new_arenas[i]->arena);
+      break;
+    }
+    if ((rc = add_map(c, r->new_arenas[i]->arena, c->fds[next++],
+                      (size_t)r->new_arenas[i]->bytes)) != 0)
+      break;
+  }
+  if (rc == 0 && r->body_case == MOKD__RESPONSE__BODY_ARENA_CREATED) {
+    if (c->nfds < 1)
+      rc = fail(c, MOK_EPROTO, "ArenaCreated came without its fd");
+    else
+      rc = add_map(c, r->arena_created->arena, c->fds[0], (size_t)r->arena_created->bytes);
+  }
+  drop_fds(c);
+  if (rc != 0) {
+    mokd__response__free_unpacked(r, NULL);
+    return rc;
+  }
+  *out = r;
+  return 0;
+}
+
+int mok_connect(const char *path, const char *client_name, mok_client **out)
+{
+  char def[108];
+  struct sockaddr_un sa = {.sun_family = AF_UNIX};
+  Mokd__Request req = MOKD__REQUEST__INIT;
+  Mokd__Hello h = MOKD__HELLO__INIT;
+  Mokd__Response *r;
+  mok_client *c;
+  int rc;
+
+  if (out == NULL)
+    return MOK_ENULL;
+  *out = NULL;
+  if (path == NULL) {
+    mok_default_socket(def, sizeof def);
+    path = def;
+  }
+  if (strlen(path) >= sizeof sa.sun_path)
+    return MOK_EINVAL;
+  c = calloc(1, sizeof *c);
+  if (c == NULL)
+    return MOK_ENOMEM;
+  mokw_framer_init(&c->rx, 64u << 20);
+  strcpy(sa.sun_path, path);
+  c->fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (c->fd < 0 || connect(c->fd, (struct sockaddr *)&sa, sizeof sa) != 0) {
+    rc = errno == ENOENT || errno == ECONNREFUSED ? MOK_ENOENT : MOK_EIO;
+    *out = c; /* so mok_last_error can say why; mok_close frees it */
+    return fail(c, rc, "cannot connect to mokd at %s: %s (is the daemon running? --socket or "
+                "MOKD_SOCKET pick another path)", path, strerror(errno));
+  }
+  h.protocol_version = MOK_PROTOCOL_VERSION;
+  h.client_name = (char *)(client_name != NULL ? client_name : "libmok");
+  req.body_case = MOKD__REQUEST__BODY_HELLO;
+  req.hello = &h;
+  *out = c;
+  if ((rc = call(c, &req, NULL, 0, &r)) != 0)
+    return rc;
+  if (r->body_case != MOKD__RESPONSE__BODY_WELCOME) {
+    mokd__response__free_unpacked(r, NULL);
+    return fail(c, MOK_EPROTO, "mokd did not answer Hello with Welcome");
+  }
+  c->info.protocol_version = r->welcome->protocol_version;
+  snprintf(c->info.daemon_version, sizeof c->info.daemon_version, "%s",
+           r->welcome->daemon_version);
+  snprintf(c->info.backend, sizeof c->info.backend, "%s", r->welcome->backend);
+  c->info.session_id = r->welcome->session_id;
+  c->info.ndevices = (int)r->welcome->n_devices;
+  if (r->welcome->limits != NULL) {
+    c->info.max_frame_bytes = r->welcome->limits->max_frame_bytes;
+    c->info.max_arena_bytes = r->welcome->limits->max_arena_bytes;
+    c->info.session_quota_bytes = r->welcome->limits->session_quota_bytes;
+  }
+  mokd__response__free_unpacked(r, NULL);
+  return 0;
+}
+
+void mok_close(mok_client *c)
+{
+  if (c == NULL)
+    return;
+  if (c->fd >= 0)
+    close(c->fd);
+  for (int i = 0; i < c->nmaps; i++)
+    munmap(c->maps[i].ptr, c->maps[i].bytes);
+  drop_fds(c);
+  free(c->maps);
+  mokw_framer_free(&c->rx);
+  free(c);
+}
+
+/* A call that expects `body` back; frees the reply when out is NULL. */
+static int expect(mok_client *c, Mokd__Request *req, const int *fds, int nfds,
+                  Mokd__Response__BodyCase body, Mokd__Response **out)
+{
+  Mokd__Response *r;
+  int rc = call(c, req, fds, nfds, &r);
+  if (rc != 0)
+    return rc;
+  if (r->body_case != body) {
+    mokd__response__free_unpacked(r, NULL);
+    return fail(c, MOK_EPROTO, "mokd answered with body %d, expected %d", (int)r->body_case,
+                (int)body);
+  }
+  if (out != NULL)
+    *out = r;
+  else
+    mokd__response__free_unpacked(r, NULL);
+  return 0;
+}
+
+int mok_ping(mok_client *c, uint64_t *rtt_ns)
+{
+  Mokd__Request req = MOKD__REQUEST__INIT;
+  Mokd__Ping p = MOKD__PING__INIT;
+  Mokd__Response *r;
+  uint64_t t0 = now_ns();
+  int rc;
+
+  p.nonce = t0;
+  req.body_case = MOKD__REQUEST__BODY_PING;
+  req.ping = &p;
+  if ((rc = expect(c, &req, NULL, 0, MOKD__RESPONSE__BODY_PONG, &r)) != 0)
+    return rc;
+  rc = r->pong->nonce == t0 ? 0 : fail(c, MOK_EPROTO, "pong carries the wrong nonce");
+  mokd__response__free_unpacked(r, NULL);
+  if (rtt_ns != NULL)
+    *rtt_ns = now_ns() - t0;
+  return rc;
+}
+
+static void usage_from(mok_usage *u, const Mokd__Usage *m)
+{
+  memset(u, 0, sizeof *u);
+  if (m == NULL)
+    return;
+  u->sessions = m->sessions, u->arenas = m->arenas, u->arena_bytes = m->arena_bytes;
+  u->layers = m->layers, u->contexts = m->contexts, u->context_bytes = m->context_bytes;
+  u->results = m->results, u->requests = m->requests, u->forwards = m->forwards;
+  u->backwards = m->backwards, u->errors = m->errors;
+}
+
+int mok_stats_get(mok_client *c, mok_stats *out)
+{
+  Mokd__Request req = MOKD__REQUEST__INIT;
+  Mokd__Stats st = MOKD__STATS__INIT;
+  Mokd__Response *r;
+  int rc;
+
+  req.body_case = MOKD__REQUEST__BODY_STATS;
+  req.stats = &st;
+  if ((rc = expect(c, &req, NULL, 0, MOKD__RESPONSE__BODY_STATS, &r)) != 0)
+    return rc;
+  usage_from(&out->daemon, r->stats->daemon);
+  usage_from(&out->session, r->stats->session);
+  out->uptime_ns = r->stats->uptime_ns;
+  snprintf(out->backend, sizeof out->backend, "%s", r->stats->backend);
+  mokd__response__free_unpacked(r, NULL);
+  return 0;
+}
+
+int mok_arena_create(mok_client *c, size_t bytes, mok_arena_info *out)
+{
+  Mokd__Request req = MOKD__REQUEST__INIT;
+  Mokd__CreateArena ca = MOKD__CREATE_ARENA__INIT;
+  Mokd__Response *r;
+  int rc;
+
+  ca.bytes = bytes;
+  req.body_case = MOKD__REQUEST__BODY_CREATE_ARENA;
+  req.create_arena = &ca;
+  if ((rc = expect(c, &req, NULL, 0, MOKD__RESPONSE__BODY_ARENA_CREATED, &r)) != 0)
+    return rc;
+  mapped *m = find_map(c, r->arena_created->arena);
+  out->id = m->id, out->ptr = m->ptr, out->bytes = m->bytes;
+  mokd__response__free_unpacked(r, NULL);
+  return 0;
+}
+
+int mok_arena_import(mok_client *c, int fd, size_t bytes, mok_arena_info *out)
+{
+  Mokd__Request req = MOKD__REQUEST__INIT;
+  Mokd__ImportBuffer ib = MOKD__IMPORT_BUFFER__INIT;
+  Mokd__Response *r;
+  int rc, dupfd;
+
+  ib.bytes = bytes;
+  req.body_case = MOKD__REQUEST__BODY_IMPORT_BUFFER;
+  req.import_buffer = &ib;
+  if ((rc = expect(c, &req, &fd, 1, MOKD__RESPONSE__BODY_BUFFER_IMPORTED, &r)) != 0)
+    return rc;
+  dupfd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  rc = dupfd < 0 ? fail(c, MOK_EIO, "dup: %s", strerror(errno))
+                 : add_map(c, r->buffer_imported->arena, dupfd, bytes);
+  if (dupfd >= 0)
+    close(dupfd);
+  if (rc == 0) {
+    mapped *m = find_map(c, r->buffer_imported->arena);
+    out->id = m->id, out->ptr = m->ptr, out->bytes = m->bytes;
+  }
+  mokd__response__free_unpacked(r, NULL);
+  return rc;
+}
+
+int mok_arena_destroy(mok_client *c, uint64_t arena)
+{
+  Mokd__Request req = MOKD__REQUEST__INIT;
+  Mokd__DestroyArena da = MOKD__DESTROY_ARENA__INIT;
+  int rc;
+
+  da.arena = arena;
+  req.body_case = MOKD__REQUEST__BODY_DESTROY_ARENA;
+  req.destroy_arena = &da;
+  if ((rc = expect(c, &req, NULL, 0, MOKD__RESPONSE__BODY_DONE, NULL)) != 0)
+    return rc;
+  for (int i = 0; i < c->nmaps; i++)
+    if (c->maps[i].id == arena) {
+      munmap(c->maps[i].ptr, c->maps[i].bytes);
+      c->maps[i] = c->maps[--c->nmaps];
+      break;
+    }
+  return 0;
+}
+
+void *mok_tensor_ptr(const mok_client *c, const mok_tensor *t)
+{
+  const mapped *m = c != NULL && t != NULL ? find_map(c, t->arena) : NULL;
+  size_t n = t != NULL ? mok_tensor_bytes(t) : 0;
+  if (m == NULL || t->offset > m->bytes || n > m->bytes - t->offset)
+    return NULL;
+  return (char *)m->ptr + t->offset;
+}
+
+mok_tensor mok_tensor_make(uint64_t arena, uint64_t offset, mok_dtype dtype, int ndim,
+                           const int64_t *shape)
+{
+  mok_tensor t = {arena, offset, dtype, ndim, {0}};
+  for (int i = 0; i < ndim && i < MOK_MAX_DIMS; i++)
+    t.shape[i] = shape[i];
+  return t;
+}
+
+size_t mok_tensor_bytes(const mok_tensor *t)
+{
+  size_t n = t->dtype == MOK_DTYPE_BF16 ? 2 : 4;
+  for (int i = 0; i < t->ndim && i < MOK_MAX_DIMS; i++)
+    n *= (size_t)(t->shape[i] > 0 ? t->shape[i] : 0);
+  return n;
+}
+
+/* wire <-> C tensors; to_wire fills storage owned by the caller */
+static void to_wire(const mok_tensor *t, Mokd__TensorRef *r, int64_t *shape)
+{
+  mokd__tensor_ref__init(r);
+  r->arena = t->arena;
+  r->offset = t->offset;
+  r->dtype = (Mokd__DType)t->dtype;
+  r->n_shape = (size_t)(t->ndim > 0 && t->ndim <= MOK_MAX_DIMS ? t->ndim : 0);
+  memcpy(shape, t->shape, r->n_shape * sizeof *shape);
+  r->shape = shape;
+}
+
+static void from_wire(const Mokd__TensorRef *r, mok_tensor *t)
+{
+  memset(t, 0, sizeof *t);
+  if (r == NULL)
+    return;
+  t->arena = r->arena;
+  t->offset = r->offset;
+  t->dtype = (mok_dtype)r->dtype;
+  t->ndim = (int)(r->n_shape <= MOK_MAX_DIMS ? r->n_shape : MOK_MAX_DIMS);
+  memcpy(t->shape, r->shape, (size_t)t->ndim * sizeof *t->shape);
+}
+
+int mok_layer_create(mok_client *c, const mok_layer_desc *d, uint64_t *layer)
+{
+  Mokd__Request req = MOKD__REQUEST__INIT;
+  Mokd__CreateLayer cl = MOKD__CREATE_LAYER__INIT;
+  Mokd__EpGroup ep = MOKD__EP_GROUP__INIT;
+  Mokd__Response *r;
+  int rc;
+
+  if (c == NULL || d == NULL || layer == NULL)
+    return MOK_ENULL;
+  if (d->hidden < 0 || d->intermediate < 0 || d->experts < 0 || d->top_k < 0 ||
+      d->shared_intermediate < 0)
+    return fail(c, MOK_EINVAL, "layer sizes must not be negative");
+  cl.hidden = (uint64_t)d->hidden, cl.intermediate = (uint64_t)d->intermediate;
+  cl.experts = (uint64_t)d->experts, cl.top_k = (uint64_t)d->top_k;
+  cl.shared_intermediate = (uint64_t)d->shared_intermediate;
+  cl.swiglu_limit = d->swiglu_limit;
+  cl.grad_mode = (Mokd__GradMode)d->grad_mode;
+  if (d->ep_size > 1) {
+    ep.id = d->ep_group, ep.size = d->ep_size, ep.rank = d->ep_rank;
+    cl.ep = &ep;
+  }
+  req.body_case = MOKD__REQUEST__BODY_CREATE_LAYER;
+  req.create_layer = &cl;
+  if ((rc = expect(c, &req, NULL, 0, MOKD__RESPONSE__BODY_LAYER_CREATED, &r)) != 0)
+    return rc;
+  *layer = r->layer_created->layer;
+  mokd__response__free_unpacked(r, NULL);
+  return 0;
+}
+
+int mok_layer_destroy(mok_client *c, uint64_t layer)
+{
+  Mokd__Request req = MOKD__REQUEST__INIT;
+  Mokd__DestroyLayer dl = MOKD__DESTROY_LAYER__INIT;
+  dl.layer = layer;
+  req.body_case = MOKD__REQUEST__BODY_DESTROY_LAYER;
+  req.destroy_layer = &dl;
+  return expect(c, &req, NULL, 0, MOKD__RESPONSE__BODY_DONE, NULL);
+}
+
+int mok_layer_set_weights(mok_client *c, uint64_t layer, const mok_tensor *w)
+{
+  Mokd__Request req = MOKD__REQUEST__INIT;
+  Mokd__SetWeights sw = MOKD__SET_WEIGHTS__INIT;
+  Mokd__TensorRef r[MOK_NWEIGHTS];
+  int64_t shapes[MOK_NWEIGHTS][MOK_MAX_DIMS];
+  Mokd__TensorRef **slots[MOK_NWEIGHTS] = {&sw.w_gate, &sw.w_up, &sw.w_down,
+                                           &sw.s_gate, &sw.s_up, &sw.s_down};
+
+  if (c == NULL || w == NULL)
+    return MOK_ENULL;
+  sw.layer = layer;
+  for (int i = 0; i < MOK_NWEIGHTS; i++) {
+    if (w[i].ndim == 0)
+      continue; /* absent: no shared expert */
+    to_wire(&w[i], &r[i], shapes[i]);
+    *slots[i] = &r[i];
+  }
+  req.body_case = MOKD__REQUEST__BODY_SET_WEIGHTS;
+  req.set_weights = &sw;
+  return expect(c, &req, NULL, 0, MOKD__RESPONSE__BODY_DONE, NULL);
+}
+
+static void timing_from(mok_timing *t, const Mokd__Timing *m)
+{
+  t->queued_ns = m != NULL ? m->queued_ns : 0;
+  t->compute_ns = m != NULL ? m->compute_ns : 0;
+}
+
+int mok_forward(mok_client *c, uint64_t layer, const mok_tensor *x,
+                const mok_tensor *topk_ids, const mok_tensor *topk_weights, int inference,
+                mok_forward_result *res)
+{
+  Mokd__Request req = MOKD__REQUEST__INIT;
+  Mokd__Forward f = MOKD__FORWARD__INIT;
+  Mokd__TensorRef rx, ri, rw;
+  int64_t sx[MOK_MAX_DIMS], si[MOK_MAX_DIMS], sw[MOK_MAX_DIMS];
+  Mokd__Response *r;
+  int rc;
+
+  if (c == NULL || x == NULL || topk_ids == NULL || topk_weights == NULL || res == NULL)
+    return MOK_ENULL;
+  to_wire(x, &rx, sx);
+  to_wire(topk_ids, &ri, si);
+  to_wire(topk_weights, &rw, sw);
+  f.layer = layer, f.x = &rx, f.topk_ids = &ri, f.topk_weights = &rw;
+  f.inference = inference != 0;
+  req.body_case = MOKD__REQUEST__BODY_FORWARD;
+  req.forward = &f;
+  if ((rc = expect(c, &req, NULL, 0, MOKD__RESPONSE__BODY_FORWARD_DONE, &r)) != 0)
+    return rc;
+  res->context = r->forward_done->context;
+  from_wire(r->forward_done->out, &res->out);
+  res->out_ptr = mok_tensor_ptr(c, &res->out);
+  timing_from(&res->timing, r->forward_done->timing);
+  mokd__response__free_unpacked(r, NULL);
+  return res->out_ptr != NULL ? 0 : fail(c, MOK_EPROTO, "output lies outside mapped arenas");
+}
+
+int mok_backward(mok_client *c, uint64_t context, const mok_tensor *d_out,
+                 const mok_tensor *grads, int ngrads, mok_backward_result *res)
+{
+  Mokd__Request req = MOKD__REQUEST__INIT;
+  Mokd__Backward b = MOKD__BACKWARD__INIT;
+  Mokd__TensorRef rd, rg[MOK_NWEIGHTS], *pg[MOK_NWEIGHTS];
+  int64_t sd[MOK_MAX_DIMS], sg[MOK_NWEIGHTS][MOK_MAX_DIMS];
+  Mokd__Response *r;
+  int rc;
+
+  if (c == NULL || d_out == NULL || res == NULL || (ngrads > 0 && grads == NULL))
+    return MOK_ENULL;
+  if (ngrads < 0 || ngrads > MOK_NWEIGHTS)
+    return fail(c, MOK_EINVAL, "ngrads is %d; it must be 0, 3 or 6", ngrads);
+  to_wire(d_out, &rd, sd);
+  for (int i = 0; i < ngrads; i++) {
+    to_wire(&grads[i], &rg[i], sg[i]);
+    pg[i] = &rg[i];
+  }
+  b.context = context, b.d_out = &rd, b.n_grads = (size_t)ngrads, b.grads = pg;
+  req.body_case = MOKD__REQUEST__BODY_BACKWARD;
+  req.backward = &b;
+  if ((rc = expect(c, &req, NULL, 0, MOKD__RESPONSE__BODY_BACKWARD_DONE, &r)) != 0)
+    return rc;
+  memset(res, 0, sizeof *res);
+  res->result = r->backward_done->result;
+  from_wire(r->backward_done->d_x, &res->d_x);
+  from_wire(r->backward_done->d_topk_weights, &res->d_topk_weights);
+  res->d_x_ptr = mok_tensor_ptr(c, &res->d_x);
+  res->d_topk_weights_ptr = mok_tensor_ptr(c, &res->d_topk_weights);
+  res->ngrads = (int)(r->backward_done->n_grads <= MOK_NWEIGHTS ? r->backward_done->n_grads : 0);
+  for (int i = 0; i < res->ngrads; i++) {
+    from_wire(r->backward_done->grads[i], &res->grads[i]);
+    res->grad_ptrs[i] = mok_tensor_ptr(c, &res->grads[i]);
+  }
+  timing_from(&res->timing, r->backward_done->timing);
+  mokd__response__free_unpacked(r, NULL);
+  if (res->d_x_ptr == NULL || res->d_topk_weights_ptr == NULL)
+    return fail(c, MOK_EPROTO, "outputs lie outside mapped arenas");
+  return 0;
+}
+
+int mok_release(mok_client *c, const uint64_t *ids, int n)
+{
+  Mokd__Request req = MOKD__REQUEST__INIT;
+  Mokd__Release rl = MOKD__RELEASE__INIT;
+
+  if (c == NULL || (n > 0 && ids == NULL))
+    return MOK_ENULL;
+  rl.ids = (uint64_t *)ids;
+  rl.n_ids = (size_t)(n > 0 ? n : 0);
+  req.body_case = MOKD__REQUEST__BODY_RELEASE;
+  req.release = &rl;
+  return expect(c, &req, NULL, 0, MOKD__RESPONSE__BODY_RELEASED, NULL);
+}

@@ -1,0 +1,169 @@
+/* mokctl - talk to a running mokd: ping, status, stats, and a layer bench. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "mok.h"
+#include "testbed.h"
+
+static void usage(FILE *out)
+{
+  fprintf(out,
+          "usage: mokctl [--socket PATH] COMMAND [options]\n"
+          "\n"
+          "  ping      round trip to the daemon\n"
+          "  status    daemon version, backend, limits, uptime\n"
+          "  stats     what the daemon holds and has served\n"
+          "  bench     run a layer through the daemon: latency percentiles, GFLOP/s\n"
+          "            [--T n] [--H n] [--I n] [--E n] [--K n] [--shared n] [--iters n]\n"
+          "\n"
+          "The socket defaults to $MOKD_SOCKET, else /run/mokd/mokd.sock as root,\n"
+          "else $XDG_RUNTIME_DIR/mokd.sock.\n");
+}
+
+static int die(mok_client *c, const char *what, int rc)
+{
+  fprintf(stderr, "mokctl: %s: %s (%s)\n", what, c != NULL ? mok_last_error(c) : "",
+          mok_strerror(rc));
+  mok_close(c);
+  return 1;
+}
+
+static int cmp_u64(const void *a, const void *b)
+{
+  uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+  return x < y ? -1 : x > y;
+}
+
+static double pct(const uint64_t *v, int n, double p)
+{
+  int i = (int)(p * (n - 1) + 0.5);
+  return (double)v[i] * 1e-6;
+}
+
+static int bench(mok_client *c, int argc, char **argv)
+{
+  mok_layer_desc d = {.hidden = 1024, .intermediate = 512, .experts = 16, .top_k = 2};
+  int64_t T = 1024;
+  int iters = 20, rc;
+  mok_testbed tb;
+
+  for (int i = 0; i < argc; i++) {
+    int64_t *dst = NULL;
+    if (i + 1 >= argc) {
+      usage(stderr);
+      return 2;
+    }
+    if (!strcmp(argv[i], "--T")) dst = &T;
+    else if (!strcmp(argv[i], "--H")) dst = &d.hidden;
+    else if (!strcmp(argv[i], "--I")) dst = &d.intermediate;
+    else if (!strcmp(argv[i], "--E")) dst = &d.experts;
+    else if (!strcmp(argv[i], "--K")) dst = &d.top_k;
+    else if (!strcmp(argv[i], "--shared")) dst = &d.shared_intermediate;
+    else if (!strcmp(argv[i], "--iters")) { iters = atoi(argv[++i]); continue; }
+    else {
+      usage(stderr);
+      return 2;
+    }
+    *dst = atoll(argv[++i]);
+  }
+  if (iters < 1)
+    iters = 1;
+  if ((rc = mok_testbed_setup(c, &d, T, 1, &tb)) != 0)
+    return die(c, "setting up the layer", rc);
+  uint64_t *fw = calloc((size_t)iters, sizeof *fw), *bw = calloc((size_t)iters, sizeof *bw);
+  for (int it = 0; it < iters; it++) {
+    mok_forward_result f;
+    mok_backward_result b;
+    if ((rc = mok_forward(c, tb.layer, &tb.x, &tb.ids, &tb.tw, 0, &f)) != 0)
+      return die(c, "forward", rc);
+    if ((rc = mok_backward(c, f.context, &tb.d_out, NULL, 0, &b)) != 0)
+      return die(c, "backward", rc);
+    fw[it] = f.timing.compute_ns;
+    bw[it] = b.timing.compute_ns;
+    uint64_t ids[2] = {f.context, b.result};
+    if ((rc = mok_release(c, ids, 2)) != 0)
+      return die(c, "release", rc);
+  }
+  qsort(fw, (size_t)iters, sizeof *fw, cmp_u64);
+  qsort(bw, (size_t)iters, sizeof *bw, cmp_u64);
+  double fl = mok_testbed_flops(&tb);
+  printf("layer T=%lld H=%lld I=%lld E=%lld K=%lld I_s=%lld on %s, %d iterations\n",
+         (long long)T, (long long)d.hidden, (long long)d.intermediate, (long long)d.experts,
+         (long long)d.top_k, (long long)d.shared_intermediate, mok_server_info(c)->backend,
+         iters);
+  printf("forward  ms p50 %.2f p90 %.2f p99 %.2f   %.1f GFLOP/s at p50\n", pct(fw, iters, .5),
+         pct(fw, iters, .9), pct(fw, iters, .99), fl / (pct(fw, iters, .5) * 1e6));
+  printf("backward ms p50 %.2f p90 %.2f p99 %.2f   %.1f GFLOP/s at p50\n", pct(bw, iters, .5),
+         pct(bw, iters, .9), pct(bw, iters, .99), 2 * fl / (pct(bw, iters, .5) * 1e6));
+  free(fw), free(bw);
+  mok_close(c);
+  return 0;
+}
+
+int main(int argc, char **argv)
+{
+  const char *path = NULL, *cmd;
+  mok_client *c;
+  int i = 1, rc;
+
+  if (i < argc && (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h"))) {
+    usage(stdout);
+    return 0;
+  }
+  if (i + 1 < argc && !strcmp(argv[i], "--socket")) {
+    path = argv[i + 1];
+    i += 2;
+  }
+  if (i >= argc) {
+    usage(stderr);
+    return 2;
+  }
+  cmd = argv[i++];
+  if (strcmp(cmd, "ping") && strcmp(cmd, "status") && strcmp(cmd, "stats") &&
+      strcmp(cmd, "bench")) {
+    fprintf(stderr, "mokctl: unknown command \"%s\"\n", cmd);
+    usage(stderr);
+    return 2;
+  }
+  if ((rc = mok_connect(path, "mokctl", &c)) != 0)
+    return die(c, "connect", rc);
+  if (!strcmp(cmd, "ping")) {
+    uint64_t rtt;
+    if ((rc = mok_ping(c, &rtt)) != 0)
+      return die(c, "ping", rc);
+    printf("pong from mokd %s in %.1f us\n", mok_server_info(c)->daemon_version,
+           (double)rtt * 1e-3);
+  } else if (!strcmp(cmd, "status")) {
+    const mok_welcome *w = mok_server_info(c);
+    mok_stats st;
+    if ((rc = mok_stats_get(c, &st)) != 0)
+      return die(c, "status", rc);
+    printf("mokd %s, protocol %u, backend %s, up %.1f s\n", w->daemon_version,
+           w->protocol_version, w->backend, (double)st.uptime_ns * 1e-9);
+    printf("limits: frame %u bytes, arena %llu bytes, session quota %llu bytes%s\n",
+           w->max_frame_bytes, (unsigned long long)w->max_arena_bytes,
+           (unsigned long long)w->session_quota_bytes,
+           w->session_quota_bytes == 0 ? " (unlimited)" : "");
+    printf("sessions %llu (this one is %llu)\n", (unsigned long long)st.daemon.sessions,
+           (unsigned long long)w->session_id);
+  } else if (!strcmp(cmd, "stats")) {
+    mok_stats st;
+    if ((rc = mok_stats_get(c, &st)) != 0)
+      return die(c, "stats", rc);
+    const mok_usage *u = &st.daemon;
+    printf("sessions %llu\narenas %llu\narena_bytes %llu\nlayers %llu\ncontexts %llu\n"
+           "context_bytes %llu\nresults %llu\nrequests %llu\nforwards %llu\nbackwards %llu\n"
+           "errors %llu\n",
+           (unsigned long long)u->sessions, (unsigned long long)u->arenas,
+           (unsigned long long)u->arena_bytes, (unsigned long long)u->layers,
+           (unsigned long long)u->contexts, (unsigned long long)u->context_bytes,
+           (unsigned long long)u->results, (unsigned long long)u->requests,
+           (unsigned long long)u->forwards, (unsigned long long)u->backwards,
+           (unsigned long long)u->errors);
+  } else {
+    return bench(c, argc - i, argv + i);
+  }
+  mok_close(c);
+  return 0;
+}

@@ -1,0 +1,24 @@
+/* testbed.h - a random MoE problem laid out in one daemon arena: weights,
+ * inputs, d_out and fp32 gradient buffers, with the layer created and its
+ * weights set. Shared by mokctl bench and the demo; not part of libmok. */
+#ifndef MOK_TESTBED_H
+#define MOK_TESTBED_H
+
+#include "mok.h"
+
+typedef struct mok_testbed {
+  mok_layer_desc d;
+  int64_t T;
+  uint64_t layer;
+  mok_arena_info arena;
+  mok_tensor x, ids, tw, d_out, w[MOK_NWEIGHTS], g32[MOK_NWEIGHTS];
+  int nweights;
+} mok_testbed;
+
+/* Fills everything from seed; the layer's gradient mode comes from d. */
+int mok_testbed_setup(mok_client *c, const mok_layer_desc *d, int64_t T, uint64_t seed,
+                      mok_testbed *tb);
+/* FLOPs of one forward as DESIGN counts them: 6 (T K + T[shared]) H I. */
+double mok_testbed_flops(const mok_testbed *tb);
+
+#endif

@@ -1,0 +1,395 @@
+/* config.c - the option table and its four sources. A bad value anywhere
+ * stops start-up with a message naming where it came from. */
+#include "config.h"
+
+#include <errno.h>
+#include <ini.h>
+#include <limits.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <unistd.h>
+
+#include "log.h"
+#include "mok.h"
+
+typedef enum { T_STR, T_INT, T_SIZE, T_LEVEL, T_SUBSYS } opt_type;
+
+typedef struct opt {
+  const char *name; /* in the file; the flag is --name with '-' for '_' */
+  opt_type type;
+  size_t off, size; /* size of the char array for T_STR */
+  const char *def;
+  int64_t min, max;
+  const char *env;
+  const char *help;
+} opt;
+
+#define STR(f) T_STR, offsetof(mokd_config, f), sizeof(((mokd_config *)0)->f)
+#define NUM(t, f) t, offsetof(mokd_config, f), 0
+
+static const opt options[] = {
+    {"socket", STR(socket), "", 0, 0, "MOKD_SOCKET",
+     "Unix socket path (default /run/mokd/mokd.sock as root, else "
+     "$XDG_RUNTIME_DIR/mokd.sock)"},
+    {"backend", STR(backend), "auto", 0, 0, "MOKD_BACKEND",
+     "compute backend: cpu, or auto (the best one this build and machine have)"},
+    {"cpu_threads", NUM(T_INT, cpu_threads), "0", 0, 1024, "MOKD_CPU_THREADS",
+     "CPU backend worker threads; 0 = one per online CPU"},
+    {"executor_threads", NUM(T_INT, executor_threads), "2", 1, 64, "MOKD_EXECUTOR_THREADS",
+     "requests computed at once (sessions served in parallel)"},
+    {"max_frame_bytes", NUM(T_SIZE, max_frame_bytes), "1M", 4096, 64 << 20,
+     "MOKD_MAX_FRAME_BYTES", "largest accepted wire frame"},
+    {"max_arena_bytes", NUM(T_SIZE, max_arena_bytes), "64G", 4096, INT64_MAX / 2,
+     "MOKD_MAX_ARENA_BYTES", "largest single arena a client may create or import"},
+    {"session_quota_bytes", NUM(T_SIZE, session_quota_bytes), "0", 0, INT64_MAX / 2,
+     "MOKD_SESSION_QUOTA_BYTES",
+     "memory a session may hold in arenas, outputs and contexts; 0 = unlimited"},
+    {"max_sessions", NUM(T_INT, max_sessions), "256", 1, 65536, "MOKD_MAX_SESSIONS",
+     "clients connected at once"},
+    {"max_layers", NUM(T_INT, max_layers), "1024", 1, 1 << 20, "MOKD_MAX_LAYERS",
+     "layers per session"},
+    {"allow_uids", STR(allow_uids), "", 0, 0, "MOKD_ALLOW_UIDS",
+     "comma list of uids allowed to connect, besides root and the daemon's own uid"},
+    {"allow_gids", STR(allow_gids), "", 0, 0, "MOKD_ALLOW_GIDS",
+     "comma list of gids allowed to connect; empty = the socket's group"},
+    {"log_level", NUM(T_LEVEL, log_level), "info", 0, 4, "MOKD_DEBUG",
+     "error, warn, info, debug or trace"},
+    {"log_subsys", NUM(T_SUBSYS, log_subsys), "all", 0, MOKD_SUB_ALL, "MOKD_DEBUG_SUBSYS",
+     "comma list of init,net,sess,exec,conf,all; ^list turns them off"},
+};
+#define NOPTS (sizeof options / sizeof options[0])
+
+static const opt *find(const char *name)
+{
+  for (size_t i = 0; i < NOPTS; i++)
+    if (strcmp(options[i].name, name) == 0)
+      return &options[i];
+  return NULL;
+}
+
+static int parse_size(const char *s, int64_t *out)
+{
+  char *end;
+  errno = 0;
+  long long v = strtoll(s, &end, 10);
+  int64_t mul = 1;
+  if (end == s || errno != 0 || v < 0)
+    return -1;
+  switch (*end) {
+  case 0: break;
+  case 'k': case 'K': mul = 1 << 10, end++; break;
+  case 'm': case 'M': mul = 1 << 20, end++; break;
+  case 'g': case 'G': mul = 1 << 30, end++; break;
+  case 't': case 'T': mul = (int64_t)1 << 40, end++; break;
+  default: return -1;
+  }
+  if ((*end == 'b' || *end == 'B') && mul > 1)
+    end++;
+  if (*end != 0 || __builtin_mul_overflow((int64_t)v, mul, out))
+    return -1;
+  return 0;
+}
+
+/* Sets one option from text; on error writes why into why. */
+static int set_opt(mokd_config *cfg, const opt *o, const char *val, char *why, size_t n)
+{
+  char *base = (char *)cfg + o->off;
+  int64_t v;
+
+  switch (o->type) {
+  case T_STR:
+    if (strlen(val) >= o->size) {
+      snprintf(why, n, "%s: value is %zu characters; at most %zu", o->name, strlen(val),
+               o->size - 1);
+      return -1;
+    }
+    strcpy(base, val);
+    return 0;
+  case T_INT: {
+    char *end;
+    errno = 0;
+    long long x = strtoll(val, &end, 10);
+    if (end == val || *end != 0 || errno != 0) {
+      snprintf(why, n, "%s: \"%s\" is not an integer", o->name, val);
+      return -1;
+    }
+    v = x;
+    break;
+  }
+  case T_SIZE:
+    if (parse_size(val, &v) != 0) {
+      snprintf(why, n, "%s: \"%s\" is not a size (a number, optionally K, M, G or T)",
+               o->name, val);
+      return -1;
+    }
+    break;
+  case T_LEVEL:
+    if ((v = mokd_log_parse_level(val)) < 0) {
+      snprintf(why, n, "%s: \"%s\" is not one of error, warn, info, debug, trace", o->name,
+               val);
+      return -1;
+    }
+    break;
+  case T_SUBSYS:
+    if ((v = mokd_log_parse_subsys(val)) < 0) {
+      snprintf(why, n, "%s: \"%s\" is not a list of init,net,sess,exec,conf,all", o->name,
+               val);
+      return -1;
+    }
+    break;
+  default:
+    return -1;
+  }
+  if (v < o->min || v > o->max) {
+    snprintf(why, n, "%s: %lld is outside [%lld, %lld]", o->name, (long long)v,
+             (long long)o->min, (long long)o->max);
+    return -1;
+  }
+  memcpy(base, &v, sizeof v);
+  return 0;
+}
+
+typedef struct file_ctx {
+  mokd_config *cfg;
+  int only_log;
+  char why[256];
+} file_ctx;
+
+static int on_ini(void *user, const char *section, const char *name, const char *value)
+{
+  file_ctx *fc = user;
+  const opt *o;
+
+  if (fc->why[0] != 0)
+    return 1; /* report the first error only */
+  if (section[0] != 0 && strcmp(section, "mokd") != 0) {
+    snprintf(fc->why, sizeof fc->why, "unknown section [%s]; options go in [mokd]",
+             section);
+    return 0;
+  }
+  if ((o = find(name)) == NULL) {
+    snprintf(fc->why, sizeof fc->why, "unknown option \"%s\" (mokd --help lists them)",
+             name);
+    return 0;
+  }
+  if (fc->only_log && o->type != T_LEVEL && o->type != T_SUBSYS)
+    return 1;
+  return set_opt(fc->cfg, o, value, fc->why, sizeof fc->why) == 0;
+}
+
+static int load_file(mokd_config *cfg, const char *path, int required, int only_log,
+                     char *err, size_t errlen)
+{
+  file_ctx fc = {cfg, only_log, {0}};
+  int rc;
+
+  if (!required && access(path, F_OK) != 0)
+    return 0;
+  rc = ini_parse(path, on_ini, &fc);
+  if (rc == -1) {
+    snprintf(err, errlen, "%s: cannot open: %s", path, strerror(errno));
+    return MOK_ENOENT;
+  }
+  if (rc == -2) {
+    snprintf(err, errlen, "%s: out of memory while reading", path);
+    return MOK_ENOMEM;
+  }
+  if (rc > 0) {
+    snprintf(err, errlen, "%s:%d: %s", path, rc, fc.why[0] ? fc.why : "syntax error");
+    return MOK_EINVAL;
+  }
+  return 0;
+}
+
+static int load_env(mokd_config *cfg, int only_log, char *err, size_t errlen)
+{
+  for (size_t i = 0; i < NOPTS; i++) {
+    const opt *o = &options[i];
+    const char *v = getenv(o->env);
+    char why[256];
+    if (v == NULL || (only_log && o->type != T_LEVEL && o->type != T_SUBSYS))
+      continue;
+    if (set_opt(cfg, o, v, why, sizeof why) != 0) {
+      snprintf(err, errlen, "environment %s: %s", o->env, why);
+      return MOK_EINVAL;
+    }
+  }
+  return 0;
+}
+
+static void defaults(mokd_config *cfg)
+{
+  char why[256];
+  memset(cfg, 0, sizeof *cfg);
+  for (size_t i = 0; i < NOPTS; i++)
+    if (set_opt(cfg, &options[i], options[i].def, why, sizeof why) != 0)
+      abort(); /* the table itself is wrong: a build defect */
+}
+
+void mokd_config_usage(FILE *out)
+{
+  fprintf(out,
+          "usage: mokd [options]\n"
+          "\n"
+          "mokd executes Mixture-of-Experts layers for training processes that connect\n"
+          "over a Unix socket (libmok, mokctl, the Python client).\n"
+          "\n"
+          "  --config FILE      config file (default " MOKD_DEFAULT_CONFIG ", if present)\n"
+          "  --print-config     print the effective configuration and exit\n"
+          "  --help             this text\n"
+          "  --version          print the version and exit\n"
+          "\n"
+          "Options (flag, environment variable, default). Later sources win:\n"
+          "defaults < config file ([mokd] section, name = value) < environment < flags.\n");
+  for (size_t i = 0; i < NOPTS; i++) {
+    char flag[64];
+    size_t j;
+    for (j = 0; options[i].name[j] && j < sizeof flag - 1; j++)
+      flag[j] = options[i].name[j] == '_' ? '-' : options[i].name[j];
+    flag[j] = 0;
+    fprintf(out, "  --%-20s %-26s [%s]\n      %s\n", flag, options[i].env,
+            options[i].def[0] ? options[i].def : "\"\"", options[i].help);
+  }
+  fprintf(out, "\nSignals: SIGTERM/SIGINT drain in-flight work and exit 0; SIGHUP re-reads\n"
+               "log_level and log_subsys. Run with MOKD_DEBUG=debug for details.\n");
+}
+
+static const opt *flag_opt(const char *arg, const char **inline_val)
+{
+  char name[64];
+  size_t n = 0;
+  *inline_val = NULL;
+  for (; arg[n] && arg[n] != '=' && n < sizeof name - 1; n++)
+    name[n] = arg[n] == '-' ? '_' : arg[n];
+  name[n] = 0;
+  if (arg[n] == '=')
+    *inline_val = arg + n + 1;
+  return find(name);
+}
+
+static void default_socket(mokd_config *cfg)
+{
+  if (cfg->socket[0] == 0)
+    mok_default_socket(cfg->socket, sizeof cfg->socket);
+}
+
+int mokd_config_load(mokd_config *cfg, int argc, char **argv, char *err, size_t errlen)
+{
+  const char *file = NULL;
+  int print = 0, rc;
+
+  defaults(cfg);
+  /* first pass: the flags that decide what to read or whether to run */
+  for (int i = 1; i < argc; i++) {
+    if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+      mokd_config_usage(stdout);
+      return MOKD_CONFIG_EXIT;
+    }
+    if (strcmp(argv[i], "--version") == 0) {
+      printf("mokd " MOKD_VERSION " (protocol %d)\n", MOK_PROTOCOL_VERSION);
+      return MOKD_CONFIG_EXIT;
+    }
+    if (strcmp(argv[i], "--print-config") == 0)
+      print = 1;
+    else if (strncmp(argv[i], "--config=", 9) == 0)
+      file = argv[i] + 9;
+    else if (strcmp(argv[i], "--config") == 0) {
+      if (i + 1 >= argc) {
+        snprintf(err, errlen, "--config needs a file name");
+        return MOK_EINVAL;
+      }
+      file = argv[++i];
+    }
+  }
+  if (file != NULL && strlen(file) >= sizeof cfg->config_file) {
+    snprintf(err, errlen, "--config: path is too long");
+    return MOK_EINVAL;
+  }
+  strcpy(cfg->config_file, file != NULL ? file : MOKD_DEFAULT_CONFIG);
+  if ((rc = load_file(cfg, cfg->config_file, file != NULL, 0, err, errlen)) ||
+      (rc = load_env(cfg, 0, err, errlen)))
+    return rc;
+
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i], *val;
+    const opt *o;
+    char why[256];
+    if (strcmp(a, "--print-config") == 0)
+      continue;
+    if (strcmp(a, "--config") == 0) {
+      i++;
+      continue;
+    }
+    if (strncmp(a, "--config=", 9) == 0)
+      continue;
+    if (strncmp(a, "--", 2) != 0 || (o = flag_opt(a + 2, &val)) == NULL) {
+      snprintf(err, errlen, "unknown argument \"%s\" (mokd --help lists the options)", a);
+      return MOK_EINVAL;
+    }
+    if (val == NULL) {
+      if (i + 1 >= argc) {
+        snprintf(err, errlen, "%s needs a value", a);
+        return MOK_EINVAL;
+      }
+      val = argv[++i];
+    }
+    if (set_opt(cfg, o, val, why, sizeof why) != 0) {
+      snprintf(err, errlen, "flag %s", why);
+      return MOK_EINVAL;
+    }
+  }
+  if (strcmp(cfg->backend, "cpu") != 0 && strcmp(cfg->backend, "auto") != 0) {
+    snprintf(err, errlen, "backend \"%s\" is not available in this build; use cpu or auto",
+             cfg->backend);
+    return MOK_EINVAL;
+  }
+  default_socket(cfg);
+  if (print) {
+    mokd_config_print(cfg, stdout);
+    return MOKD_CONFIG_EXIT;
+  }
+  return MOKD_CONFIG_RUN;
+}
+
+int mokd_config_reload_log(mokd_config *cfg, char *err, size_t errlen)
+{
+  mokd_config tmp = *cfg;
+  char why[256];
+  int rc;
+
+  set_opt(&tmp, find("log_level"), "info", why, sizeof why);
+  set_opt(&tmp, find("log_subsys"), "all", why, sizeof why);
+  if ((rc = load_file(&tmp, tmp.config_file, 0, 1, err, errlen)) ||
+      (rc = load_env(&tmp, 1, err, errlen)))
+    return rc;
+  cfg->log_level = tmp.log_level;
+  cfg->log_subsys = tmp.log_subsys;
+  return 0;
+}
+
+void mokd_config_print(const mokd_config *cfg, FILE *out)
+{
+  fprintf(out, "# mokd %s effective configuration (config file: %s)\n[mokd]\n", MOKD_VERSION,
+          cfg->config_file);
+  for (size_t i = 0; i < NOPTS; i++) {
+    const opt *o = &options[i];
+    const char *base = (const char *)cfg + o->off;
+    int64_t v;
+    if (o->type == T_STR) {
+      fprintf(out, "%s = %s\n", o->name, base);
+      continue;
+    }
+    memcpy(&v, base, sizeof v);
+    if (o->type == T_LEVEL)
+      fprintf(out, "%s = %s\n", o->name, mokd_log_level_name((int)v));
+    else if (o->type == T_SUBSYS) {
+      char names[64];
+      mokd_log_subsys_names((unsigned)v, names, sizeof names);
+      fprintf(out, "%s = %s\n", o->name, names);
+    }
+    else
+      fprintf(out, "%s = %lld\n", o->name, (long long)v);
+  }
+}

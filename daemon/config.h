@@ -1,0 +1,43 @@
+/* config.h - every mokd option, in one table (config.c). Precedence: built-in
+ * defaults, then the config file (/etc/mokd/mokd.conf or --config), then
+ * MOKD_* environment variables, then command-line flags. */
+#ifndef MOKD_CONFIG_H
+#define MOKD_CONFIG_H
+
+#include <stdint.h>
+#include <stdio.h>
+
+#define MOKD_VERSION "0.1.0"
+#define MOKD_DEFAULT_CONFIG "/etc/mokd/mokd.conf"
+
+typedef struct mokd_config {
+  char socket[108];
+  char backend[16];
+  int64_t cpu_threads;
+  int64_t executor_threads;
+  int64_t max_frame_bytes;
+  int64_t max_arena_bytes;
+  int64_t session_quota_bytes;
+  int64_t max_sessions;
+  int64_t max_layers;
+  char allow_uids[256];
+  char allow_gids[256];
+  int64_t log_level;
+  int64_t log_subsys;
+  char config_file[256];
+} mokd_config;
+
+enum {
+  MOKD_CONFIG_RUN = 0,   /* start the daemon */
+  MOKD_CONFIG_EXIT = 1   /* --help, --version or --print-config: done, exit 0 */
+};
+
+/* Fills cfg from all sources. Returns MOKD_CONFIG_RUN, MOKD_CONFIG_EXIT, or a
+ * negative code with a message in err ("file:line: ..." for the file). */
+int mokd_config_load(mokd_config *cfg, int argc, char **argv, char *err, size_t errlen);
+/* Re-reads the log level and subsystems (file, then env); for SIGHUP. */
+int mokd_config_reload_log(mokd_config *cfg, char *err, size_t errlen);
+void mokd_config_print(const mokd_config *cfg, FILE *out);
+void mokd_config_usage(FILE *out);
+
+#endif

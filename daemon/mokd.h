@@ -1,0 +1,207 @@
+/* mokd.h - the daemon's shared types: server, sessions and what they own.
+ * Everything here is touched on the loop thread only, except a job between
+ * mokd_executor_submit() and its completion callback. */
+#ifndef MOKD_H
+#define MOKD_H
+
+#include <stdint.h>
+#include <sys/types.h>
+#include <uv.h>
+
+#include "backend.h"
+#include "config.h"
+#include "frame.h"
+#include "mok.h"
+#include "proto/mokd.pb-c.h"
+
+typedef struct mokd_server mokd_server;
+typedef struct mokd_session mokd_session;
+
+typedef enum { ARENA_DAEMON, ARENA_IMPORTED, ARENA_OUTPUT } mokd_arena_kind;
+
+typedef struct mokd_span {
+  size_t off, len;
+} mokd_span;
+
+typedef struct mokd_arena {
+  uint64_t id;
+  mokd_arena_kind kind;
+  int fd;            /* kept for output arenas until sent; -1 after */
+  void *base;
+  size_t bytes;
+  int users;         /* contexts and results pointing into it */
+  mokd_span *free;   /* output arenas: free ranges, sorted by offset */
+  size_t nfree, capfree, used;
+  struct mokd_arena *next;
+} mokd_arena;
+
+typedef struct mokd_layer {
+  uint64_t id;
+  mokk_shape shape;      /* P = 1 within one session */
+  mokk_grad_mode mode;
+  int has_weights;
+  Mokd__TensorRef *w[MOKK_NWEIGHTS]; /* validated when set, resolved per step */
+  struct mokd_layer *next;
+} mokd_layer;
+
+/* A forward context (owns out and the saved state) or a backward result. */
+typedef struct mokd_result {
+  uint64_t id;
+  int is_context;
+  uint64_t layer;
+  mokk_ctx *ctx;
+  int64_t T;
+  mokd_arena *out_arena;  /* block of daemon-allocated outputs */
+  mokd_span out;
+  mokd_arena *pinned[MOKK_NWEIGHTS]; /* weight arenas the saved state points into */
+  int npinned;
+  size_t ctx_bytes;
+  struct mokd_result *next;
+} mokd_result;
+
+typedef struct mokd_usage {
+  uint64_t sessions, arenas, arena_bytes, layers, contexts, context_bytes, results;
+  uint64_t requests, forwards, backwards, errors;
+} mokd_usage;
+
+/* One request waiting in a session's queue, with the fds that came with it. */
+typedef struct mokd_pending {
+  Mokd__Request *req;
+  int fds[4];
+  int nfds;
+  int bad;                /* framing error to answer: MOK_* code */
+  uint64_t bad_id;
+  struct mokd_pending *next;
+} mokd_pending;
+
+typedef struct mokd_outbuf {
+  uint8_t *data;
+  size_t len, off;
+  int fds[8];
+  int nfds;
+  struct mokd_outbuf *next;
+} mokd_outbuf;
+
+typedef struct mokd_rxfd {
+  int fd;
+  uint64_t c0, c1; /* stream offsets of the read that brought it */
+} mokd_rxfd;
+
+typedef struct mokd_job mokd_job;
+
+struct mokd_session {
+  mokd_server *srv;
+  uint64_t id;
+  int fd;
+  uv_poll_t poll;
+  int poll_events;
+  int closing;          /* socket gone or being closed */
+  int fatal;            /* framing lost: flush the error reply, then close */
+  int handle_open;
+  int hello_done;
+  pid_t pid;
+  uid_t uid;
+  gid_t gid;
+  char name[64];
+  mokw_framer rx;
+  mokd_rxfd rxfds[16];
+  int nrxfds;
+  mokd_pending *pend_head, *pend_tail;
+  int npending;
+  mokd_outbuf *out_head, *out_tail;
+  mokd_job *busy;       /* the job in flight, at most one */
+  mokd_arena *arenas;
+  mokd_layer *layers;
+  mokd_result *results;
+  int nlayers;
+  uint64_t bytes;       /* held against the quota */
+  mokd_usage usage;
+  struct mokd_session *next, *prev;
+};
+
+struct mokd_job {
+  mokd_session *sess;
+  uint64_t req_id;
+  int backward;
+  mokk_backend *backend;
+  mokk_shape shape;
+  int64_t T;
+  mokk_fwd_rank fr;
+  mokk_bwd_rank br;
+  mokk_grad_mode mode;
+  mokk_ctx *ctx;
+  int want_ctx;
+  mokd_result *res;
+  Mokd__TensorRef *refs[2 + MOKK_NWEIGHTS]; /* output refs to send back */
+  int nrefs;
+  int rc;
+  char err[MOK_ERRLEN];
+  uint64_t t_submit, t_start, t_end;
+  mokd_job *next;
+};
+
+struct mokd_server {
+  uv_loop_t *loop;
+  mokd_config cfg;
+  mokk_backend *backend;
+  uv_pipe_t listener;
+  int listening;
+  uv_signal_t sig_term, sig_int, sig_hup;
+  uv_timer_t watchdog;
+  int watchdog_on;
+  struct mokd_executor *exec;
+  mokd_session *sessions;
+  int nsessions;
+  uint64_t next_id;     /* ids of sessions, arenas, layers, results: one counter */
+  mokd_usage usage;
+  uint64_t start_ns;
+  int draining;
+  int stopped;
+  uid_t allow_uids[32];
+  int nallow_uids;
+  gid_t allow_gids[32];
+  int nallow_gids;
+  uint8_t scratch[65536];
+};
+
+uint64_t mokd_now_ns(void);
+
+/* registry.c */
+int mokd_arena_new_memfd(mokd_session *s, size_t bytes, mokd_arena_kind kind,
+                         mokd_arena **out, char *err);
+int mokd_arena_import(mokd_session *s, int fd, size_t bytes, mokd_arena **out, char *err);
+mokd_arena *mokd_arena_find(mokd_session *s, uint64_t id);
+void mokd_arena_free(mokd_session *s, mokd_arena *a);
+/* A block of `len` bytes in an output arena; *created is a new arena to announce. */
+/* A block of len bytes in an output arena. A new output arena keeps its fd
+ * open until the first reply that names it carries the fd to the client. */
+int mokd_out_alloc(mokd_session *s, size_t len, mokd_arena **arena, mokd_span *span,
+                   char *err);
+void mokd_out_release(mokd_session *s, mokd_arena *a, mokd_span span);
+/* Validates a wire tensor against this session's arenas. shape entries < 0 are
+ * free (and filled in); returns the mapped address in *ptr. */
+int mokd_ref_resolve(mokd_session *s, const char *what, const Mokd__TensorRef *r,
+                     Mokd__DType dtype, int ndim, int64_t *shape, void **ptr,
+                     mokd_arena **arena, char *err);
+Mokd__TensorRef *mokd_ref_new(uint64_t arena, uint64_t offset, Mokd__DType dtype, int ndim,
+                              const int64_t *shape);
+Mokd__TensorRef *mokd_ref_copy(const Mokd__TensorRef *r);
+void mokd_ref_free(Mokd__TensorRef *r);
+int mokd_quota_take(mokd_session *s, uint64_t bytes, char *err);
+void mokd_quota_give(mokd_session *s, uint64_t bytes);
+
+/* session.c */
+mokd_session *mokd_session_new(mokd_server *srv, int fd);
+void mokd_session_on_readable(mokd_session *s);
+void mokd_session_pump(mokd_session *s);
+void mokd_session_close(mokd_session *s, const char *why);
+void mokd_session_job_done(mokd_job *job);
+int mokd_session_send(mokd_session *s, Mokd__Response *resp, const int *fds, int nfds);
+void mokd_result_free(mokd_session *s, mokd_result *r);
+
+/* server.c */
+int mokd_server_start(mokd_server *srv, char *err, size_t errlen);
+void mokd_server_drain(mokd_server *srv);
+void mokd_server_maybe_stop(mokd_server *srv);
+
+#endif

@@ -1,0 +1,270 @@
+/* server.c - the listening socket, peer admission, signals, the systemd
+ * watchdog and the drain at shutdown. */
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "executor.h"
+#include "log.h"
+#include "mokd.h"
+#include "notify.h"
+
+uint64_t mokd_now_ns(void)
+{
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static int parse_ids(const char *list, unsigned *out, int max, int *n, char *err,
+                     size_t errlen, const char *what)
+{
+  char buf[256], *tok, *save;
+  *n = 0;
+  snprintf(buf, sizeof buf, "%s", list);
+  for (tok = strtok_r(buf, ", ", &save); tok != NULL; tok = strtok_r(NULL, ", ", &save)) {
+    char *end;
+    unsigned long v = strtoul(tok, &end, 10);
+    if (*end != 0 || end == tok) {
+      snprintf(err, errlen, "%s: \"%s\" is not a number", what, tok);
+      return MOK_EINVAL;
+    }
+    if (*n == max) {
+      snprintf(err, errlen, "%s: at most %d entries", what, max);
+      return MOK_EINVAL;
+    }
+    out[(*n)++] = (unsigned)v;
+  }
+  return 0;
+}
+
+static int peer_allowed(const mokd_server *srv, uid_t uid, gid_t gid)
+{
+  if (uid == 0 || uid == geteuid())
+    return 1;
+  for (int i = 0; i < srv->nallow_uids; i++)
+    if (srv->allow_uids[i] == uid)
+      return 1;
+  for (int i = 0; i < srv->nallow_gids; i++)
+    if (srv->allow_gids[i] == gid)
+      return 1;
+  return 0;
+}
+
+static void refuse(int fd, const char *msg)
+{
+  Mokd__Response r = MOKD__RESPONSE__INIT;
+  uint8_t *buf;
+  size_t len;
+  r.status = MOK_EPERM;
+  r.message = (char *)msg;
+  if (mokw_pack(&r.base, &buf, &len) == 0) {
+    if (send(fd, buf, len, MSG_NOSIGNAL | MSG_DONTWAIT) < 0)
+      LOG_DEBUG(NET, "could not tell a refused peer why: %s", strerror(errno));
+    free(buf);
+  }
+  close(fd);
+}
+
+static void on_conn_pipe_closed(uv_handle_t *h)
+{
+  free(h);
+}
+
+static void on_connection(uv_stream_t *server, int status)
+{
+  mokd_server *srv = server->data;
+  uv_pipe_t *tmp;
+  uv_os_fd_t ufd;
+  int fd;
+  struct ucred cr = {0};
+  socklen_t len = sizeof cr;
+
+  if (status < 0) {
+    LOG_WARN(NET, "accept failed: %s", uv_strerror(status));
+    return;
+  }
+  tmp = malloc(sizeof *tmp);
+  if (tmp == NULL || uv_pipe_init(srv->loop, tmp, 0) != 0) {
+    free(tmp);
+    return;
+  }
+  /* libuv accepts; the session then owns a dup of the fd and drives it with
+   * recvmsg/sendmsg under a uv_poll_t, since fds ride on the frames */
+  if (uv_accept(server, (uv_stream_t *)tmp) != 0 || uv_fileno((uv_handle_t *)tmp, &ufd) != 0) {
+    uv_close((uv_handle_t *)tmp, on_conn_pipe_closed);
+    return;
+  }
+  fd = fcntl(ufd, F_DUPFD_CLOEXEC, 0);
+  uv_close((uv_handle_t *)tmp, on_conn_pipe_closed);
+  if (fd < 0)
+    return;
+  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+  getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &len);
+  if (!peer_allowed(srv, cr.uid, cr.gid)) {
+    LOG_WARN(NET, "refused pid %d uid %u gid %u: not in the allow-list", (int)cr.pid,
+             (unsigned)cr.uid, (unsigned)cr.gid);
+    refuse(fd, "this uid/gid may not use mokd (allow_uids, allow_gids)");
+    return;
+  }
+  if (srv->draining || srv->nsessions >= srv->cfg.max_sessions) {
+    refuse(fd, srv->draining ? "mokd is shutting down" : "too many sessions (max_sessions)");
+    return;
+  }
+  if (mokd_session_new(srv, fd) == NULL) {
+    close(fd);
+    return;
+  }
+  LOG_INFO(NET, "connection from pid %d uid %u gid %u", (int)cr.pid, (unsigned)cr.uid,
+           (unsigned)cr.gid);
+}
+
+/* Another daemon answering on the path is an error; a dead socket file is
+ * removed; anything else at the path is left alone and refused. */
+static int clear_stale(const char *path, char *err, size_t errlen)
+{
+  struct stat st;
+  struct sockaddr_un sa = {.sun_family = AF_UNIX};
+  int fd, rc;
+
+  if (lstat(path, &st) != 0)
+    return errno == ENOENT ? 0 : (snprintf(err, errlen, "%s: %s", path, strerror(errno)), MOK_EIO);
+  if (!S_ISSOCK(st.st_mode)) {
+    snprintf(err, errlen, "%s exists and is not a socket; remove it or pick --socket", path);
+    return MOK_EBUSY;
+  }
+  snprintf(sa.sun_path, sizeof sa.sun_path, "%s", path);
+  fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0)
+    return MOK_EIO;
+  rc = connect(fd, (struct sockaddr *)&sa, sizeof sa);
+  close(fd);
+  if (rc == 0) {
+    snprintf(err, errlen, "another mokd is serving %s; stop it or pick --socket", path);
+    return MOK_EBUSY;
+  }
+  LOG_INFO(INIT, "removing stale socket %s", path);
+  unlink(path);
+  return 0;
+}
+
+static void on_signal(uv_signal_t *h, int signum)
+{
+  mokd_server *srv = h->data;
+  if (signum == SIGHUP) {
+    char err[256];
+    if (mokd_config_reload_log(&srv->cfg, err, sizeof err) != 0) {
+      LOG_WARN(CONF, "SIGHUP: log settings kept: %s", err);
+      return;
+    }
+    mokd_log_set((int)srv->cfg.log_level, (unsigned)srv->cfg.log_subsys);
+    LOG_INFO(CONF, "SIGHUP: log level now %s", mokd_log_level_name((int)srv->cfg.log_level));
+    return;
+  }
+  LOG_INFO(INIT, "signal %d: draining", signum);
+  mokd_server_drain(srv);
+}
+
+static void on_watchdog(uv_timer_t *t)
+{
+  (void)t;
+  mokd_notify("WATCHDOG=1");
+}
+
+int mokd_server_start(mokd_server *srv, char *err, size_t errlen)
+{
+  const char *path = srv->cfg.socket;
+  mode_t old;
+  struct stat st;
+  int rc;
+
+  if (parse_ids(srv->cfg.allow_uids, (unsigned *)srv->allow_uids, 32, &srv->nallow_uids, err,
+                errlen, "allow_uids") ||
+      parse_ids(srv->cfg.allow_gids, (unsigned *)srv->allow_gids, 32, &srv->nallow_gids, err,
+                errlen, "allow_gids"))
+    return MOK_EINVAL;
+  if ((rc = clear_stale(path, err, errlen)))
+    return rc;
+  if ((rc = uv_pipe_init(srv->loop, &srv->listener, 0)) != 0) {
+    snprintf(err, errlen, "uv_pipe_init: %s", uv_strerror(rc));
+    return MOK_EIO;
+  }
+  srv->listener.data = srv;
+  old = umask(0117); /* the socket is born 0660: no window where others may connect */
+  rc = uv_pipe_bind(&srv->listener, path);
+  umask(old);
+  if (rc == 0)
+    rc = uv_listen((uv_stream_t *)&srv->listener, 128, on_connection);
+  if (rc != 0) {
+    snprintf(err, errlen, "cannot listen on %s: %s", path, uv_strerror(rc));
+    uv_close((uv_handle_t *)&srv->listener, NULL);
+    return MOK_EIO;
+  }
+  chmod(path, 0660);
+  srv->listening = 1;
+  if (srv->nallow_gids == 0 && stat(path, &st) == 0) {
+    srv->allow_gids[0] = st.st_gid; /* default: the socket's group */
+    srv->nallow_gids = 1;
+  }
+  uv_signal_init(srv->loop, &srv->sig_term);
+  uv_signal_init(srv->loop, &srv->sig_int);
+  uv_signal_init(srv->loop, &srv->sig_hup);
+  srv->sig_term.data = srv->sig_int.data = srv->sig_hup.data = srv;
+  uv_signal_start(&srv->sig_term, on_signal, SIGTERM);
+  uv_signal_start(&srv->sig_int, on_signal, SIGINT);
+  uv_signal_start(&srv->sig_hup, on_signal, SIGHUP);
+  uint64_t wd = mokd_notify_watchdog_usec();
+  if (wd > 0) {
+    uv_timer_init(srv->loop, &srv->watchdog);
+    uv_timer_start(&srv->watchdog, on_watchdog, wd / 2000, wd / 2000);
+    srv->watchdog_on = 1;
+  }
+  LOG_INFO(NET, "listening on %s (mode 0660, group %u)", path,
+           srv->nallow_gids ? (unsigned)srv->allow_gids[0] : 0u);
+  return 0;
+}
+
+void mokd_server_drain(mokd_server *srv)
+{
+  if (srv->draining)
+    return;
+  srv->draining = 1;
+  mokd_notify("STOPPING=1\nSTATUS=draining in-flight work");
+  if (srv->listening) {
+    uv_close((uv_handle_t *)&srv->listener, NULL);
+    unlink(srv->cfg.socket);
+    srv->listening = 0;
+  }
+  mokd_server_maybe_stop(srv);
+}
+
+static int any_busy(const mokd_server *srv)
+{
+  for (const mokd_session *s = srv->sessions; s != NULL; s = s->next)
+    if (s->busy != NULL)
+      return 1;
+  return 0;
+}
+
+/* Once draining and nothing is in flight: close every session and handle. */
+void mokd_server_maybe_stop(mokd_server *srv)
+{
+  if (!srv->draining || srv->stopped || any_busy(srv))
+    return;
+  srv->stopped = 1;
+  for (mokd_session *s = srv->sessions; s != NULL; s = s->next)
+    mokd_session_close(s, "daemon shutting down");
+  uv_close((uv_handle_t *)&srv->sig_term, NULL);
+  uv_close((uv_handle_t *)&srv->sig_int, NULL);
+  uv_close((uv_handle_t *)&srv->sig_hup, NULL);
+  if (srv->watchdog_on)
+    uv_close((uv_handle_t *)&srv->watchdog, NULL);
+  mokd_executor_close(srv->exec);
+}

@@ -1,0 +1,166 @@
+/* check_config.c - the option table and its precedence: defaults < file <
+ * environment < flags; every bad value stops start-up with where it was. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "config.h"
+#include "log.h"
+#include "ref.h"
+
+static mokd_config cfg;
+static char err[512];
+static char path[64];
+
+static void write_conf(const char *text)
+{
+  strcpy(path, "/tmp/mokd-check-XXXXXX");
+  int fd = mkstemp(path);
+  ck_assert_int_ge(fd, 0);
+  ck_assert_int_eq(write(fd, text, strlen(text)), (ssize_t)strlen(text));
+  close(fd);
+}
+
+static int load(int argc, char **argv)
+{
+  err[0] = 0;
+  return mokd_config_load(&cfg, argc, argv, err, sizeof err);
+}
+
+START_TEST(defaults)
+{
+  char *argv[] = {"mokd", "--config", "/dev/null"};
+  unsetenv("MOKD_SOCKET");
+  ck_assert_int_eq(load(3, argv), MOKD_CONFIG_RUN);
+  ck_assert_str_eq(cfg.backend, "auto");
+  ck_assert_int_eq(cfg.max_frame_bytes, 1 << 20);
+  ck_assert_int_eq(cfg.executor_threads, 2);
+  ck_assert_int_eq(cfg.log_level, MOKD_LOG_INFO);
+  ck_assert_int_eq(cfg.session_quota_bytes, 0);
+  ck_assert(cfg.socket[0] != 0); /* a default path is filled in */
+}
+END_TEST
+
+START_TEST(precedence)
+{
+  write_conf("# example\n[mokd]\nsocket = /tmp/from-file.sock\nmax_frame_bytes = 2M\n"
+             "cpu_threads = 3\nlog_level = debug\n");
+  char *argv[] = {"mokd", "--config", path, "--cpu-threads=5"};
+  setenv("MOKD_MAX_FRAME_BYTES", "65536", 1);
+  setenv("MOKD_CPU_THREADS", "4", 1);
+  ck_assert_int_eq(load(4, argv), MOKD_CONFIG_RUN);
+  ck_assert_str_eq(cfg.socket, "/tmp/from-file.sock"); /* file over default */
+  ck_assert_int_eq(cfg.max_frame_bytes, 65536);        /* env over file */
+  ck_assert_int_eq(cfg.cpu_threads, 5);                /* flag over env */
+  ck_assert_int_eq(cfg.log_level, MOKD_LOG_DEBUG);
+  unlink(path);
+}
+END_TEST
+
+START_TEST(bad_file_names_file_and_line)
+{
+  char want[128];
+  char *argv[] = {"mokd", "--config", path};
+  write_conf("[mokd]\nbackend = cpu\n\nmax_frame_bytes = lots\n");
+  ck_assert_int_eq(load(3, argv), MOK_EINVAL);
+  snprintf(want, sizeof want, "%s:4: max_frame_bytes: \"lots\" is not a size", path);
+  ck_assert_msg(strstr(err, want) != NULL, "got: %s", err);
+  unlink(path);
+
+  write_conf("[mokd]\nfrobnicate = 1\n");
+  ck_assert_int_eq(load(3, argv), MOK_EINVAL);
+  snprintf(want, sizeof want, "%s:2: unknown option \"frobnicate\"", path);
+  ck_assert_msg(strstr(err, want) != NULL, "got: %s", err);
+  unlink(path);
+
+  write_conf("[mokd]\nexecutor_threads = 0\n");
+  ck_assert_int_eq(load(3, argv), MOK_EINVAL);
+  ck_assert_msg(strstr(err, ":2: executor_threads: 0 is outside [1, 64]") != NULL, "got: %s",
+                err);
+  unlink(path);
+
+  write_conf("[other]\nx = 1\n");
+  ck_assert_int_eq(load(3, argv), MOK_EINVAL);
+  ck_assert_msg(strstr(err, ":2: unknown section [other]") != NULL, "got: %s", err);
+  unlink(path);
+}
+END_TEST
+
+START_TEST(bad_env_and_flags)
+{
+  char *argv[] = {"mokd", "--config", "/dev/null"};
+  setenv("MOKD_DEBUG", "loud", 1);
+  ck_assert_int_eq(load(3, argv), MOK_EINVAL);
+  ck_assert_msg(strstr(err, "environment MOKD_DEBUG: log_level: \"loud\"") != NULL, "got: %s",
+                err);
+  unsetenv("MOKD_DEBUG");
+  char *argv2[] = {"mokd", "--config", "/dev/null", "--no-such-thing"};
+  ck_assert_int_eq(load(4, argv2), MOK_EINVAL);
+  ck_assert_msg(strstr(err, "unknown argument \"--no-such-thing\"") != NULL, "got: %s", err);
+  char *argv3[] = {"mokd", "--config", "/dev/null", "--backend", "tpu"};
+  ck_assert_int_eq(load(5, argv3), MOK_EINVAL);
+  ck_assert_msg(strstr(err, "backend \"tpu\"") != NULL, "got: %s", err);
+  char *argv4[] = {"mokd", "--config", "/nonexistent/mokd.conf"};
+  ck_assert_int_eq(load(3, argv4), MOK_ENOENT);
+  ck_assert_msg(strstr(err, "/nonexistent/mokd.conf: cannot open") != NULL, "got: %s", err);
+  char *argv5[] = {"mokd", "--config", "/dev/null", "--socket"};
+  ck_assert_int_eq(load(4, argv5), MOK_EINVAL);
+  ck_assert_msg(strstr(err, "--socket needs a value") != NULL, "got: %s", err);
+}
+END_TEST
+
+START_TEST(sizes_levels_and_subsystems)
+{
+  char *argv[] = {"mokd", "--config", "/dev/null", "--max-arena-bytes", "3G",
+                  "--log-subsys", "net,exec", "--log-level", "trace"};
+  ck_assert_int_eq(load(9, argv), MOKD_CONFIG_RUN);
+  ck_assert_int_eq(cfg.max_arena_bytes, 3ll << 30);
+  ck_assert_int_eq(cfg.log_subsys, MOKD_SUB_NET | MOKD_SUB_EXEC);
+  ck_assert_int_eq(cfg.log_level, MOKD_LOG_TRACE);
+  ck_assert_int_eq(mokd_log_parse_subsys("^net"), MOKD_SUB_ALL & ~MOKD_SUB_NET);
+  ck_assert_int_eq(mokd_log_parse_subsys("disk"), -1);
+  char names[64];
+  mokd_log_subsys_names(MOKD_SUB_NET | MOKD_SUB_EXEC, names, sizeof names);
+  ck_assert_str_eq(names, "net,exec");
+}
+END_TEST
+
+START_TEST(help_and_version_exit)
+{
+  char *argv[] = {"mokd", "--version"};
+  ck_assert_int_eq(load(2, argv), MOKD_CONFIG_EXIT);
+  char *argv2[] = {"mokd", "--help"};
+  ck_assert_int_eq(load(2, argv2), MOKD_CONFIG_EXIT);
+}
+END_TEST
+
+START_TEST(sighup_reload_reads_log_keys_only)
+{
+  char *argv[] = {"mokd", "--config", path};
+  write_conf("[mokd]\nlog_level = warn\ncpu_threads = 2\n");
+  ck_assert_int_eq(load(3, argv), MOKD_CONFIG_RUN);
+  ck_assert_int_eq(cfg.log_level, MOKD_LOG_WARN);
+  FILE *f = fopen(path, "w");
+  fputs("[mokd]\nlog_level = debug\ncpu_threads = 9\n", f);
+  fclose(f);
+  ck_assert_int_eq(mokd_config_reload_log(&cfg, err, sizeof err), 0);
+  ck_assert_int_eq(cfg.log_level, MOKD_LOG_DEBUG);
+  ck_assert_int_eq(cfg.cpu_threads, 2);
+  unlink(path);
+}
+END_TEST
+
+Suite *config_suite(void)
+{
+  Suite *s = suite_create("config");
+  TCase *tc = tcase_create("sources");
+  tcase_add_test(tc, defaults);
+  tcase_add_test(tc, precedence);
+  tcase_add_test(tc, bad_file_names_file_and_line);
+  tcase_add_test(tc, bad_env_and_flags);
+  tcase_add_test(tc, sizes_levels_and_subsystems);
+  tcase_add_test(tc, help_and_version_exit);
+  tcase_add_test(tc, sighup_reload_reads_log_keys_only);
+  suite_add_tcase(s, tc);
+  return s;
+}
