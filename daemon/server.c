@@ -2,7 +2,7 @@
  * watchdog and the drain at shutdown. */
 #include <errno.h>
 #include <fcntl.h>
-#include <grp.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -45,17 +45,46 @@ static int parse_ids(const char *list, unsigned *out, int max, int *n, char *err
   return 0;
 }
 
-static int peer_allowed(const mokd_server *srv, uid_t uid, gid_t gid)
+static int gid_allowed(const mokd_server *srv, gid_t gid)
 {
-  if (uid == 0 || uid == geteuid())
-    return 1;
-  for (int i = 0; i < srv->nallow_uids; i++)
-    if (srv->allow_uids[i] == uid)
-      return 1;
   for (int i = 0; i < srv->nallow_gids; i++)
     if (srv->allow_gids[i] == gid)
       return 1;
   return 0;
+}
+
+/* SO_PEERCRED carries the primary gid only; the supplementary groups of the
+ * peer come from /proc, read while it is connected */
+static int supplementary_allowed(const mokd_server *srv, pid_t pid)
+{
+  char path[64], line[1024];
+  FILE *f;
+  int ok = 0;
+
+  snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
+  if ((f = fopen(path, "r")) == NULL)
+    return 0;
+  while (!ok && fgets(line, sizeof line, f) != NULL) {
+    char *p = line + 7, *end;
+    if (strncmp(line, "Groups:", 7) != 0)
+      continue;
+    for (unsigned long g = strtoul(p, &end, 10); end != p; g = strtoul(p, &end, 10)) {
+      ok |= gid_allowed(srv, (gid_t)g);
+      p = end;
+    }
+  }
+  fclose(f);
+  return ok;
+}
+
+static int peer_allowed(const mokd_server *srv, pid_t pid, uid_t uid, gid_t gid)
+{
+  if (uid == 0 || uid == geteuid() || gid_allowed(srv, gid))
+    return 1;
+  for (int i = 0; i < srv->nallow_uids; i++)
+    if (srv->allow_uids[i] == uid)
+      return 1;
+  return supplementary_allowed(srv, pid);
 }
 
 static void refuse(int fd, const char *msg)
@@ -108,7 +137,7 @@ static void on_connection(uv_stream_t *server, int status)
     return;
   fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
   getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &len);
-  if (!peer_allowed(srv, cr.uid, cr.gid)) {
+  if (!peer_allowed(srv, cr.pid, cr.uid, cr.gid)) {
     LOG_WARN(NET, "refused pid %d uid %u gid %u: not in the allow-list", (int)cr.pid,
              (unsigned)cr.uid, (unsigned)cr.gid);
     refuse(fd, "this uid/gid may not use mokd (allow_uids, allow_gids)");

@@ -749,6 +749,89 @@ START_TEST(other_uid_is_refused)
 }
 END_TEST
 
+/* Reads datagrams from the notify socket until one contains `what`. */
+static void expect_notify(int fd, const char *what)
+{
+  char buf[512];
+  for (;;) {
+    struct pollfd pf = {fd, POLLIN, 0};
+    ck_assert_msg(poll(&pf, 1, 5000) == 1, "no \"%s\" from mokd within 5 s", what);
+    ssize_t n = recv(fd, buf, sizeof buf - 1, 0);
+    ck_assert_int_gt(n, 0);
+    buf[n] = 0;
+    if (strstr(buf, what) != NULL)
+      return;
+  }
+}
+
+START_TEST(systemd_notify_and_watchdog)
+{
+  char npath[128], conf[128];
+  snprintf(npath, sizeof npath, "%s/notify", dir);
+  snprintf(conf, sizeof conf, "%s/hup.conf", dir);
+  struct sockaddr_un sa = {.sun_family = AF_UNIX};
+  strcpy(sa.sun_path, npath);
+  int nfd = socket(AF_UNIX, SOCK_DGRAM, 0);
+  ck_assert_int_eq(bind(nfd, (struct sockaddr *)&sa, sizeof sa), 0);
+  FILE *f = fopen(conf, "w");
+  fputs("[mokd]\nlog_level = info\n", f);
+  fclose(f);
+
+  pid_t pid = fork();
+  if (pid == 0) {
+    int lfd = open(logpath, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    dup2(lfd, 2);
+    setenv("NOTIFY_SOCKET", npath, 1);
+    setenv("WATCHDOG_USEC", "200000", 1);
+    unsetenv("WATCHDOG_PID");
+    execl(mokd_bin(), "mokd", "--socket", sock, "--config", conf, (char *)NULL);
+    _exit(127);
+  }
+  expect_notify(nfd, "READY=1");
+  ck_assert_int_eq(access(sock, F_OK), 0); /* READY comes after the socket is bound */
+  expect_notify(nfd, "WATCHDOG=1");
+  expect_notify(nfd, "WATCHDOG=1");
+
+  /* SIGHUP re-reads the log level from the file */
+  f = fopen(conf, "w");
+  fputs("[mokd]\nlog_level = debug\n", f);
+  fclose(f);
+  kill(pid, SIGHUP);
+  int seen = 0;
+  for (int i = 0; i < 200 && !seen; i++) {
+    char buf[8192] = "";
+    FILE *lf = fopen(logpath, "r");
+    size_t n = fread(buf, 1, sizeof buf - 1, lf);
+    fclose(lf);
+    buf[n] = 0;
+    seen = strstr(buf, "SIGHUP: log level now debug") != NULL;
+    usleep(10000);
+  }
+  ck_assert_msg(seen, "no SIGHUP reload in the log");
+
+  kill(pid, SIGTERM);
+  expect_notify(nfd, "STOPPING=1");
+  int st;
+  ck_assert_int_eq(waitpid(pid, &st, 0), pid);
+  ck_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+  close(nfd);
+  unlink(npath), unlink(conf), unlink(logpath);
+}
+END_TEST
+
+static void plain_setup(void)
+{
+  strcpy(dir, "/tmp/mokd-it-XXXXXX");
+  ck_assert_ptr_nonnull(mkdtemp(dir));
+  snprintf(sock, sizeof sock, "%s/mokd.sock", dir);
+  snprintf(logpath, sizeof logpath, "%s/mokd.log", dir);
+}
+
+static void plain_teardown(void)
+{
+  rmdir(dir);
+}
+
 static Suite *daemon_suite(void)
 {
   Suite *s = suite_create("daemon");
@@ -776,6 +859,11 @@ static Suite *daemon_suite(void)
   tcase_add_test(tc, offset_out_of_range_is_refused);
   tcase_add_test(tc, another_sessions_arena_is_refused);
   tcase_add_test(tc, fd_where_none_is_expected);
+  suite_add_tcase(s, tc);
+  tc = tcase_create("systemd");
+  tcase_add_checked_fixture(tc, plain_setup, plain_teardown);
+  tcase_set_timeout(tc, 30);
+  tcase_add_test(tc, systemd_notify_and_watchdog);
   suite_add_tcase(s, tc);
   if (geteuid() == 0) {
     tc = tcase_create("access");

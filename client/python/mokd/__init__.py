@@ -1,0 +1,379 @@
+"""Python client of mokd, the MoE execution daemon.
+
+A ctypes binding to libmok. Arenas are shared memory that both this process
+and the daemon map; numpy arrays returned here are zero-copy views of them.
+bf16 tensors are numpy uint16 arrays holding the bf16 bit patterns; use
+`to_bf16` and `from_bf16` to convert.
+
+    import mokd
+    c = mokd.Client()                       # $MOKD_SOCKET or the default path
+    layer = mokd.MoELayer(c, hidden=512, intermediate=1024, experts=16, top_k=4)
+    layer.set_weights(w_gate, w_up, w_down) # bf16 (uint16) arrays, copied once
+    out, ctx = layer.forward(x, topk_ids, topk_weights)
+    grads = layer.backward(ctx, d_out)
+"""
+
+import ctypes
+import os
+
+import numpy as np
+
+__all__ = ["Client", "Arena", "MoELayer", "MokError", "to_bf16", "from_bf16"]
+
+BF16, F32, I32 = 1, 2, 3
+GRAD_BF16, GRAD_FP32_ACCUM = 0, 1
+_MAX_DIMS = 4
+_NW = 6
+_DTYPES = {BF16: np.uint16, F32: np.float32, I32: np.int32}
+
+
+class _Tensor(ctypes.Structure):
+    _fields_ = [("arena", ctypes.c_uint64), ("offset", ctypes.c_uint64),
+                ("dtype", ctypes.c_int), ("ndim", ctypes.c_int),
+                ("shape", ctypes.c_int64 * _MAX_DIMS)]
+
+
+class _ArenaInfo(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_uint64), ("ptr", ctypes.c_void_p), ("bytes", ctypes.c_size_t)]
+
+
+class _LayerDesc(ctypes.Structure):
+    _fields_ = [("hidden", ctypes.c_int64), ("intermediate", ctypes.c_int64),
+                ("experts", ctypes.c_int64), ("top_k", ctypes.c_int64),
+                ("shared_intermediate", ctypes.c_int64), ("swiglu_limit", ctypes.c_float),
+                ("ep_group", ctypes.c_uint64), ("ep_size", ctypes.c_uint32),
+                ("ep_rank", ctypes.c_uint32), ("grad_mode", ctypes.c_int)]
+
+
+class _Timing(ctypes.Structure):
+    _fields_ = [("queued_ns", ctypes.c_uint64), ("compute_ns", ctypes.c_uint64)]
+
+
+class _FwdResult(ctypes.Structure):
+    _fields_ = [("context", ctypes.c_uint64), ("out", _Tensor), ("out_ptr", ctypes.c_void_p),
+                ("timing", _Timing)]
+
+
+class _BwdResult(ctypes.Structure):
+    _fields_ = [("result", ctypes.c_uint64), ("d_x", _Tensor), ("d_topk_weights", _Tensor),
+                ("d_x_ptr", ctypes.c_void_p), ("d_topk_weights_ptr", ctypes.c_void_p),
+                ("ngrads", ctypes.c_int), ("grads", _Tensor * _NW),
+                ("grad_ptrs", ctypes.c_void_p * _NW), ("timing", _Timing)]
+
+
+class _Usage(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_uint64) for n in (
+        "sessions", "arenas", "arena_bytes", "layers", "contexts", "context_bytes",
+        "results", "requests", "forwards", "backwards", "errors")]
+
+
+class _Stats(ctypes.Structure):
+    _fields_ = [("daemon", _Usage), ("session", _Usage), ("uptime_ns", ctypes.c_uint64),
+                ("backend", ctypes.c_char * 32)]
+
+
+def _find_lib():
+    env = os.environ.get("MOK_LIB")
+    here = os.path.dirname(os.path.abspath(__file__))
+    candidates = [env] if env else []
+    candidates += [os.path.join(here, "libmok.so"),
+                   os.path.join(here, "..", "..", "..", "build", "libmok.so"),
+                   "libmok.so.0", "libmok.so"]
+    errors = []
+    for c in candidates:
+        try:
+            return ctypes.CDLL(c)
+        except OSError as e:
+            errors.append(str(e))
+    raise OSError("libmok not found; build it with `make` or set MOK_LIB "
+                  "(tried: %s)" % "; ".join(errors))
+
+
+_lib = _find_lib()
+_P = ctypes.POINTER
+_lib.mok_connect.argtypes = [ctypes.c_char_p, ctypes.c_char_p, _P(ctypes.c_void_p)]
+_lib.mok_close.argtypes = [ctypes.c_void_p]
+_lib.mok_last_error.argtypes = [ctypes.c_void_p]
+_lib.mok_last_error.restype = ctypes.c_char_p
+_lib.mok_strerror.argtypes = [ctypes.c_int]
+_lib.mok_strerror.restype = ctypes.c_char_p
+_lib.mok_err_name.argtypes = [ctypes.c_int]
+_lib.mok_err_name.restype = ctypes.c_char_p
+_lib.mok_ping.argtypes = [ctypes.c_void_p, _P(ctypes.c_uint64)]
+_lib.mok_stats_get.argtypes = [ctypes.c_void_p, _P(_Stats)]
+_lib.mok_arena_create.argtypes = [ctypes.c_void_p, ctypes.c_size_t, _P(_ArenaInfo)]
+_lib.mok_arena_destroy.argtypes = [ctypes.c_void_p, ctypes.c_uint64]
+_lib.mok_tensor_ptr.argtypes = [ctypes.c_void_p, _P(_Tensor)]
+_lib.mok_tensor_ptr.restype = ctypes.c_void_p
+_lib.mok_layer_create.argtypes = [ctypes.c_void_p, _P(_LayerDesc), _P(ctypes.c_uint64)]
+_lib.mok_layer_destroy.argtypes = [ctypes.c_void_p, ctypes.c_uint64]
+_lib.mok_layer_set_weights.argtypes = [ctypes.c_void_p, ctypes.c_uint64, _P(_Tensor)]
+_lib.mok_forward.argtypes = [ctypes.c_void_p, ctypes.c_uint64, _P(_Tensor), _P(_Tensor),
+                             _P(_Tensor), ctypes.c_int, _P(_FwdResult)]
+_lib.mok_backward.argtypes = [ctypes.c_void_p, ctypes.c_uint64, _P(_Tensor), _P(_Tensor),
+                              ctypes.c_int, _P(_BwdResult)]
+_lib.mok_release.argtypes = [ctypes.c_void_p, _P(ctypes.c_uint64), ctypes.c_int]
+
+
+class MokError(RuntimeError):
+    """A mokd call failed: `code` is the negative mok code, `name` its name."""
+
+    def __init__(self, code, message):
+        self.code = code
+        self.name = _lib.mok_err_name(code).decode()
+        super().__init__("%s (%s): %s" % (self.name, code, message))
+
+
+def to_bf16(a):
+    """float array -> uint16 bf16 bit patterns, round to nearest even."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(nan, ((u >> 16) | 0x40).astype(np.uint16), r)
+
+
+def from_bf16(b):
+    """uint16 bf16 bit patterns -> float32."""
+    return (np.asarray(b, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def _view(ptr, dtype, shape):
+    n = int(np.prod(shape))
+    ctype = np.ctypeslib.as_ctypes_type(np.dtype(dtype))
+    buf = (ctype * n).from_address(ptr)
+    return np.ctypeslib.as_array(buf).reshape(shape)
+
+
+class Arena:
+    """Shared memory mapped by this process and the daemon."""
+
+    def __init__(self, client, info):
+        self.client, self.id, self.ptr, self.bytes = client, info.id, info.ptr, info.bytes
+        self._at = 0
+
+    def view(self, offset, dtype, shape):
+        """A zero-copy numpy array at `offset` of the arena."""
+        size = np.dtype(dtype).itemsize * int(np.prod(shape))
+        if offset < 0 or offset + size > self.bytes:
+            raise ValueError("view [%d, %d) lies outside the arena's %d bytes"
+                             % (offset, offset + size, self.bytes))
+        return _view(self.ptr + offset, dtype, shape)
+
+    def alloc(self, dtype, shape):
+        """The next free, 256-byte aligned array of the arena (a bump allocator)."""
+        size = np.dtype(dtype).itemsize * int(np.prod(shape))
+        off = (self._at + 255) // 256 * 256
+        if off + size > self.bytes:
+            raise MemoryError("arena %d has %d bytes; %d more do not fit"
+                              % (self.id, self.bytes, size))
+        self._at = off + size
+        return off, self.view(off, dtype, shape)
+
+
+class Client:
+    """One connection to mokd. Not thread-safe: use one per thread."""
+
+    def __init__(self, socket=None, name="python"):
+        h = ctypes.c_void_p()
+        rc = _lib.mok_connect(socket.encode() if socket else None, name.encode(),
+                              ctypes.byref(h))
+        self._h = h
+        if rc != 0:
+            msg = _lib.mok_last_error(h).decode() if h else _lib.mok_strerror(rc).decode()
+            self.close()
+            raise MokError(rc, msg)
+        self._arenas = {}
+
+    def close(self):
+        if self._h:
+            _lib.mok_close(self._h)
+            self._h = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        self.close()
+
+    def _check(self, rc):
+        if rc != 0:
+            raise MokError(rc, _lib.mok_last_error(self._h).decode())
+
+    def ping(self):
+        """Round trip in seconds."""
+        ns = ctypes.c_uint64()
+        self._check(_lib.mok_ping(self._h, ctypes.byref(ns)))
+        return ns.value * 1e-9
+
+    def stats(self):
+        st = _Stats()
+        self._check(_lib.mok_stats_get(self._h, ctypes.byref(st)))
+        usage = lambda u: {n: getattr(u, n) for n, _ in _Usage._fields_}
+        return {"daemon": usage(st.daemon), "session": usage(st.session),
+                "uptime_s": st.uptime_ns * 1e-9, "backend": st.backend.decode()}
+
+    def arena(self, nbytes):
+        info = _ArenaInfo()
+        self._check(_lib.mok_arena_create(self._h, nbytes, ctypes.byref(info)))
+        a = Arena(self, info)
+        self._arenas[a.id] = a
+        return a
+
+    def destroy_arena(self, arena):
+        self._check(_lib.mok_arena_destroy(self._h, arena.id))
+        self._arenas.pop(arena.id, None)
+
+    def _tensor_of(self, array):
+        """The wire tensor of a numpy array that is a view of one of our arenas."""
+        if not isinstance(array, np.ndarray) or not array.flags["C_CONTIGUOUS"]:
+            raise TypeError("expected a C-contiguous numpy array inside a mokd arena")
+        dtype = {np.dtype(np.uint16): BF16, np.dtype(np.float32): F32,
+                 np.dtype(np.int32): I32}.get(array.dtype)
+        if dtype is None:
+            raise TypeError("dtype %s has no mokd equivalent (uint16 for bf16, float32, "
+                            "int32)" % array.dtype)
+        ptr = array.ctypes.data
+        for a in self._arenas.values():
+            if a.ptr <= ptr and ptr + array.nbytes <= a.ptr + a.bytes:
+                t = _Tensor(a.id, ptr - a.ptr, dtype, array.ndim)
+                for i, d in enumerate(array.shape):
+                    t.shape[i] = d
+                return t
+        return None
+
+    def release(self, *ids):
+        arr = (ctypes.c_uint64 * len(ids))(*ids)
+        self._check(_lib.mok_release(self._h, arr, len(ids)))
+
+
+def _out_view(client, tensor):
+    ptr = _lib.mok_tensor_ptr(client._h, ctypes.byref(tensor))
+    shape = tuple(tensor.shape[i] for i in range(tensor.ndim))
+    return _view(ptr, _DTYPES[tensor.dtype], shape)
+
+
+class Context:
+    """A forward's saved state and its output; released when dropped."""
+
+    def __init__(self, client, cid, out):
+        self.client, self.id, self.out = client, cid, out
+
+    def release(self):
+        if self.id:
+            self.client.release(self.id)
+            self.id = 0
+
+
+class MoELayer:
+    """A routed SwiGLU MoE layer (plus an optional shared expert) run by mokd.
+
+    Weights are registered once and read in place each step: write new values
+    into the arrays returned by `weights` (or `set_weights` again) and the next
+    forward sees them. Inputs that are not already arena views are copied into
+    a per-layer staging arena."""
+
+    def __init__(self, client, hidden, intermediate, experts, top_k,
+                 shared_intermediate=0, swiglu_limit=0.0, grad_mode="bf16"):
+        self.client = client
+        self.H, self.I, self.E, self.K, self.I_s = hidden, intermediate, experts, top_k, \
+            shared_intermediate
+        self.grad_mode = {"bf16": GRAD_BF16, "fp32_accum": GRAD_FP32_ACCUM}[grad_mode]
+        d = _LayerDesc(hidden, intermediate, experts, top_k, shared_intermediate,
+                       swiglu_limit, 0, 1, 0, self.grad_mode)
+        lid = ctypes.c_uint64()
+        client._check(_lib.mok_layer_create(client._h, ctypes.byref(d), ctypes.byref(lid)))
+        self.id = lid.value
+        self.weights = None
+        self._stage = None
+
+    def weight_shapes(self):
+        H, I, E, Is = self.H, self.I, self.E, self.I_s
+        shapes = [(E, I, H), (E, I, H), (E, H, I)]
+        if Is:
+            shapes += [(Is, H), (Is, H), (H, Is)]
+        return shapes
+
+    def set_weights(self, *weights):
+        """bf16 (uint16) arrays in the order w_gate, w_up, w_down[, s_gate, s_up,
+        s_down]; copied into a weight arena unless they already live in one."""
+        shapes = self.weight_shapes()
+        if len(weights) != len(shapes):
+            raise ValueError("expected %d weight arrays, got %d" % (len(shapes), len(weights)))
+        tensors = (_Tensor * _NW)()
+        views = []
+        need = sum((int(np.prod(s)) * 2 + 255) // 256 * 256 for s in shapes)
+        arena = None
+        for i, (w, s) in enumerate(zip(weights, shapes)):
+            t = self.client._tensor_of(w) if isinstance(w, np.ndarray) else None
+            if t is None:
+                if arena is None:
+                    arena = self.client.arena(need)
+                _, v = arena.alloc(np.uint16, s)
+                v[...] = np.asarray(w, dtype=np.uint16).reshape(s)
+                t = self.client._tensor_of(v)
+                w = v
+            tensors[i] = t
+            views.append(w)
+        self.client._check(_lib.mok_layer_set_weights(self.client._h, self.id, tensors))
+        self.weights = views
+
+    def _stage_inputs(self, arrays):
+        """(tensor, array) for each input, copying into the staging arena as needed."""
+        out = []
+        need = sum((a.nbytes + 255) // 256 * 256 for a in arrays)
+        if self._stage is None or self._stage.bytes < need:
+            if self._stage is not None:
+                self.client.destroy_arena(self._stage)
+            self._stage = self.client.arena(max(need, 1 << 20))
+        self._stage._at = 0
+        for a in arrays:
+            t = self.client._tensor_of(a)
+            if t is None:
+                _, v = self._stage.alloc(a.dtype, a.shape)
+                v[...] = a
+                t = self.client._tensor_of(v)
+            out.append(t)
+        return out
+
+    def forward(self, x, topk_ids, topk_weights, inference=False):
+        """x: uint16 bf16 [T, H]; topk_ids: int32 [T, K]; topk_weights: float32
+        [T, K]. Returns (out, ctx): out is a zero-copy bf16 view owned by ctx."""
+        x = np.ascontiguousarray(x, dtype=np.uint16)
+        ids = np.ascontiguousarray(topk_ids, dtype=np.int32)
+        tw = np.ascontiguousarray(topk_weights, dtype=np.float32)
+        tx, ti, tw_ = self._stage_inputs([x, ids, tw])
+        res = _FwdResult()
+        self.client._check(_lib.mok_forward(self.client._h, self.id, ctypes.byref(tx),
+                                            ctypes.byref(ti), ctypes.byref(tw_),
+                                            1 if inference else 0, ctypes.byref(res)))
+        out = _out_view(self.client, res.out)
+        return out, Context(self.client, res.context, out)
+
+    def backward(self, ctx, d_out, grads=None):
+        """d_out: uint16 bf16 [T, H]. grads: fp32 arena arrays to add into
+        (fp32_accum layers). Returns a dict of zero-copy views: d_x, d_topk_weights
+        and, for bf16 layers, the weight gradients; plus `result`, the id that owns
+        them (release it with client.release)."""
+        d_out = np.ascontiguousarray(d_out, dtype=np.uint16)
+        (td,) = self._stage_inputs([d_out])
+        gt, n = None, 0
+        if grads is not None:
+            gt = (_Tensor * _NW)()
+            for i, g in enumerate(grads):
+                t = self.client._tensor_of(g)
+                if t is None:
+                    raise TypeError("gradient buffers must live in a mokd arena")
+                gt[i] = t
+            n = len(grads)
+        res = _BwdResult()
+        self.client._check(_lib.mok_backward(self.client._h, ctx.id, ctypes.byref(td), gt, n,
+                                             ctypes.byref(res)))
+        names = ["w_gate", "w_up", "w_down", "s_gate", "s_up", "s_down"]
+        out = {"result": res.result, "d_x": _out_view(self.client, res.d_x),
+               "d_topk_weights": _out_view(self.client, res.d_topk_weights)}
+        for i in range(res.ngrads):
+            out[names[i]] = _out_view(self.client, res.grads[i])
+        return out

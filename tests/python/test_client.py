@@ -1,0 +1,208 @@
+"""The Python client against a real mokd: numpy in, zero-copy numpy out,
+checked against a float64 numpy reference of the layer's math."""
+
+import os
+import subprocess
+import tempfile
+import time
+import unittest
+
+import numpy as np
+
+import mokd
+
+MOKD = os.environ.get("MOKD_BIN", "build/mokd")
+TOL = 2.0 ** -8  # one bf16 ulp of the element + one of a typical term (see check_forward.c)
+
+
+def rb(a):
+    return mokd.from_bf16(mokd.to_bf16(a)).astype(np.float64)
+
+
+def silu(g):
+    return g / (1.0 + np.exp(-g))
+
+
+def reference(x, ids, tw, w, d_out, limit=0.0):
+    """float64 forward and backward, rounding to bf16 where the engine does."""
+    T, H = x.shape
+    K = ids.shape[1]
+    out = np.zeros((T, H))
+    dx = np.zeros((T, H))
+    dtw = np.zeros((T, K))
+    grads = [np.zeros_like(a) for a in w]
+
+    def expert(xr, dy, wg, wu, wd, gg, gu, gd):
+        g, u = xr @ wg.T, xr @ wu.T
+        gc, uc = g, u
+        if limit > 0:
+            gc, uc = np.minimum(g, limit), np.clip(u, -limit, limit)
+        h = rb(silu(gc) * uc)
+        y = rb(h @ wd.T)
+        if dy is None:
+            return y
+        dh = dy @ wd
+        s = 1.0 / (1.0 + np.exp(-gc))
+        dg = dh * uc * s * (1 + gc * (1 - s))
+        du = dh * silu(gc)
+        if limit > 0:
+            dg = np.where(g > limit, 0.0, dg)
+            du = np.where(np.abs(u) > limit, 0.0, du)
+        gg += np.outer(dg, xr)
+        gu += np.outer(du, xr)
+        gd += np.outer(dy, h)
+        return y, dg @ wg + du @ wu
+
+    for t in range(T):
+        for k in range(K):
+            e = ids[t, k]
+            y = expert(x[t], None, w[0][e], w[1][e], w[2][e], None, None, None)
+            out[t] += tw[t, k] * y
+            dtw[t, k] = d_out[t] @ y
+            _, dxp = expert(x[t], tw[t, k] * d_out[t], w[0][e], w[1][e], w[2][e],
+                            grads[0][e], grads[1][e], grads[2][e])
+            dx[t] += dxp
+        if len(w) == 6:
+            out[t] += expert(x[t], None, w[3], w[4], w[5], None, None, None)
+            _, dxs = expert(x[t], d_out[t], w[3], w[4], w[5], grads[3], grads[4], grads[5])
+            dx[t] += dxs
+    return out, dx, dtw, grads
+
+
+def assert_close(test, ref, got, what):
+    ref = np.asarray(ref, dtype=np.float64)
+    got = np.asarray(got, dtype=np.float64)
+    rms = np.sqrt(np.mean(ref ** 2))
+    tol = TOL * np.abs(ref) + TOL * rms
+    worst = np.max(np.abs(got - ref) / tol)
+    test.assertLessEqual(worst, 1.0, "%s: worst element at %.3f x tolerance" % (what, worst))
+
+
+def problem(rng, T, H, I, E, K, Is):
+    x = mokd.to_bf16(rng.uniform(-1, 1, (T, H)))
+    d_out = mokd.to_bf16(rng.uniform(-1, 1, (T, H)))
+    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32)
+    tw = rng.uniform(0.1, 1.0, (T, K)).astype(np.float32)
+    shapes = [(E, I, H), (E, I, H), (E, H, I)] + ([(Is, H), (Is, H), (H, Is)] if Is else [])
+    w = [mokd.to_bf16(rng.uniform(-1, 1, s) * 2 / np.sqrt(s[-1])) for s in shapes]
+    return x, ids, tw, w, d_out
+
+
+class ClientTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = tempfile.mkdtemp(prefix="mokd-py-")
+        cls.sock = os.path.join(cls.dir, "mokd.sock")
+        cls.log = open(os.path.join(cls.dir, "mokd.log"), "w")
+        cls.proc = subprocess.Popen([MOKD, "--socket", cls.sock, "--config", "/dev/null",
+                                     "--cpu-threads", "2"], stderr=cls.log)
+        for _ in range(400):
+            if os.path.exists(cls.sock):
+                try:
+                    mokd.Client(cls.sock).close()
+                    break
+                except mokd.MokError:
+                    pass
+            time.sleep(0.01)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.proc.terminate()
+        rc = cls.proc.wait(timeout=30)
+        cls.log.close()
+        assert rc == 0, "mokd exited with %d" % rc
+
+    def setUp(self):
+        self.c = mokd.Client(self.sock, name="test")
+
+    def tearDown(self):
+        self.c.close()
+
+    def run_layer(self, Is, limit, grad_mode="bf16", seed=0):
+        T, H, I, E, K = 24, 32, 16, 6, 2
+        rng = np.random.default_rng(seed)
+        x, ids, tw, w, d_out = problem(rng, T, H, I, E, K, Is)
+        layer = mokd.MoELayer(self.c, H, I, E, K, shared_intermediate=Is, swiglu_limit=limit,
+                              grad_mode=grad_mode)
+        layer.set_weights(*w)
+        out, ctx = layer.forward(x, ids, tw)
+        wf = [mokd.from_bf16(a).astype(np.float64) for a in w]
+        ref = reference(mokd.from_bf16(x).astype(np.float64), ids, tw.astype(np.float64), wf,
+                        mokd.from_bf16(d_out).astype(np.float64), limit)
+        return layer, (x, ids, tw, w, d_out), out, ctx, ref
+
+    def test_forward_backward_match_reference(self):
+        layer, (x, ids, tw, w, d_out), out, ctx, ref = self.run_layer(Is=8, limit=0.6)
+        ref_out, ref_dx, ref_dtw, ref_g = ref
+        self.assertEqual(out.dtype, np.uint16)
+        self.assertEqual(out.shape, (24, 32))
+        assert_close(self, ref_out, mokd.from_bf16(out), "out")
+        g = layer.backward(ctx, d_out)
+        assert_close(self, ref_dx, mokd.from_bf16(g["d_x"]), "d_x")
+        assert_close(self, ref_dtw, g["d_topk_weights"], "d_topk_weights")
+        for i, name in enumerate(["w_gate", "w_up", "w_down", "s_gate", "s_up", "s_down"]):
+            assert_close(self, ref_g[i], mokd.from_bf16(g[name]), name)
+        self.c.release(ctx.id, g["result"])
+
+    def test_fp32_accumulate_into_arena_buffers(self):
+        layer, (x, ids, tw, w, d_out), out, ctx, ref = self.run_layer(
+            Is=0, limit=0.0, grad_mode="fp32_accum", seed=1)
+        arena = self.c.arena(sum(a.size * 4 + 256 for a in w))
+        bufs = []
+        for a in w:
+            _, v = arena.alloc(np.float32, a.shape)
+            v[...] = 1.0
+            bufs.append(v)
+        layer.backward(ctx, d_out, grads=bufs)
+        for i in range(3):
+            assert_close(self, ref[3][i], bufs[i] - 1.0, "fp32 grad %d" % i)
+
+    def test_weights_are_read_in_place(self):
+        layer, (x, ids, tw, w, d_out), out, ctx, ref = self.run_layer(Is=0, limit=0.0, seed=2)
+        first = out.copy()
+        layer.weights[2][...] = mokd.to_bf16(2 * mokd.from_bf16(layer.weights[2]))
+        out2, ctx2 = layer.forward(x, ids, tw)
+        # doubling w_down doubles y, and so out, exactly (powers of two are exact)
+        np.testing.assert_array_equal(mokd.from_bf16(out2), 2 * mokd.from_bf16(first))
+
+    def test_outputs_are_zero_copy_views(self):
+        layer, (x, ids, tw, w, d_out), out, ctx, ref = self.run_layer(Is=0, limit=0.0, seed=3)
+        self.assertFalse(out.flags["OWNDATA"])
+        _, ctx2 = layer.forward(x, ids, tw, inference=True)
+        self.assertFalse(np.shares_memory(out, ctx2.out))  # each context owns its output
+        np.testing.assert_array_equal(out, ctx2.out)        # and the bits repeat
+
+    def test_errors_carry_code_and_message(self):
+        layer, (x, ids, tw, w, d_out), out, ctx, ref = self.run_layer(Is=0, limit=0.0, seed=4)
+        bad = ids.copy()
+        bad[3, 1] = 6
+        with self.assertRaises(mokd.MokError) as cm:
+            layer.forward(x, bad, tw)
+        self.assertEqual(cm.exception.code, -4003)
+        self.assertEqual(cm.exception.name, "MOK_EEXPERT")
+        self.assertIn("token 3 k 1: expert id 6", str(cm.exception))
+        with self.assertRaises(mokd.MokError) as cm:
+            mokd.MoELayer(self.c, 32, 16, 6, 7)
+        self.assertEqual(cm.exception.name, "MOK_ESHAPE")
+
+    def test_stats_return_to_zero_after_close(self):
+        other = mokd.Client(self.sock, name="short-lived")
+        layer = mokd.MoELayer(other, 32, 16, 4, 2)
+        rng = np.random.default_rng(5)
+        x, ids, tw, w, d_out = problem(rng, 8, 32, 16, 4, 2, 0)
+        layer.set_weights(*w)
+        layer.forward(x, ids, tw)
+        self.assertGreater(self.c.stats()["daemon"]["arenas"], 0)
+        other.close()
+        for _ in range(200):
+            st = self.c.stats()["daemon"]
+            if st["arenas"] == 0:
+                break
+            time.sleep(0.01)
+        self.assertEqual(st["arenas"], 0)
+        self.assertEqual(st["arena_bytes"], 0)
+        self.assertEqual(st["contexts"], 0)
+
+
+if __name__ == "__main__":
+    unittest.main()
