@@ -832,6 +832,34 @@ static void plain_teardown(void)
   rmdir(dir);
 }
 
+START_TEST(session_quota_is_enforced)
+{
+  char q[128], log2[128];
+  snprintf(q, sizeof q, "%s/quota.sock", dir);
+  snprintf(log2, sizeof log2, "%s/quota.log", dir);
+  pid_t p = spawn_daemon(q, "--session-quota-bytes=96M", log2);
+  wait_for_socket(q, p);
+  mok_client *c;
+  mok_arena_info a, b;
+  ck_assert_int_eq(mok_connect(q, "quota", &c), 0);
+  ck_assert_int_eq(mok_arena_create(c, 32u << 20, &a), 0);
+  ck_assert_int_eq(mok_arena_create(c, 80u << 20, &b), MOK_EDQUOT);
+  ck_assert_ptr_nonnull(strstr(mok_last_error(c), "quota is 100663296"));
+  /* outputs count too: a forward needs a 64 MiB output arena, which no longer fits */
+  mok_layer_desc d = {.hidden = 64, .intermediate = 32, .experts = 4, .top_k = 2};
+  mok_testbed tb;
+  mok_forward_result f;
+  ck_assert_int_eq(mok_testbed_setup(c, &d, 8, 1, &tb), 0);
+  ck_assert_int_eq(mok_forward(c, tb.layer, &tb.x, &tb.ids, &tb.tw, 1, &f), MOK_EDQUOT);
+  ck_assert_int_eq(mok_arena_destroy(c, a.id), 0);
+  ck_assert_int_eq(mok_forward(c, tb.layer, &tb.x, &tb.ids, &tb.tw, 1, &f), 0);
+  mok_close(c);
+  int st = stop_daemon(p);
+  ck_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+  unlink(log2);
+}
+END_TEST
+
 static Suite *daemon_suite(void)
 {
   Suite *s = suite_create("daemon");
@@ -846,6 +874,7 @@ static Suite *daemon_suite(void)
   tcase_add_test(tc, sigterm_finishes_in_flight_work);
   tcase_add_test(tc, second_daemon_and_stale_socket);
   tcase_add_test(tc, config_error_stops_startup);
+  tcase_add_test(tc, session_quota_is_enforced);
   suite_add_tcase(s, tc);
   tc = tcase_create("bad_input");
   tcase_add_checked_fixture(tc, setup, teardown);
