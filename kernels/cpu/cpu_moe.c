@@ -144,6 +144,12 @@ static const uint16_t *tile_weight(const step *st, const tile *t, int which)
   return w + (t->e - t->p * st->El) * s->I * s->H;
 }
 
+/* end of row block blk of TOK_BLOCK rows out of n */
+static int64_t block_end(int64_t blk, int64_t n)
+{
+  return (blk + 1) * TOK_BLOCK < n ? (blk + 1) * TOK_BLOCK : n;
+}
+
 /* ---- forward ------------------------------------------------------------- */
 
 static void fwd_dispatch(void *arg, int64_t blk)
@@ -151,7 +157,7 @@ static void fwd_dispatch(void *arg, int64_t blk)
   step *st = arg;
   cpu_ctx *c = st->c;
   int64_t H = st->s->H, K = st->s->K, TK = st->T * K;
-  int64_t q1 = (blk + 1) * TOK_BLOCK < st->rows ? (blk + 1) * TOK_BLOCK : st->rows;
+  int64_t q1 = block_end(blk, st->rows);
 
   for (int64_t q = blk * TOK_BLOCK; q < q1; q++) {
     int64_t gp = c->plan.src[q], r = gp / TK, i = gp % TK;
@@ -216,7 +222,7 @@ static void fwd_combine(void *arg, int64_t blk)
   step *st = arg;
   const mokk_shape *s = st->s;
   int64_t H = s->H, K = s->K, T = st->T;
-  int64_t g1 = (blk + 1) * TOK_BLOCK < st->tokens ? (blk + 1) * TOK_BLOCK : st->tokens;
+  int64_t g1 = block_end(blk, st->tokens);
 
   for (int64_t gt = blk * TOK_BLOCK; gt < g1; gt++) {
     int64_t r = gt / T, t = gt % T;
@@ -354,7 +360,7 @@ static void bwd_dtw(void *arg, int64_t blk)
 {
   step *st = arg;
   int64_t H = st->s->H, K = st->s->K, T = st->T;
-  int64_t g1 = (blk + 1) * TOK_BLOCK < st->tokens ? (blk + 1) * TOK_BLOCK : st->tokens;
+  int64_t g1 = block_end(blk, st->tokens);
 
   for (int64_t gt = blk * TOK_BLOCK; gt < g1; gt++) {
     int64_t r = gt / T, t = gt % T;
@@ -369,7 +375,7 @@ static void bwd_dispatch(void *arg, int64_t blk)
   step *st = arg;
   const cpu_ctx *c = st->c;
   int64_t H = st->s->H, K = st->s->K, TK = st->T * K;
-  int64_t q1 = (blk + 1) * TOK_BLOCK < st->rows ? (blk + 1) * TOK_BLOCK : st->rows;
+  int64_t q1 = block_end(blk, st->rows);
 
   for (int64_t q = blk * TOK_BLOCK; q < q1; q++) {
     int64_t gp = c->plan.src[q], r = gp / TK, t = (gp % TK) / K;
@@ -445,7 +451,7 @@ static void bwd_combine(void *arg, int64_t blk)
   step *st = arg;
   const mokk_shape *s = st->s;
   int64_t H = s->H, K = s->K, T = st->T;
-  int64_t g1 = (blk + 1) * TOK_BLOCK < st->tokens ? (blk + 1) * TOK_BLOCK : st->tokens;
+  int64_t g1 = block_end(blk, st->tokens);
 
   for (int64_t gt = blk * TOK_BLOCK; gt < g1; gt++) {
     uint16_t *dx = st->br[gt / T].d_x + (gt % T) * H;
@@ -464,7 +470,7 @@ static void to_f32_rows(void *arg, int64_t blk)
 {
   step *st = arg;
   int64_t H = st->s->H, T = st->T;
-  int64_t g1 = (blk + 1) * TOK_BLOCK < st->tokens ? (blk + 1) * TOK_BLOCK : st->tokens;
+  int64_t g1 = block_end(blk, st->tokens);
 
   for (int64_t gt = blk * TOK_BLOCK; gt < g1; gt++) {
     const uint16_t *d = st->br[gt / T].d_out + (gt % T) * H;
