@@ -59,11 +59,6 @@ typedef struct mokd_result {
   struct mokd_result *next;
 } mokd_result;
 
-typedef struct mokd_usage {
-  uint64_t sessions, arenas, arena_bytes, layers, contexts, context_bytes, results;
-  uint64_t requests, forwards, backwards, errors;
-} mokd_usage;
-
 /* One request waiting in a session's queue, with the fds that came with it. */
 typedef struct mokd_pending {
   Mokd__Request *req;
@@ -115,7 +110,7 @@ struct mokd_session {
   mokd_result *results;
   int nlayers;
   uint64_t bytes;       /* held against the quota */
-  mokd_usage usage;
+  mok_usage usage; /* the counters Stats reports, as libmok spells them */
   struct mokd_session *next, *prev;
 };
 
@@ -153,7 +148,7 @@ struct mokd_server {
   mokd_session *sessions;
   int nsessions;
   uint64_t next_id;     /* ids of sessions, arenas, layers, results: one counter */
-  mokd_usage usage;
+  mok_usage usage;
   uint64_t start_ns;
   int draining;
   int stopped;
@@ -161,7 +156,6 @@ struct mokd_server {
   int nallow_uids;
   gid_t allow_gids[32];
   int nallow_gids;
-  uint8_t scratch[65536];
 };
 
 uint64_t mokd_now_ns(void);
@@ -192,16 +186,11 @@ void mokd_quota_give(mokd_session *s, uint64_t bytes);
 
 /* session.c */
 mokd_session *mokd_session_new(mokd_server *srv, int fd);
-void mokd_session_on_readable(mokd_session *s);
-void mokd_session_pump(mokd_session *s);
 void mokd_session_close(mokd_session *s, const char *why);
 void mokd_session_job_done(mokd_job *job);
-int mokd_session_send(mokd_session *s, Mokd__Response *resp, const int *fds, int nfds);
-void mokd_result_free(mokd_session *s, mokd_result *r);
 
 /* server.c */
 int mokd_server_start(mokd_server *srv, char *err, size_t errlen);
-void mokd_server_drain(mokd_server *srv);
 void mokd_server_maybe_stop(mokd_server *srv);
 
 #endif

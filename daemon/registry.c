@@ -33,7 +33,7 @@ void mokd_quota_give(mokd_session *s, uint64_t bytes)
 
 static void account(mokd_session *s, const mokd_arena *a, int sign)
 {
-  mokd_usage *u[2] = {&s->usage, &s->srv->usage};
+  mok_usage *u[2] = {&s->usage, &s->srv->usage};
   for (int i = 0; i < 2; i++) {
     u[i]->arenas += (uint64_t)(int64_t)sign;
     u[i]->arena_bytes += (uint64_t)((int64_t)sign * (int64_t)a->bytes);

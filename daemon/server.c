@@ -184,6 +184,8 @@ static int clear_stale(const char *path, char *err, size_t errlen)
   return 0;
 }
 
+static void mokd_server_drain(mokd_server *srv);
+
 static void on_signal(uv_signal_t *h, int signum)
 {
   mokd_server *srv = h->data;
@@ -260,7 +262,7 @@ int mokd_server_start(mokd_server *srv, char *err, size_t errlen)
   return 0;
 }
 
-void mokd_server_drain(mokd_server *srv)
+static void mokd_server_drain(mokd_server *srv)
 {
   if (srv->draining)
     return;

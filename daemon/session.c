@@ -17,6 +17,7 @@
 #define READ_CHUNK 65536
 
 static void arm(mokd_session *s);
+static void mokd_session_pump(mokd_session *s);
 
 /* ---- output ------------------------------------------------------------- */
 
@@ -70,7 +71,7 @@ static void flush(mokd_session *s)
 }
 
 /* fds are dup'ed: the caller keeps its own */
-int mokd_session_send(mokd_session *s, Mokd__Response *resp, const int *fds, int nfds)
+static int mokd_session_send(mokd_session *s, Mokd__Response *resp, const int *fds, int nfds)
 {
   mokd_outbuf *b;
   int rc;
@@ -131,7 +132,7 @@ static void arm(mokd_session *s)
   }
 }
 
-void mokd_result_free(mokd_session *s, mokd_result *r)
+static void mokd_result_free(mokd_session *s, mokd_result *r)
 {
   mokd_result **pp = &s->results;
   while (*pp != NULL && *pp != r)
@@ -420,7 +421,7 @@ static int read_some(mokd_session *s)
   }
 }
 
-void mokd_session_on_readable(mokd_session *s)
+static void mokd_session_on_readable(mokd_session *s)
 {
   if (read_some(s) != 0)
     return;
@@ -937,7 +938,7 @@ static int h_destroy_layer(mokd_session *s, const Mokd__Request *q, char *err)
   return 0;
 }
 
-static void fill_usage(Mokd__Usage *u, const mokd_usage *m)
+static void fill_usage(Mokd__Usage *u, const mok_usage *m)
 {
   u->sessions = m->sessions, u->arenas = m->arenas, u->arena_bytes = m->arena_bytes;
   u->layers = m->layers, u->contexts = m->contexts, u->context_bytes = m->context_bytes;
@@ -1018,7 +1019,7 @@ static int handle(mokd_session *s, mokd_pending *p, char *err)
   }
 }
 
-void mokd_session_pump(mokd_session *s)
+static void mokd_session_pump(mokd_session *s)
 {
   while (!s->closing && s->busy == NULL && s->pend_head != NULL) {
     mokd_pending *p = s->pend_head;
