@@ -28,6 +28,19 @@ LDLIBS    += -lm -lpthread
 CHECK_CFLAGS := $(shell pkg-config --cflags check 2>/dev/null)
 CHECK_LIBS   := $(shell pkg-config --libs check 2>/dev/null)
 
+# ---- CUDA (built whenever nvcc is there) -------------------------------------
+NVCC      ?= $(CUDA_HOME)/bin/nvcc
+HAVE_CUDA ?= $(shell test -x $(NVCC) && echo 1)
+# sm_90a for Hopper's wgmma/TMA, sm_100a for Blackwell, in one fatbin
+CUDA_ARCH ?= -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_100a,code=sm_100a
+NVFLAGS   := -std=c++17 -O3 -lineinfo $(CUDA_ARCH) -Xcompiler -fPIC,-Wall \
+             -Ikernels -Iclient/include
+# cudart is linked statically and reaches the driver itself, so the binaries
+# start on machines without one (they then report no device)
+CUDA_LIBS := -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt -lpthread -lstdc++
+# the GPU machine has no Check package: GPU test binaries link it statically
+CHECK_STATIC := -Wl,-Bstatic -lcheck_pic -lsubunit -Wl,-Bdynamic -lrt -lm
+
 # ---- sources ------------------------------------------------------------
 PROTO_C    := $(BUILD)/proto/mokd.pb-c.c
 PROTO_H    := $(BUILD)/proto/mokd.pb-c.h
@@ -45,6 +58,7 @@ UNIT_SRC   := tests/check_main.c tests/ref.c tests/check_bf16.c \
 UNIT_DAEMON := daemon/config.c daemon/log.c
 INTEG_SRC  := tests/check_daemon.c tests/ref.c
 BENCH_SRC  := tests/bench/bench_cpu.c
+CUDA_SRC   := kernels/cuda/cuda_moe.cu
 
 obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))
 
@@ -56,6 +70,7 @@ UNIT_OBJ   := $(call obj,$(UNIT_SRC)) $(call obj,$(UNIT_DAEMON))
 INTEG_OBJ  := $(call obj,$(INTEG_SRC))
 BENCH_OBJ  := $(call obj,$(BENCH_SRC))
 TOOL_OBJ   := $(call obj,client/testbed.c client/mokctl.c client/examples/mok_demo.c)
+CUDA_OBJ   := $(patsubst %.cu,$(BUILD)/obj/%.o,$(CUDA_SRC))
 
 LIBCOMMON  := $(BUILD)/libmokcommon.a
 LIBMOKK    := $(BUILD)/libmokk.a
@@ -68,18 +83,24 @@ UNIT_BIN   := $(BUILD)/tests/check_mokd
 INTEG_BIN  := $(BUILD)/tests/check_daemon
 BENCH_BIN  := $(BUILD)/bench_cpu
 PC_FILE    := $(BUILD)/mok.pc
+LIBMOKK_CUDA := $(BUILD)/libmokk_cuda.a
+GPU_BIN    := $(BUILD)/tests/check_gpu
+GPU_BENCH  := $(BUILD)/bench_gpu
+ifeq ($(HAVE_CUDA),1)
+CUDA_TARGETS := $(LIBMOKK_CUDA) $(GPU_BIN) $(GPU_BENCH)
+endif
 
 PROTOBUF_LIBS := $(shell pkg-config --libs libprotobuf-c 2>/dev/null || echo -lprotobuf-c)
 DAEMON_LIBS   := $(shell pkg-config --libs libuv inih libsystemd 2>/dev/null || echo -luv -linih -lsystemd) $(PROTOBUF_LIBS)
 
 PREFIX ?= /usr/local
 
-.PHONY: all deps check check-run check-c check-python asan bench-cpu bench clean demo \
-        demo-run install
+.PHONY: all deps check check-run check-c check-python asan bench-cpu bench bench-gpu clean \
+        demo demo-run install gpu-check
 .DEFAULT_GOAL := all
 
 all: $(MOKD_BIN) $(MOKCTL_BIN) $(DEMO_BIN) $(LIBMOK_A) $(LIBMOK_SO) $(PC_FILE) \
-     $(UNIT_BIN) $(INTEG_BIN) $(BENCH_BIN)
+     $(UNIT_BIN) $(INTEG_BIN) $(BENCH_BIN) $(CUDA_TARGETS)
 
 deps:
 	@bash deploy/install-deps.sh
@@ -98,6 +119,23 @@ $(BUILD)/obj/proto/mokd.pb-c.o: $(PROTO_C)
 	$(CC) $(CFLAGS) -Wno-unused-parameter -c $< -o $@
 
 $(call obj,$(UNIT_SRC) $(INTEG_SRC)): CFLAGS += $(CHECK_CFLAGS) -Itests
+
+$(BUILD)/obj/%.o: %.cu $(wildcard kernels/cuda/*.cuh) kernels/cuda/cuda_backend.h kernels/layer.h \
+                   kernels/backend.h client/include/mok_errno.h
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVFLAGS) -c $< -o $@
+
+$(call obj,tests/gpu/check_gpu.c tests/bench/bench_gpu.c): CFLAGS += $(CHECK_CFLAGS) -Itests \
+	-isystem $(CUDA_HOME)/include
+
+$(LIBMOKK_CUDA): $(CUDA_OBJ)
+	$(AR) rcs $@ $^
+$(GPU_BIN): $(call obj,tests/gpu/check_gpu.c tests/ref.c) $(LIBMOKK_CUDA) $(LIBMOKK) $(LIBCOMMON)
+	@mkdir -p $(dir $@)
+	$(CC) -o $@ $^ $(CHECK_STATIC) $(CUDA_LIBS) $(LDLIBS)
+$(GPU_BENCH): $(call obj,tests/bench/bench_gpu.c) $(BUILD)/obj/tests/bench/gpu_fill.o \
+              $(LIBMOKK_CUDA) $(LIBMOKK) $(LIBCOMMON)
+	$(CC) -o $@ $^ $(CUDA_LIBS) $(LDLIBS)
 
 $(LIBCOMMON): $(COMMON_OBJ)
 	$(AR) rcs $@ $^
@@ -156,7 +194,24 @@ bench-cpu: $(BENCH_BIN)
 	@test -n "$(PYTHON)" || { echo "bench-cpu: no python3 with numpy found (tried python3, /usr/bin/python3); run make deps" >&2; exit 1; }
 	$(BENCH_BIN) --numpy "$(PYTHON) tests/bench/numpy_matmul.py"
 
-bench: bench-cpu
+# on the GPU machine; without a GPU (or without nvcc) they say so and pass
+gpu-check:
+ifeq ($(HAVE_CUDA),1)
+	@$(MAKE) --no-print-directory $(GPU_BIN)
+	CK_FORK=no $(GPU_BIN)
+else
+	@echo "gpu-check: nvcc not found at $(NVCC) (set CUDA_HOME); GPU tests skipped"
+endif
+
+bench-gpu:
+ifeq ($(HAVE_CUDA),1)
+	@$(MAKE) --no-print-directory $(GPU_BENCH)
+	$(GPU_BENCH) --verify --torch "$(or $(TORCH_PYTHON),python3) tests/bench/torch_moe.py"
+else
+	@echo "bench-gpu: nvcc not found at $(NVCC) (set CUDA_HOME); nothing to measure"
+endif
+
+bench: bench-cpu bench-gpu
 
 install: all
 	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/lib $(DESTDIR)$(PREFIX)/include \

@@ -6,6 +6,10 @@
 
 #include "layer.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 typedef struct mokk_backend mokk_backend;
 typedef struct mokk_ctx mokk_ctx; /* what a forward saves for its backward */
 
@@ -45,5 +49,9 @@ void mokk_ctx_free(mokk_backend *b, mokk_ctx *ctx);
 size_t mokk_ctx_bytes(const mokk_backend *b, const mokk_ctx *ctx);
 void mokk_backend_destroy(mokk_backend *b);
 const char *mokk_backend_name(const mokk_backend *b);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

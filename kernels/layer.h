@@ -9,6 +9,10 @@
 
 #include "mok_errno.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /* Largest single dimension accepted; keeps every index product inside int64. */
 #define MOKK_DIM_MAX (1 << 24)
 
@@ -89,5 +93,9 @@ void mokk_plan_free(mokk_plan *plan);
 /* Formats an error message into err (MOK_ERRLEN bytes) and returns code. */
 int mokk_fail(char *err, int code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

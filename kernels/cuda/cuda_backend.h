@@ -1,0 +1,34 @@
+/* cuda_backend.h - the CUDA backend: the MoE layer on one GPU, behind the same
+ * interface as the CPU engine. Every pointer handed to forward and backward is
+ * device memory (16-byte aligned). Work is queued on the backend's stream and
+ * the calls return without waiting for it; errors the GPU finds later (an
+ * expert id outside [0, E), a failed kernel) come back from mokk_cuda_sync().
+ * Requires H, I and I_s to be multiples of 64 and one EP rank per step. */
+#ifndef MOKK_CUDA_BACKEND_H
+#define MOKK_CUDA_BACKEND_H
+
+#include "backend.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Number of CUDA devices visible (>= 0), or a negative code with a message
+ * when the runtime or the driver cannot be used. */
+int mokk_cuda_devices(char *err);
+int mokk_cuda_create(int device, mokk_backend **out, char *err);
+/* Caps the blocks of every launch (0 = as many as the GPU holds at once); the
+ * results do not depend on it. */
+void mokk_cuda_set_max_blocks(mokk_backend *b, int blocks);
+int mokk_cuda_max_blocks(const mokk_backend *b);
+int mokk_cuda_device(const mokk_backend *b);
+/* The stream every step runs on (a cudaStream_t). */
+void *mokk_cuda_stream(mokk_backend *b);
+/* Waits for the queued work; returns the first error it met, if any. */
+int mokk_cuda_sync(mokk_backend *b, char *err);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,749 @@
+/* cuda_moe.cu - the CUDA backend: schedule, dispatch, grouped expert GEMMs and
+ * combine, forward and backward, on one stream. No host synchronisation and no
+ * counts on the host: launches are sized for the worst case (every pair
+ * routed) and read the schedule on the device. Every sum has one order: the
+ * schedule is a stable counting sort (rows of an expert by token, then k), the
+ * GEMMs reduce k in tile order inside one block, combines walk k ascending.
+ * No floating-point atomics. */
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "cuda_backend.h"
+#include "gemm.cuh"
+
+#define SCHED_THREADS 256
+
+typedef struct cuda_backend {
+  mokk_backend base;
+  int device, sms, max_blocks;
+  cudaStream_t stream;
+  int *status;   /* device: bit 0 = an expert id out of range */
+} cuda_backend;
+
+typedef struct cuda_ctx {
+  mokk_ctx hdr;
+  const bf16 *x;
+  const bf16 *w[MOKK_NWEIGHTS];
+  int *count, *row_start, *tile_off, *slot, *src;
+  float *row_w;       /* [TK] router weight of each row */
+  bf16 *xr;           /* [TK, H] dispatched rows */
+  float *g, *u;       /* [TK, I] gate and up before the clamp */
+  bf16 *h;            /* [TK, I] */
+  bf16 *y;            /* [TK, H] expert output per row */
+  float *gs, *us;     /* [T, I_s] */
+  bf16 *hs;           /* [T, I_s] */
+  void *block;        /* one allocation holding all of the above */
+  size_t bytes;
+} cuda_ctx;
+
+
+static int cuda_fail(char *err, cudaError_t e, const char *what)
+{
+  return mokk_fail(err, MOK_EDEVICE, "%s: %s (%s)", what, cudaGetErrorString(e),
+                   cudaGetErrorName(e));
+}
+
+#define CK(call)                                          \
+  do {                                                    \
+    cudaError_t e_ = (call);                              \
+    if (e_ != cudaSuccess)                                \
+      return cuda_fail(err, e_, #call);                   \
+  } while (0)
+
+/* ---- schedule ------------------------------------------------------------ */
+
+/* Block e counts the pairs routed to expert e; block 0 also marks invalid ids. */
+__global__ void k_count(const int32_t *ids, int64_t TK, int E, int *count, int *slot,
+                        int *status)
+{
+  __shared__ int part[SCHED_THREADS / 32];
+  int e = blockIdx.x, n = 0;
+
+  for (int64_t p = threadIdx.x; p < TK; p += blockDim.x) {
+    int id = ids[p];
+    n += id == e;
+    if (e == 0 && (id < 0 || id >= E)) {
+      slot[p] = -1;
+      atomicOr(status, 1); /* an integer flag: the order does not matter */
+    }
+  }
+  for (int o = 16; o > 0; o >>= 1)
+    n += __shfl_xor_sync(0xffffffffu, n, o);
+  if ((threadIdx.x & 31) == 0)
+    part[threadIdx.x >> 5] = n;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int s = 0;
+    for (int w = 0; w < SCHED_THREADS / 32; w++)
+      s += part[w];
+    count[e] = s;
+  }
+}
+
+/* One thread: segment starts and m-tile offsets, in expert order. */
+__global__ void k_scan(const int *count, int E, int *row_start, int *tile_off)
+{
+  int rows = 0, tiles = 0;
+  for (int e = 0; e < E; e++) {
+    row_start[e] = rows;
+    tile_off[e] = tiles;
+    rows += count[e];
+    tiles += (count[e] + G_BM - 1) / G_BM;
+  }
+  tile_off[E] = tiles;
+  row_start[E] = rows; /* total rows */
+}
+
+/* Block e gives its pairs consecutive rows in pair order (token, then k). */
+__global__ void k_slots(const int32_t *ids, const float *tw, int64_t TK, const int *row_start,
+                        int *slot, int *src, float *row_w)
+{
+  __shared__ int warp_n[SCHED_THREADS / 32];
+  __shared__ int base;
+  int e = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+
+  if (threadIdx.x == 0)
+    base = row_start[e];
+  __syncthreads();
+  for (int64_t p0 = 0; p0 < TK; p0 += SCHED_THREADS) {
+    int64_t p = p0 + threadIdx.x;
+    int hit = p < TK && ids[p] == e;
+    unsigned b = __ballot_sync(0xffffffffu, hit);
+    if (lane == 0)
+      warp_n[warp] = __popc(b);
+    __syncthreads();
+    int before = base;
+    for (int w = 0; w < warp; w++)
+      before += warp_n[w];
+    if (hit) {
+      int row = before + __popc(b & ((1u << lane) - 1));
+      slot[p] = row;
+      src[row] = (int)p;
+      row_w[row] = tw[p];
+    }
+    __syncthreads();
+    if (threadIdx.x == 0)
+      for (int w = 0; w < SCHED_THREADS / 32; w++)
+        base += warp_n[w];
+    __syncthreads();
+  }
+}
+
+/* ---- dispatch and combine -------------------------------------------------- */
+
+/* xr[row] = x[token of row]; with scale, also dy[row] = w * x[token] (bf16). */
+__global__ void k_gather(const bf16 *x, const int *src, const int *total, int K, int64_t H,
+                         bf16 *xr, const float *row_w, bf16 *dy)
+{
+  int rows = *total;
+  for (int row = blockIdx.x; row < rows; row += gridDim.x) {
+    const bf16 *s = x + (int64_t)(src[row] / K) * H;
+    for (int64_t c = threadIdx.x * 8; c < H; c += blockDim.x * 8) {
+      uint4 v = *(const uint4 *)(s + c);
+      *(uint4 *)(xr + (int64_t)row * H + c) = v;
+      if (dy != NULL) {
+        union { uint4 v; bf16 h[8]; } in, o;
+        in.v = v;
+        for (int j = 0; j < 8; j++)
+          o.h[j] = __float2bfloat16_rn(__fmul_rn(row_w[row], __bfloat162float(in.h[j])));
+        *(uint4 *)(dy + (int64_t)row * H + c) = o.v;
+      }
+    }
+  }
+}
+
+/* out[t] = bf16( sum_k w[t,k] * y[t,k]  (k ascending)  + ys[t] ) */
+__global__ void k_combine(const bf16 *y, const int *slot, const float *tw, const bf16 *ys,
+                          int64_t T, int K, int64_t H, bf16 *out)
+{
+  for (int64_t t = blockIdx.x; t < T; t += gridDim.x)
+    for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
+      float acc = 0.0f;
+      for (int k = 0; k < K; k++) {
+        int r = slot[t * K + k];
+        if (r >= 0)
+          acc = __fadd_rn(acc, __fmul_rn(tw[t * K + k], __bfloat162float(y[(int64_t)r * H + c])));
+      }
+      if (ys != NULL)
+        acc = __fadd_rn(acc, __bfloat162float(ys[t * H + c]));
+      out[t * H + c] = __float2bfloat16_rn(acc);
+    }
+}
+
+/* d_topk_weights[t,k] = sum_h d_out[t,h] y[t,k,h]: a warp per pair, lanes
+ * stride h, then a fixed butterfly. */
+__global__ void k_dtw(const bf16 *d_out, const bf16 *y, const int *slot, int64_t TK, int K,
+                      int64_t H, float *dtw)
+{
+  int lane = threadIdx.x & 31;
+  int64_t warps = (int64_t)gridDim.x * (blockDim.x >> 5);
+  for (int64_t p = blockIdx.x * (int64_t)(blockDim.x >> 5) + (threadIdx.x >> 5); p < TK;
+       p += warps) {
+    int r = slot[p];
+    float acc = 0.0f;
+    if (r >= 0) {
+      const bf16 *d = d_out + (p / K) * H, *v = y + (int64_t)r * H;
+      for (int64_t c = lane; c < H; c += 32)
+        acc = __fadd_rn(acc, __fmul_rn(__bfloat162float(d[c]), __bfloat162float(v[c])));
+    }
+    for (int o = 16; o > 0; o >>= 1)
+      acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, o));
+    if (lane == 0)
+      dtw[p] = acc;
+  }
+}
+
+/* d_x[t] = bf16( sum_k dxr[t,k] (k ascending) + dxs[t] ) */
+__global__ void k_combine_dx(const float *dxr, const int *slot, const float *dxs, int64_t T,
+                             int K, int64_t H, bf16 *d_x)
+{
+  for (int64_t t = blockIdx.x; t < T; t += gridDim.x)
+    for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
+      float acc = 0.0f;
+      for (int k = 0; k < K; k++) {
+        int r = slot[t * K + k];
+        if (r >= 0)
+          acc = __fadd_rn(acc, dxr[(int64_t)r * H + c]);
+      }
+      if (dxs != NULL)
+        acc = __fadd_rn(acc, dxs[t * H + c]);
+      d_x[t * H + c] = __float2bfloat16_rn(acc);
+    }
+}
+
+/* ---- launch helpers ------------------------------------------------------ */
+
+static int grid_for(const cuda_backend *cb, int64_t work, int per_sm)
+{
+  int64_t g = (int64_t)cb->sms * per_sm;
+  if (cb->max_blocks > 0 && g > cb->max_blocks)
+    g = cb->max_blocks;
+  if (g > work)
+    g = work;
+  return g < 1 ? 1 : (int)g;
+}
+
+static int64_t gemm_tiles(const gemm_args *a, int layout)
+{
+  int64_t ntn = a->N / G_BN;
+  if (layout == L_TN)
+    return (int64_t)a->groups * (a->M / G_BM) * ntn;
+  if (a->count != NULL)
+    return (int64_t)a->tiles_max * ntn;
+  return (int64_t)((a->M + G_BM - 1) / G_BM) * ntn;
+}
+
+template <int LAYOUT, int EPI>
+static int gemm(cuda_backend *cb, const gemm_args *a, char *err, const char *what)
+{
+  int grid = grid_for(cb, gemm_tiles(a, LAYOUT), 8);
+  k_gemm<LAYOUT, EPI><<<grid, G_THREADS, 0, cb->stream>>>(*a);
+  cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? 0 : cuda_fail(err, e, what);
+}
+
+static int launched(char *err, const char *what)
+{
+  cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? 0 : cuda_fail(err, e, what);
+}
+
+/* Grouped args over the schedule of a context (routed experts). */
+static gemm_args routed(const cuda_ctx *c, int64_t TK)
+{
+  gemm_args a;
+  memset(&a, 0, sizeof a);
+  a.groups = (int)c->hdr.shape.E;
+  a.count = c->count;
+  a.row_start = c->row_start;
+  a.tile_off = c->tile_off;
+  a.tiles_max = (int)(TK / G_BM + (TK < a.groups ? TK : a.groups));
+  a.limit = c->hdr.shape.swiglu_limit;
+  return a;
+}
+
+static gemm_args dense(const cuda_ctx *c, int64_t T)
+{
+  gemm_args a;
+  memset(&a, 0, sizeof a);
+  a.groups = 1;
+  a.M = (int)T;
+  a.limit = c->hdr.shape.swiglu_limit;
+  return a;
+}
+
+/* ---- forward ------------------------------------------------------------- */
+
+static int aligned16(const void *p)
+{
+  return ((uintptr_t)p & 15) == 0;
+}
+
+static int check_shape(const mokk_shape *s, int64_t T, char *err)
+{
+  if (s->P != 1)
+    return mokk_fail(err, MOK_ENOTSUP, "the cuda backend runs one EP rank per step; "
+                     "P = %lld", (long long)s->P);
+  if (s->H % 64 || s->I % 64 || s->I_s % 64)
+    return mokk_fail(err, MOK_ESHAPE, "the cuda backend needs H, I and I_s to be "
+                     "multiples of 64; H = %lld, I = %lld, I_s = %lld", (long long)s->H,
+                     (long long)s->I, (long long)s->I_s);
+  if (T * s->K >= (1ll << 30) || T * s->H >= (1ll << 40))
+    return mokk_fail(err, MOK_EOVERFLOW, "T * K = %lld rows is more than the cuda "
+                     "backend indexes", (long long)(T * s->K));
+  return 0;
+}
+
+/* Carves n bytes (256-aligned) off a running offset. */
+static size_t carve(size_t *off, size_t n)
+{
+  size_t at = *off;
+  *off += (n + 255) & ~(size_t)255;
+  return at;
+}
+
+static void ctx_release(cuda_backend *cb, cuda_ctx *c)
+{
+  if (c->block != NULL)
+    cudaFreeAsync(c->block, cb->stream); /* stream-ordered: after the queued work */
+  free(c);
+}
+
+static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
+                        const mokk_fwd_rank *ranks, mokk_ctx **out_ctx, char *err)
+{
+  cuda_backend *cb = (cuda_backend *)b;
+  const mokk_fwd_rank *f = &ranks[0];
+  int64_t H = s->H, I = s->I, E = s->E, K = s->K, Is = s->I_s, TK = T * K;
+  int train = out_ctx != NULL, rc;
+  size_t off = 0, o_count, o_rs, o_to, o_slot, o_src, o_rw, o_xr, o_g = 0, o_u = 0, o_h, o_y,
+         o_gs = 0, o_us = 0, o_hs = 0, o_ys = 0;
+  cuda_ctx *c;
+
+  if ((rc = check_shape(s, T, err)))
+    return rc;
+  if (!aligned16(f->x) || !aligned16(f->out))
+    return mokk_fail(err, MOK_EINVAL, "x and out must be 16-byte aligned");
+  for (int w = 0; w < (Is ? MOKK_NWEIGHTS : MOKK_S_GATE); w++)
+    if (!aligned16(f->w[w]))
+      return mokk_fail(err, MOK_EINVAL, "weight %d is not 16-byte aligned", w);
+  CK(cudaSetDevice(cb->device));
+
+  if ((c = (cuda_ctx *)calloc(1, sizeof *c)) == NULL)
+    return mokk_fail(err, MOK_ENOMEM, "out of memory");
+  c->hdr.shape = *s;
+  c->hdr.T = T;
+  c->x = (const bf16 *)f->x;
+  for (int w = 0; w < MOKK_NWEIGHTS; w++)
+    c->w[w] = (const bf16 *)f->w[w];
+
+  o_count = carve(&off, E * sizeof(int));
+  o_rs = carve(&off, (E + 1) * sizeof(int));
+  o_to = carve(&off, (E + 1) * sizeof(int));
+  o_slot = carve(&off, TK * sizeof(int));
+  o_src = carve(&off, TK * sizeof(int));
+  o_rw = carve(&off, TK * sizeof(float));
+  o_xr = carve(&off, TK * H * 2);
+  if (train) {
+    o_g = carve(&off, TK * I * 4);
+    o_u = carve(&off, TK * I * 4);
+  }
+  o_h = carve(&off, TK * I * 2);
+  o_y = carve(&off, TK * H * 2);
+  if (Is) {
+    if (train) {
+      o_gs = carve(&off, T * Is * 4);
+      o_us = carve(&off, T * Is * 4);
+    }
+    o_hs = carve(&off, T * Is * 2);
+    o_ys = carve(&off, T * H * 2);
+  }
+  cudaError_t e = cudaMallocAsync(&c->block, off, cb->stream);
+  if (e != cudaSuccess) {
+    free(c);
+    return mokk_fail(err, MOK_ENOMEM, "cannot allocate %zu bytes of GPU memory for the "
+                     "step: %s", off, cudaGetErrorString(e));
+  }
+  char *base = (char *)c->block;
+  c->bytes = off;
+  c->count = (int *)(base + o_count);
+  c->row_start = (int *)(base + o_rs);
+  c->tile_off = (int *)(base + o_to);
+  c->slot = (int *)(base + o_slot);
+  c->src = (int *)(base + o_src);
+  c->row_w = (float *)(base + o_rw);
+  c->xr = (bf16 *)(base + o_xr);
+  c->g = train ? (float *)(base + o_g) : NULL;
+  c->u = train ? (float *)(base + o_u) : NULL;
+  c->h = (bf16 *)(base + o_h);
+  c->y = (bf16 *)(base + o_y);
+  if (Is) {
+    c->gs = train ? (float *)(base + o_gs) : NULL;
+    c->us = train ? (float *)(base + o_us) : NULL;
+    c->hs = (bf16 *)(base + o_hs);
+  }
+  bf16 *ys = Is ? (bf16 *)(base + o_ys) : NULL;
+
+  /* schedule */
+  k_count<<<(int)E, SCHED_THREADS, 0, cb->stream>>>(f->topk_ids, TK, (int)E, c->count, c->slot,
+                                                    cb->status);
+  if ((rc = launched(err, "schedule count")))
+    goto fail;
+  k_scan<<<1, 1, 0, cb->stream>>>(c->count, (int)E, c->row_start, c->tile_off);
+  if ((rc = launched(err, "schedule scan")))
+    goto fail;
+  k_slots<<<(int)E, SCHED_THREADS, 0, cb->stream>>>(f->topk_ids, f->topk_weights, TK,
+                                                    c->row_start, c->slot, c->src, c->row_w);
+  if ((rc = launched(err, "schedule slots")))
+    goto fail;
+  /* dispatch */
+  k_gather<<<grid_for(cb, TK, 16), 128, 0, cb->stream>>>(c->x, c->src, c->row_start + E, (int)K,
+                                                         H, c->xr, NULL, NULL);
+  if ((rc = launched(err, "dispatch")))
+    goto fail;
+  {
+    gemm_args a = routed(c, TK); /* h = swiglu(xr W_gate^T, xr W_up^T) */
+    a.A = c->xr;
+    a.lda = H;
+    a.B = c->w[MOKK_W_GATE];
+    a.B2 = c->w[MOKK_W_UP];
+    a.ldb = H;
+    a.b_stride = I * H;
+    a.N = (int)(2 * I);
+    a.K = (int)H;
+    a.C = c->h;
+    a.ldc = I;
+    a.sg = c->g;
+    a.su = c->u;
+    a.lds = I;
+    if ((rc = gemm<L_NT, E_GATEUP>(cb, &a, err, "gate/up GEMM")))
+      goto fail;
+    a = routed(c, TK); /* y = h W_down^T */
+    a.A = c->h;
+    a.lda = I;
+    a.B = c->w[MOKK_W_DOWN];
+    a.ldb = I;
+    a.b_stride = H * I;
+    a.N = (int)H;
+    a.K = (int)I;
+    a.C = c->y;
+    a.ldc = H;
+    if ((rc = gemm<L_NT, E_BF16>(cb, &a, err, "down GEMM")))
+      goto fail;
+  }
+  if (Is) {
+    gemm_args a = dense(c, T);
+    a.A = c->x;
+    a.lda = H;
+    a.B = c->w[MOKK_S_GATE];
+    a.B2 = c->w[MOKK_S_UP];
+    a.ldb = H;
+    a.N = (int)(2 * Is);
+    a.K = (int)H;
+    a.C = c->hs;
+    a.ldc = Is;
+    a.sg = c->gs;
+    a.su = c->us;
+    a.lds = Is;
+    if ((rc = gemm<L_NT, E_GATEUP>(cb, &a, err, "shared gate/up GEMM")))
+      goto fail;
+    a = dense(c, T);
+    a.A = c->hs;
+    a.lda = Is;
+    a.B = c->w[MOKK_S_DOWN];
+    a.ldb = Is;
+    a.N = (int)H;
+    a.K = (int)Is;
+    a.C = ys;
+    a.ldc = H;
+    if ((rc = gemm<L_NT, E_BF16>(cb, &a, err, "shared down GEMM")))
+      goto fail;
+  }
+  k_combine<<<grid_for(cb, T, 16), 256, 0, cb->stream>>>(c->y, c->slot, f->topk_weights, ys, T,
+                                                         (int)K, H, (bf16 *)f->out);
+  if ((rc = launched(err, "combine")))
+    goto fail;
+  if (train)
+    *out_ctx = &c->hdr;
+  else
+    ctx_release(cb, c);
+  return 0;
+fail:
+  ctx_release(cb, c);
+  return rc;
+}
+
+/* ---- backward ------------------------------------------------------------ */
+
+static int cuda_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
+                         const mokk_bwd_rank *ranks, char *err)
+{
+  cuda_backend *cb = (cuda_backend *)b;
+  cuda_ctx *c = (cuda_ctx *)ctx;
+  const mokk_shape *s = &ctx->shape;
+  const mokk_bwd_rank *r = &ranks[0];
+  int64_t T = ctx->T, H = s->H, I = s->I, K = s->K, Is = s->I_s, TK = T * K, E = s->E;
+  int accum = mode == MOKK_GRAD_FP32_ACCUM, rc = 0;
+  size_t off = 0, o_dor, o_dy, o_dgu, o_dxr, o_dgus = 0, o_dxs = 0;
+  void *block = NULL;
+
+  if (c->g == NULL)
+    return mokk_fail(err, MOK_ECONTEXT, "the forward kept no state for a backward");
+  if (!aligned16(r->d_out) || !aligned16(r->d_x))
+    return mokk_fail(err, MOK_EINVAL, "d_out and d_x must be 16-byte aligned");
+  CK(cudaSetDevice(cb->device));
+
+  o_dor = carve(&off, TK * H * 2);
+  o_dy = carve(&off, TK * H * 2);
+  o_dgu = carve(&off, TK * 2 * I * 2);
+  o_dxr = carve(&off, TK * H * 4);
+  if (Is) {
+    o_dgus = carve(&off, T * 2 * Is * 2);
+    o_dxs = carve(&off, T * H * 4);
+  }
+  cudaError_t e = cudaMallocAsync(&block, off, cb->stream);
+  if (e != cudaSuccess)
+    return mokk_fail(err, MOK_ENOMEM, "cannot allocate %zu bytes of GPU memory for the "
+                     "backward: %s", off, cudaGetErrorString(e));
+  char *base = (char *)block;
+  bf16 *dor = (bf16 *)(base + o_dor), *dy = (bf16 *)(base + o_dy);
+  bf16 *dgu = (bf16 *)(base + o_dgu);
+  float *dxr = (float *)(base + o_dxr);
+  bf16 *dgus = Is ? (bf16 *)(base + o_dgus) : NULL;
+  float *dxs = Is ? (float *)(base + o_dxs) : NULL;
+  const bf16 *d_out = (const bf16 *)r->d_out;
+
+  k_gather<<<grid_for(cb, TK, 16), 128, 0, cb->stream>>>(d_out, c->src, c->row_start + E,
+                                                         (int)K, H, dor, c->row_w, dy);
+  if ((rc = launched(err, "backward dispatch")))
+    goto out;
+  k_dtw<<<grid_for(cb, (TK + 7) / 8, 16), 256, 0, cb->stream>>>(d_out, c->y, c->slot, TK,
+                                                                (int)K, H, r->d_topk_weights);
+  if ((rc = launched(err, "d_topk_weights")))
+    goto out;
+  {
+    gemm_args a = routed(c, TK); /* d_h = w (d_out W_down) -> d_g | d_u */
+    a.A = dor;
+    a.lda = H;
+    a.B = c->w[MOKK_W_DOWN];
+    a.ldb = I;
+    a.b_stride = H * I;
+    a.N = (int)I;
+    a.K = (int)H;
+    a.C = dgu;
+    a.ldc = 2 * I;
+    a.sg = c->g;
+    a.su = c->u;
+    a.lds = I;
+    a.scale = c->row_w;
+    if ((rc = gemm<L_NN, E_DH>(cb, &a, err, "d_h GEMM")))
+      goto out;
+    a = routed(c, TK); /* dxr = d_g W_gate + d_u W_up */
+    a.A = dgu;
+    a.lda = 2 * I;
+    a.B = c->w[MOKK_W_GATE];
+    a.B2 = c->w[MOKK_W_UP];
+    a.split = I;
+    a.ldb = H;
+    a.b_stride = I * H;
+    a.N = (int)H;
+    a.K = (int)(2 * I);
+    a.C = dxr;
+    a.ldc = H;
+    if ((rc = gemm<L_NN, E_F32>(cb, &a, err, "d_x GEMM")))
+      goto out;
+  }
+  if (Is) {
+    gemm_args a = dense(c, T);
+    a.A = d_out;
+    a.lda = H;
+    a.B = c->w[MOKK_S_DOWN];
+    a.ldb = Is;
+    a.N = (int)Is;
+    a.K = (int)H;
+    a.C = dgus;
+    a.ldc = 2 * Is;
+    a.sg = c->gs;
+    a.su = c->us;
+    a.lds = Is;
+    if ((rc = gemm<L_NN, E_DH>(cb, &a, err, "shared d_h GEMM")))
+      goto out;
+    a = dense(c, T);
+    a.A = dgus;
+    a.lda = 2 * Is;
+    a.B = c->w[MOKK_S_GATE];
+    a.B2 = c->w[MOKK_S_UP];
+    a.split = Is;
+    a.ldb = H;
+    a.N = (int)H;
+    a.K = (int)(2 * Is);
+    a.C = dxs;
+    a.ldc = H;
+    if ((rc = gemm<L_NN, E_F32>(cb, &a, err, "shared d_x GEMM")))
+      goto out;
+  }
+  k_combine_dx<<<grid_for(cb, T, 16), 256, 0, cb->stream>>>(dxr, c->slot, dxs, T, (int)K, H,
+                                                            (bf16 *)r->d_x);
+  if ((rc = launched(err, "d_x combine")))
+    goto out;
+
+  /* weight gradients: sums over rows, in row order, one block per tile */
+  for (int part = 0; part < (Is ? 4 : 2); part++) {
+    int shared = part >= 2, down = part & 1;
+    int wa = shared ? (down ? MOKK_S_DOWN : MOKK_S_GATE) : (down ? MOKK_W_DOWN : MOKK_W_GATE);
+    int64_t Ie = shared ? Is : I;
+    gemm_args a = shared ? dense(c, T) : routed(c, TK);
+    if (shared) {
+      a.M = 0;
+      a.K = (int)T;
+    } else {
+      a.count = c->count;
+      a.row_start = c->row_start;
+    }
+    a.accum = accum;
+    void *g1 = accum ? (void *)r->g_f32[wa] : (void *)r->g_bf16[wa];
+    if (down) { /* d_W_down[H, Ie] = dy^T h */
+      a.A = shared ? d_out : dy;
+      a.lda = H;
+      a.B = shared ? c->hs : c->h;
+      a.ldb = Ie;
+      a.M = (int)H;
+      a.N = (int)Ie;
+      a.C = g1;
+      a.ldc = Ie;
+      a.c_stride = H * Ie;
+    } else {    /* d_W_gate | d_W_up [Ie, H] = (d_g | d_u)^T xr */
+      a.A = shared ? dgus : dgu;
+      a.lda = 2 * Ie;
+      a.B = shared ? c->x : c->xr;
+      a.ldb = H;
+      a.M = (int)(2 * Ie);
+      a.N = (int)H;
+      a.C = g1;
+      a.C2 = accum ? (void *)r->g_f32[wa + 1] : (void *)r->g_bf16[wa + 1];
+      a.split = Ie;
+      a.ldc = H;
+      a.c_stride = Ie * H;
+    }
+    if ((rc = gemm<L_TN, E_WGRAD>(cb, &a, err, "weight-gradient GEMM")))
+      goto out;
+  }
+out:
+  cudaFreeAsync(block, cb->stream);
+  return rc;
+}
+
+/* ---- the backend --------------------------------------------------------- */
+
+static void cuda_ctx_free(mokk_backend *b, mokk_ctx *ctx)
+{
+  ctx_release((cuda_backend *)b, (cuda_ctx *)ctx);
+}
+
+static size_t cuda_ctx_bytes(const mokk_ctx *ctx)
+{
+  return ((const cuda_ctx *)ctx)->bytes;
+}
+
+static void cuda_destroy(mokk_backend *b)
+{
+  cuda_backend *cb = (cuda_backend *)b;
+  cudaSetDevice(cb->device);
+  if (cb->stream != NULL) {
+    cudaStreamSynchronize(cb->stream);
+    cudaStreamDestroy(cb->stream);
+  }
+  if (cb->status != NULL)
+    cudaFree(cb->status);
+  free(cb);
+}
+
+static const mokk_backend_iface cuda_iface = {
+    "cuda", cuda_forward, cuda_backward, cuda_ctx_free, cuda_ctx_bytes, cuda_destroy,
+};
+
+extern "C" int mokk_cuda_devices(char *err)
+{
+  int n = 0;
+  cudaError_t e = cudaGetDeviceCount(&n);
+  if (e == cudaErrorNoDevice)
+    return 0;
+  if (e != cudaSuccess)
+    return cuda_fail(err, e, "cudaGetDeviceCount");
+  return n;
+}
+
+extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
+{
+  cuda_backend *cb;
+  cudaMemPool_t pool;
+  uint64_t keep = UINT64_MAX;
+  int n = mokk_cuda_devices(err);
+
+  *out = NULL;
+  if (n < 0)
+    return n;
+  if (device < 0 || device >= n)
+    return mokk_fail(err, MOK_EDEVICE, "CUDA device %d does not exist (%d visible)", device, n);
+  if ((cb = (cuda_backend *)calloc(1, sizeof *cb)) == NULL)
+    return mokk_fail(err, MOK_ENOMEM, "out of memory");
+  cb->base.iface = &cuda_iface;
+  cb->device = device;
+#define CKC(call)                                         \
+  do {                                                    \
+    cudaError_t e_ = (call);                              \
+    if (e_ != cudaSuccess) {                              \
+      int rc_ = cuda_fail(err, e_, #call);                \
+      cuda_destroy(&cb->base);                            \
+      return rc_;                                         \
+    }                                                     \
+  } while (0)
+  CKC(cudaSetDevice(device));
+  CKC(cudaDeviceGetAttribute(&cb->sms, cudaDevAttrMultiProcessorCount, device));
+  CKC(cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking));
+  CKC(cudaMalloc((void **)&cb->status, sizeof(int)));
+  CKC(cudaMemset(cb->status, 0, sizeof(int)));
+  /* keep freed step memory in the pool instead of returning it each time */
+  CKC(cudaDeviceGetDefaultMemPool(&pool, device));
+  CKC(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+#undef CKC
+  *out = &cb->base;
+  return 0;
+}
+
+extern "C" void mokk_cuda_set_max_blocks(mokk_backend *b, int blocks)
+{
+  ((cuda_backend *)b)->max_blocks = blocks > 0 ? blocks : 0;
+}
+
+extern "C" int mokk_cuda_max_blocks(const mokk_backend *b)
+{
+  return ((const cuda_backend *)b)->max_blocks;
+}
+
+extern "C" int mokk_cuda_device(const mokk_backend *b)
+{
+  return ((const cuda_backend *)b)->device;
+}
+
+extern "C" void *mokk_cuda_stream(mokk_backend *b)
+{
+  return ((cuda_backend *)b)->stream;
+}
+
+extern "C" int mokk_cuda_sync(mokk_backend *b, char *err)
+{
+  cuda_backend *cb = (cuda_backend *)b;
+  int status = 0;
+
+  CK(cudaSetDevice(cb->device));
+  CK(cudaStreamSynchronize(cb->stream));
+  CK(cudaMemcpy(&status, cb->status, sizeof status, cudaMemcpyDeviceToHost));
+  if (status) {
+    CK(cudaMemset(cb->status, 0, sizeof(int)));
+    return mokk_fail(err, MOK_EEXPERT, "topk_ids held an expert id outside [0, E); those "
+                     "pairs were dropped");
+  }
+  return 0;
+}

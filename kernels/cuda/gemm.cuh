@@ -1,0 +1,285 @@
+/* gemm.cuh - the grouped bf16 GEMM of the CUDA backend, on tensor cores
+ * (WMMA 16x16x16, fp32 accumulators), with the layer's epilogues fused.
+ *
+ * One kernel, three layouts:
+ *   NT  C[m,n] = sum_k A[m,k] B[n,k]   forward projections
+ *   NN  C[m,n] = sum_k A[m,k] B[k,n]   backward data gradients
+ *   TN  C[m,n] = sum_k A[k,m] B[k,n]   weight gradients (k runs over rows)
+ * A group is an expert: in NT and NN its rows (M) come from the schedule on
+ * the device, in TN its reduction length (K) does. The launch is sized for the
+ * worst case and every block walks tiles in a grid-stride loop; a tile's sum
+ * runs k = 0, BK, 2BK, ... in one block, so its bits never depend on the grid
+ * (DESIGN §2). */
+#ifndef MOKK_CUDA_GEMM_CUH
+#define MOKK_CUDA_GEMM_CUH
+
+#include <cuda_bf16.h>
+#include <mma.h>
+#include <stdint.h>
+
+#define G_BM 64
+#define G_BN 64
+#define G_BK 32
+#define G_THREADS 128
+
+typedef __nv_bfloat16 bf16;
+
+enum { L_NT, L_NN, L_TN };
+enum {
+  E_GATEUP, /* NT: tile columns [0,32) gate, [32,64) up -> h = swiglu, saves g, u */
+  E_BF16,   /* store bf16 */
+  E_F32,    /* store fp32 */
+  E_DH,     /* NN: d_h (times a row scale) -> d_g | d_u, bf16, from the saved g, u */
+  E_WGRAD   /* TN: weight gradient, bf16 store or fp32 add; rows >= split go to C2 */
+};
+
+typedef struct gemm_args {
+  const bf16 *A;
+  int64_t lda;
+  const bf16 *B, *B2;   /* B2: up weights (E_GATEUP) or rows k >= split (NN) */
+  int64_t ldb, b_stride; /* b_stride: elements between groups */
+  int64_t split;
+  int M, N, K;          /* fixed dimensions; the grouped one comes from count */
+  int groups;
+  const int *count;     /* [groups] rows per group; NULL: one dense group */
+  const int *row_start; /* [groups] first row of each group */
+  const int *tile_off;  /* [groups + 1] m-tile prefix (NT, NN grouped) */
+  int tiles_max;        /* worst-case m-tiles (NT, NN) */
+  void *C, *C2;
+  int64_t ldc, c_stride;
+  float *sg, *su;       /* gate and up before the clamp, [rows, lds] */
+  int64_t lds;
+  const float *scale;   /* E_DH: per-row factor (router weight), NULL = 1 */
+  float limit;
+  int accum;            /* E_WGRAD: add into fp32 */
+} gemm_args;
+
+__device__ __forceinline__ float g_silu(float g)
+{
+  return g / (1.0f + expf(-g));
+}
+
+template <int LAYOUT>
+__device__ __forceinline__ void g_load_tiles(const gemm_args &a, const bf16 *Ag, const bf16 *Bg,
+                                             const bf16 *B2g, int m0, int n0, int nt, int k0,
+                                             int Mg, int Kg, bf16 *As, bf16 *Bs, int gateup)
+{
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  for (int c = threadIdx.x; c < 256; c += G_THREADS) {
+    /* A: 64 x 32 (NT, NN) or 32 x 64 (TN) in 8-element chunks */
+    if (LAYOUT == L_TN) {
+      int kr = c >> 3, mc = (c & 7) * 8;
+      uint4 v = zero;
+      if (k0 + kr < Kg)
+        v = *(const uint4 *)(Ag + (int64_t)(k0 + kr) * a.lda + m0 + mc);
+      *(uint4 *)(As + kr * (G_BM + 8) + mc) = v;
+    } else {
+      int r = c >> 2, kc = (c & 3) * 8;
+      uint4 v = zero;
+      if (m0 + r < Mg)
+        v = *(const uint4 *)(Ag + (int64_t)(m0 + r) * a.lda + k0 + kc);
+      *(uint4 *)(As + r * (G_BK + 8) + kc) = v;
+    }
+    /* B: 64 x 32 as [n][k] (NT) or 32 x 64 as [k][n] */
+    if (LAYOUT == L_NT) {
+      int r = c >> 2, kc = (c & 3) * 8;
+      const bf16 *row;
+      if (gateup)
+        row = r < 32 ? Bg + (int64_t)(nt * 32 + r) * a.ldb : B2g + (int64_t)(nt * 32 + r - 32) * a.ldb;
+      else
+        row = Bg + (int64_t)(n0 + r) * a.ldb;
+      *(uint4 *)(Bs + r * (G_BK + 8) + kc) = *(const uint4 *)(row + k0 + kc);
+    } else {
+      int kr = c >> 3, nc = (c & 7) * 8, k = k0 + kr;
+      uint4 v = zero;
+      if (k < Kg) {
+        const bf16 *p = (B2g != NULL && k >= a.split) ? B2g + (int64_t)(k - a.split) * a.ldb
+                                                      : Bg + (int64_t)k * a.ldb;
+        v = *(const uint4 *)(p + n0 + nc);
+      }
+      *(uint4 *)(Bs + kr * (G_BN + 8) + nc) = v;
+    }
+  }
+}
+
+template <int LAYOUT, int EPI>
+__global__ void __launch_bounds__(G_THREADS) k_gemm(gemm_args a)
+{
+  using namespace nvcuda;
+  __shared__ __align__(128) bf16 As[G_BM * (G_BK + 8)];
+  __shared__ __align__(128) bf16 Bs[G_BN * (G_BK + 8)];
+  __shared__ __align__(128) float Cs[G_BM * (G_BN + 4)];
+  const int warp = threadIdx.x >> 5, wm = warp >> 1, wn = warp & 1;
+  const int ntn = a.N / G_BN;
+  const int gateup = EPI == E_GATEUP;
+  int64_t tiles;
+
+  if (LAYOUT == L_TN)
+    tiles = (int64_t)a.groups * (a.M / G_BM) * ntn;
+  else if (a.count != NULL)
+    tiles = (int64_t)a.tiles_max * ntn;
+  else
+    tiles = (int64_t)((a.M + G_BM - 1) / G_BM) * ntn;
+
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    int g, m0, n0, nt, Mg, Kg;
+    int64_t rb = 0; /* first row of the group */
+
+    if (LAYOUT == L_TN) {
+      int per = (a.M / G_BM) * ntn;
+      g = (int)(t / per);
+      m0 = (int)(t % per) / ntn * G_BM;
+      nt = (int)(t % per) % ntn;
+      Mg = a.M;
+      Kg = a.count != NULL ? a.count[g] : a.K;
+      if (a.row_start != NULL)
+        rb = a.row_start[g];
+    } else {
+      int mt = (int)(t / ntn);
+      nt = (int)(t % ntn);
+      Kg = a.K;
+      if (a.count != NULL) {
+        if (mt >= a.tile_off[a.groups])
+          break; /* tiles only grow from here */
+        int lo = 0, hi = a.groups - 1; /* last group whose first tile <= mt */
+        while (lo < hi) {
+          int mid = (lo + hi + 1) >> 1;
+          if (a.tile_off[mid] <= mt)
+            lo = mid;
+          else
+            hi = mid - 1;
+        }
+        g = lo;
+        m0 = (mt - a.tile_off[g]) * G_BM;
+        Mg = a.count[g];
+        rb = a.row_start[g];
+      } else {
+        g = 0;
+        m0 = mt * G_BM;
+        Mg = a.M;
+      }
+    }
+    n0 = nt * G_BN;
+
+    const bf16 *Ag = a.A + rb * a.lda;
+    const bf16 *Bg = a.B + (LAYOUT == L_TN ? rb * a.ldb : (int64_t)g * a.b_stride);
+    const bf16 *B2g = a.B2 != NULL ? a.B2 + (int64_t)g * a.b_stride : NULL;
+
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2];
+    for (int i = 0; i < 2; i++)
+      for (int j = 0; j < 2; j++)
+        wmma::fill_fragment(acc[i][j], 0.0f);
+
+    for (int k0 = 0; k0 < Kg; k0 += G_BK) {
+      __syncthreads(); /* the previous step (or tile epilogue) is done with smem */
+      g_load_tiles<LAYOUT>(a, Ag, Bg, B2g, m0, n0, nt, k0, Mg, Kg, As, Bs, gateup);
+      __syncthreads();
+      for (int kk = 0; kk < G_BK; kk += 16) {
+        for (int i = 0; i < 2; i++) {
+          int mo = wm * 32 + i * 16;
+          if (LAYOUT == L_TN) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::col_major> fa;
+            wmma::load_matrix_sync(fa, As + kk * (G_BM + 8) + mo, G_BM + 8);
+            for (int j = 0; j < 2; j++) {
+              int no = wn * 32 + j * 16;
+              wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> fb;
+              wmma::load_matrix_sync(fb, Bs + kk * (G_BN + 8) + no, G_BN + 8);
+              wmma::mma_sync(acc[i][j], fa, fb, acc[i][j]);
+            }
+          } else {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> fa;
+            wmma::load_matrix_sync(fa, As + mo * (G_BK + 8) + kk, G_BK + 8);
+            for (int j = 0; j < 2; j++) {
+              int no = wn * 32 + j * 16;
+              if (LAYOUT == L_NT) {
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> fb;
+                wmma::load_matrix_sync(fb, Bs + no * (G_BK + 8) + kk, G_BK + 8);
+                wmma::mma_sync(acc[i][j], fa, fb, acc[i][j]);
+              } else {
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> fb;
+                wmma::load_matrix_sync(fb, Bs + kk * (G_BN + 8) + no, G_BN + 8);
+                wmma::mma_sync(acc[i][j], fa, fb, acc[i][j]);
+              }
+            }
+          }
+        }
+      }
+    }
+    for (int i = 0; i < 2; i++)
+      for (int j = 0; j < 2; j++)
+        wmma::store_matrix_sync(Cs + (wm * 32 + i * 16) * (G_BN + 4) + wn * 32 + j * 16,
+                                acc[i][j], G_BN + 4, wmma::mem_row_major);
+    __syncthreads();
+
+    /* epilogue: Cs holds the fp32 tile */
+    if (EPI == E_GATEUP) {
+      bf16 *h = (bf16 *)a.C;
+      for (int idx = threadIdx.x; idx < G_BM * 32; idx += G_THREADS) {
+        int m = idx >> 5, n = idx & 31;
+        if (m0 + m >= Mg)
+          continue;
+        int64_t row = rb + m0 + m;
+        int i = nt * 32 + n;
+        float gv = Cs[m * (G_BN + 4) + n], uv = Cs[m * (G_BN + 4) + n + 32];
+        if (a.sg != NULL) {
+          a.sg[row * a.lds + i] = gv;
+          a.su[row * a.lds + i] = uv;
+        }
+        if (a.limit > 0.0f) {
+          gv = fminf(gv, a.limit);
+          uv = fminf(fmaxf(uv, -a.limit), a.limit);
+        }
+        h[row * a.ldc + i] = __float2bfloat16_rn(__fmul_rn(g_silu(gv), uv));
+      }
+    } else if (EPI == E_WGRAD) {
+      for (int idx = threadIdx.x; idx < G_BM * G_BN; idx += G_THREADS) {
+        int m = idx / G_BN, n = idx % G_BN;
+        int64_t mm = m0 + m;
+        void *base = a.C;
+        if (a.C2 != NULL && mm >= a.split) {
+          base = a.C2;
+          mm -= a.split;
+        }
+        int64_t off = (int64_t)g * a.c_stride + mm * a.ldc + n0 + n;
+        float v = Cs[m * (G_BN + 4) + n];
+        if (a.accum)
+          ((float *)base)[off] = __fadd_rn(((float *)base)[off], v);
+        else
+          ((bf16 *)base)[off] = __float2bfloat16_rn(v);
+      }
+    } else {
+      for (int idx = threadIdx.x; idx < G_BM * G_BN; idx += G_THREADS) {
+        int m = idx / G_BN, n = idx % G_BN;
+        if (m0 + m >= Mg)
+          continue;
+        int64_t row = rb + m0 + m;
+        float v = Cs[m * (G_BN + 4) + n];
+        if (EPI == E_BF16) {
+          ((bf16 *)a.C)[row * a.ldc + n0 + n] = __float2bfloat16_rn(v);
+        } else if (EPI == E_F32) {
+          ((float *)a.C)[row * a.ldc + n0 + n] = v;
+        } else { /* E_DH */
+          int i = n0 + n;
+          float dh = a.scale != NULL ? __fmul_rn(a.scale[row], v) : v;
+          float gr = a.sg[row * a.lds + i], ur = a.su[row * a.lds + i];
+          float gv = gr, uv = ur, L = a.limit;
+          if (L > 0.0f) {
+            gv = fminf(gr, L);
+            uv = fminf(fmaxf(ur, -L), L);
+          }
+          float sgm = 1.0f / (1.0f + expf(-gv));
+          float dg = (L > 0.0f && gr > L) ? 0.0f
+                                          : __fmul_rn(__fmul_rn(dh, uv),
+                                                      __fmul_rn(sgm, 1.0f + gv * (1.0f - sgm)));
+          float du = (L > 0.0f && (ur > L || ur < -L)) ? 0.0f : __fmul_rn(dh, g_silu(gv));
+          bf16 *d = (bf16 *)a.C + row * a.ldc;
+          d[i] = __float2bfloat16_rn(dg);
+          d[a.lds + i] = __float2bfloat16_rn(du);
+        }
+      }
+    }
+    __syncthreads(); /* Cs is rewritten by the next tile */
+  }
+}
+
+#endif

@@ -1,0 +1,435 @@
+/* bench_gpu.c - the CUDA backend on the shapes of DESIGN §6, next to the
+ * PyTorch torch._grouped_mm baseline run in the same session (--torch), and a
+ * check of the full DeepSeek-V3 shape against the CPU engine on samples
+ * (--verify). A benchmark: it measures and prints; only --verify can fail.
+ *
+ * The sample check uses two facts of the math: a token's out, d_x and
+ * d_topk_weights depend only on that token, its routing, d_out and the
+ * weights; and expert e's weight gradients depend only on the rows routed to
+ * e. So the CPU engine runs (a) a few tokens with only the experts they use,
+ * and (b) the tokens of one expert, each routed to it alone with its weight,
+ * and both are compared with the GPU's full-batch results. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda_runtime_api.h>
+
+#include "backend.h"
+#include "bf16.h"
+#include "cuda/cuda_backend.h"
+
+int bench_fill_bf16(void *p, int64_t n, uint64_t seed, float scale);
+
+typedef struct shape_def {
+  const char *name;
+  int64_t T, H, I, E, K, Is;
+} shape_def;
+
+static const shape_def shapes[] = {
+    {"dsv3", 8192, 7168, 2048, 256, 8, 2048},
+    {"mid", 16384, 4096, 1536, 64, 8, 0},
+    {"qwen3_4k", 4096, 2048, 768, 128, 8, 0},
+    {"qwen3_32k", 32768, 2048, 768, 128, 8, 0},
+    {"mok", 2048, 7168, 3072, 384, 6, 3072},
+};
+
+#define CUDA_OK(call)                                                           \
+  do {                                                                          \
+    cudaError_t e_ = (call);                                                    \
+    if (e_ != cudaSuccess) {                                                    \
+      fprintf(stderr, "bench_gpu: %s: %s\n", #call, cudaGetErrorString(e_));    \
+      exit(1);                                                                  \
+    }                                                                           \
+  } while (0)
+
+static uint64_t rng(uint64_t *s)
+{
+  *s = *s * 6364136223846793005ull + 1442695040888963407ull;
+  return *s >> 33;
+}
+
+static void *dmalloc(size_t n)
+{
+  void *p;
+  CUDA_OK(cudaMalloc(&p, n));
+  return p;
+}
+
+static void *xmalloc(size_t n)
+{
+  void *p = calloc(1, n ? n : 1);
+  if (p == NULL) {
+    fprintf(stderr, "bench_gpu: out of host memory (%zu bytes)\n", n);
+    exit(1);
+  }
+  return p;
+}
+
+static int cmp_float(const void *a, const void *b)
+{
+  float x = *(const float *)a, y = *(const float *)b;
+  return (x > y) - (x < y);
+}
+
+typedef struct problem {
+  mokk_shape s;
+  int64_t T;
+  int32_t *ids;   /* host copies */
+  float *tw;
+  mokk_fwd_rank fr; /* device */
+  mokk_bwd_rank br;
+} problem;
+
+static void problem_make(problem *p, const shape_def *d)
+{
+  uint64_t seed = 12345;
+  int64_t T = d->T, K = d->K, E = d->E;
+  int *perm = xmalloc(E * sizeof *perm);
+
+  memset(p, 0, sizeof *p);
+  p->s = (mokk_shape){.H = d->H, .I = d->I, .E = E, .K = K, .I_s = d->Is, .P = 1};
+  p->T = T;
+  p->ids = xmalloc(T * K * 4);
+  p->tw = xmalloc(T * K * 4);
+  for (int64_t e = 0; e < E; e++)
+    perm[e] = (int)e;
+  for (int64_t t = 0; t < T; t++) { /* K distinct experts, partial shuffle */
+    float sum = 0;
+    for (int64_t k = 0; k < K; k++) {
+      int64_t j = k + (int64_t)(rng(&seed) % (uint64_t)(E - k));
+      int tmp = perm[k];
+      perm[k] = perm[j], perm[j] = tmp;
+      p->ids[t * K + k] = perm[k];
+      p->tw[t * K + k] = 0.1f + (float)(rng(&seed) % 1000) / 1000.0f;
+      sum += p->tw[t * K + k];
+    }
+    for (int64_t k = 0; k < K; k++)
+      p->tw[t * K + k] /= sum;
+  }
+  free(perm);
+  p->fr.x = dmalloc(T * d->H * 2);
+  bench_fill_bf16((void *)p->fr.x, T * d->H, 1, 2.0f);
+  p->fr.topk_ids = dmalloc(T * K * 4);
+  p->fr.topk_weights = dmalloc(T * K * 4);
+  CUDA_OK(cudaMemcpy((void *)p->fr.topk_ids, p->ids, T * K * 4, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy((void *)p->fr.topk_weights, p->tw, T * K * 4, cudaMemcpyHostToDevice));
+  p->fr.out = dmalloc(T * d->H * 2);
+  for (int w = 0; w < MOKK_NWEIGHTS; w++) {
+    int64_t n = mokk_weight_elems(&p->s, w);
+    if (n == 0)
+      continue;
+    /* about 1/sqrt(fan-in), so activations stay O(1) */
+    float scale = (w == MOKK_W_DOWN || w == MOKK_S_DOWN) ? 2.0f / 45 : 2.0f / 85;
+    p->fr.w[w] = dmalloc(n * 2);
+    bench_fill_bf16((void *)p->fr.w[w], n, 100 + w, scale);
+    p->br.g_bf16[w] = dmalloc(n * 2);
+  }
+  p->br.d_out = dmalloc(T * d->H * 2);
+  bench_fill_bf16((void *)p->br.d_out, T * d->H, 7, 0.02f);
+  p->br.d_x = dmalloc(T * d->H * 2);
+  p->br.d_topk_weights = dmalloc(T * K * 4);
+  CUDA_OK(cudaDeviceSynchronize());
+}
+
+static void problem_free(problem *p)
+{
+  cudaFree((void *)p->fr.x), cudaFree((void *)p->fr.topk_ids);
+  cudaFree((void *)p->fr.topk_weights), cudaFree(p->fr.out);
+  for (int w = 0; w < MOKK_NWEIGHTS; w++)
+    cudaFree((void *)p->fr.w[w]), cudaFree(p->br.g_bf16[w]);
+  cudaFree((void *)p->br.d_out), cudaFree(p->br.d_x), cudaFree(p->br.d_topk_weights);
+  free(p->ids), free(p->tw);
+}
+
+/* max |a - b| / (tol |a| + tol rms(a)); the tolerances of tests/gpu/check_gpu.c:
+ * 2^-7 for out and d_topk_weights, 2^-5 for d_x and weight gradients */
+static double ratio_bf16(const uint16_t *ref, const uint16_t *got, int64_t n, double tol)
+{
+  double ss = 0, worst = 0;
+  for (int64_t i = 0; i < n; i++) {
+    double v = mokk_bf16_to_f32(ref[i]);
+    ss += v * v;
+  }
+  double rms = n ? sqrt(ss / (double)n) : 0;
+  for (int64_t i = 0; i < n; i++) {
+    double a = mokk_bf16_to_f32(ref[i]), b = mokk_bf16_to_f32(got[i]);
+    double r = fabs(a - b) / (tol * fabs(a) + tol * rms + 1e-30);
+    if (r > worst)
+      worst = r;
+  }
+  return worst;
+}
+
+static double ratio_f32(const float *ref, const float *got, int64_t n, double tol)
+{
+  uint16_t *a = xmalloc(n * 2), *b = xmalloc(n * 2);
+  for (int64_t i = 0; i < n; i++)
+    a[i] = mokk_f32_to_bf16(ref[i]), b[i] = mokk_f32_to_bf16(got[i]);
+  double r = ratio_bf16(a, b, n, tol); /* fp32 compared at bf16 resolution */
+  free(a), free(b);
+  return r;
+}
+
+static void d2h(void *h, const void *d, size_t n)
+{
+  CUDA_OK(cudaMemcpy(h, d, n, cudaMemcpyDeviceToHost));
+}
+
+/* The CPU engine on a small problem built from rows of the big one. */
+static int verify(problem *p, mokk_backend *cpu)
+{
+  const mokk_shape *s = &p->s;
+  int64_t H = s->H, I = s->I, K = s->K, Is = s->I_s, T = p->T, nt = 8;
+  char err[MOK_ERRLEN];
+  int bad = 0;
+
+  /* (a) nt tokens with the experts they use, renumbered */
+  {
+    int *map = xmalloc(s->E * sizeof *map), *used = xmalloc(nt * K * sizeof *used);
+    int64_t Eu = 0;
+    for (int64_t e = 0; e < s->E; e++)
+      map[e] = -1;
+    mokk_shape ss = *s;
+    int32_t *ids = xmalloc(nt * K * 4);
+    float *tw = xmalloc(nt * K * 4);
+    uint16_t *x = xmalloc(nt * H * 2), *dout = xmalloc(nt * H * 2);
+    uint16_t *out_g = xmalloc(nt * H * 2), *dx_g = xmalloc(nt * H * 2);
+    float *dtw_g = xmalloc(nt * K * 4);
+    for (int64_t j = 0; j < nt; j++) {
+      int64_t t = j * (T / nt) + j; /* spread over the batch */
+      d2h(x + j * H, p->fr.x + t * H, H * 2);
+      d2h(dout + j * H, p->br.d_out + t * H, H * 2);
+      d2h(out_g + j * H, p->fr.out + t * H, H * 2);
+      d2h(dx_g + j * H, p->br.d_x + t * H, H * 2);
+      d2h(dtw_g + j * K, p->br.d_topk_weights + t * K, K * 4);
+      for (int64_t k = 0; k < K; k++) {
+        int e = p->ids[t * K + k];
+        if (map[e] < 0)
+          used[Eu] = e, map[e] = (int)Eu++;
+        ids[j * K + k] = map[e];
+        tw[j * K + k] = p->tw[t * K + k];
+      }
+    }
+    ss.E = Eu;
+    mokk_fwd_rank fr = {.x = x, .topk_ids = ids, .topk_weights = tw};
+    mokk_bwd_rank br = {.d_out = dout};
+    fr.out = xmalloc(nt * H * 2);
+    br.d_x = xmalloc(nt * H * 2);
+    br.d_topk_weights = xmalloc(nt * K * 4);
+    for (int w = 0; w < MOKK_NWEIGHTS; w++) {
+      int64_t n = mokk_weight_elems(&ss, w);
+      if (n == 0)
+        continue;
+      uint16_t *hw = xmalloc(n * 2);
+      if (w < MOKK_S_GATE) {
+        int64_t per = n / Eu;
+        for (int64_t e = 0; e < Eu; e++)
+          d2h(hw + e * per, p->fr.w[w] + used[e] * per, per * 2);
+      } else {
+        d2h(hw, p->fr.w[w], n * 2);
+      }
+      fr.w[w] = hw;
+      br.g_bf16[w] = xmalloc(n * 2);
+    }
+    mokk_ctx *ctx = NULL;
+    if (mokk_forward(cpu, &ss, nt, &fr, &ctx, err) ||
+        mokk_backward(cpu, ctx, MOKK_GRAD_BF16, &br, err)) {
+      fprintf(stderr, "verify: cpu engine: %s\n", err);
+      return 1;
+    }
+    mokk_ctx_free(cpu, ctx);
+    double r_out = ratio_bf16(fr.out, out_g, nt * H, 1.0 / 128);
+    double r_dx = ratio_bf16(br.d_x, dx_g, nt * H, 1.0 / 32);
+    double r_dtw = ratio_f32(br.d_topk_weights, dtw_g, nt * K, 1.0 / 128);
+    printf("verify dsv3: %lld sampled tokens (%lld experts): out %.3f  d_x %.3f  "
+           "d_topk_weights %.3f  (error / tolerance, <= 1 passes)\n",
+           (long long)nt, (long long)Eu, r_out, r_dx, r_dtw);
+    bad |= r_out > 1 || r_dx > 1 || r_dtw > 1;
+    for (int w = 0; w < MOKK_NWEIGHTS; w++)
+      free((void *)fr.w[w]), free(br.g_bf16[w]);
+    free(map), free(used), free(ids), free(tw), free(x), free(dout), free(out_g), free(dx_g);
+    free(dtw_g), free(fr.out), free(br.d_x), free(br.d_topk_weights);
+  }
+  /* (b) the rows of one expert, each routed to it alone */
+  {
+    int e0 = p->ids[0];
+    int64_t n = 0;
+    for (int64_t q = 0; q < T * K; q++)
+      n += p->ids[q] == e0;
+    mokk_shape ss = {.H = H, .I = I, .E = 1, .K = 1, .I_s = 0, .P = 1,
+                     .swiglu_limit = s->swiglu_limit};
+    int32_t *ids = xmalloc(n * 4);
+    float *tw = xmalloc(n * 4);
+    uint16_t *x = xmalloc(n * H * 2), *dout = xmalloc(n * H * 2);
+    int64_t j = 0;
+    for (int64_t q = 0; q < T * K; q++)
+      if (p->ids[q] == e0) {
+        int64_t t = q / K;
+        d2h(x + j * H, p->fr.x + t * H, H * 2);
+        d2h(dout + j * H, p->br.d_out + t * H, H * 2);
+        ids[j] = 0;
+        tw[j] = p->tw[q];
+        j++;
+      }
+    mokk_fwd_rank fr = {.x = x, .topk_ids = ids, .topk_weights = tw};
+    mokk_bwd_rank br = {.d_out = dout};
+    fr.out = xmalloc(n * H * 2);
+    br.d_x = xmalloc(n * H * 2);
+    br.d_topk_weights = xmalloc(n * 4);
+    double r[3];
+    for (int w = 0; w < 3; w++) {
+      int64_t m = I * H;
+      uint16_t *hw = xmalloc(m * 2);
+      d2h(hw, p->fr.w[w] + e0 * m, m * 2);
+      fr.w[w] = hw;
+      br.g_bf16[w] = xmalloc(m * 2);
+    }
+    mokk_ctx *ctx = NULL;
+    if (mokk_forward(cpu, &ss, n, &fr, &ctx, err) ||
+        mokk_backward(cpu, ctx, MOKK_GRAD_BF16, &br, err)) {
+      fprintf(stderr, "verify: cpu engine: %s\n", err);
+      return 1;
+    }
+    mokk_ctx_free(cpu, ctx);
+    for (int w = 0; w < 3; w++) {
+      int64_t m = I * H;
+      uint16_t *g = xmalloc(m * 2);
+      d2h(g, p->br.g_bf16[w] + e0 * m, m * 2);
+      r[w] = ratio_bf16(br.g_bf16[w], g, m, 1.0 / 32);
+      bad |= r[w] > 1;
+      free(g), free((void *)fr.w[w]), free(br.g_bf16[w]);
+    }
+    printf("verify dsv3: expert %d (%lld rows): d_w_gate %.3f  d_w_up %.3f  d_w_down %.3f\n",
+           e0, (long long)n, r[0], r[1], r[2]);
+    free(ids), free(tw), free(x), free(dout), free(fr.out), free(br.d_x);
+    free(br.d_topk_weights);
+  }
+  (void)Is;
+  return bad;
+}
+
+static int torch_baseline(const char *cmd, const char *name, int iters, double *fwd,
+                          double *bwd)
+{
+  char line[1024], buf[1200];
+  FILE *f;
+  int found = 0;
+
+  snprintf(buf, sizeof buf, "%s --shapes %s --iters %d", cmd, name, iters);
+  if ((f = popen(buf, "r")) == NULL)
+    return 0;
+  while (fgets(line, sizeof line, f) != NULL) {
+    char *a = strstr(line, "fwd_ms="), *b = strstr(line, "bwd_ms=");
+    fputs(line, stdout);
+    if (strncmp(line, "torch ", 6) == 0 && a && b) {
+      *fwd = atof(a + 7), *bwd = atof(b + 7);
+      found = 1;
+    }
+  }
+  pclose(f);
+  return found;
+}
+
+int main(int argc, char **argv)
+{
+  const char *want = "dsv3,mid,qwen3_4k,qwen3_32k,mok", *torch = NULL;
+  int iters = 10, do_verify = 0, bad = 0;
+  char err[MOK_ERRLEN];
+  mokk_backend *gpu = NULL, *cpu = NULL;
+
+  for (int i = 1; i < argc; i++) {
+    if (!strcmp(argv[i], "--shapes") && i + 1 < argc)
+      want = argv[++i];
+    else if (!strcmp(argv[i], "--iters") && i + 1 < argc)
+      iters = atoi(argv[++i]);
+    else if (!strcmp(argv[i], "--torch") && i + 1 < argc)
+      torch = argv[++i];
+    else if (!strcmp(argv[i], "--verify"))
+      do_verify = 1;
+    else {
+      fprintf(stderr, "usage: bench_gpu [--shapes a,b] [--iters n] [--torch CMD] [--verify]\n"
+                      "  shapes: dsv3 mid qwen3_4k qwen3_32k mok (DESIGN §6)\n"
+                      "  --torch CMD  run 'CMD --shapes NAME --iters N' for the baseline\n"
+                      "  --verify     check dsv3 against the CPU engine on samples\n");
+      return 2;
+    }
+  }
+  if (iters < 1)
+    iters = 1;
+  if (mokk_cuda_devices(err) <= 0) {
+    printf("bench_gpu: no CUDA device; nothing to measure\n");
+    return 0;
+  }
+  if (mokk_cuda_create(0, &gpu, err) || mokk_cpu_create(0, &cpu, err)) {
+    fprintf(stderr, "bench_gpu: %s\n", err);
+    return 1;
+  }
+  cudaStream_t st = (cudaStream_t)mokk_cuda_stream(gpu);
+  cudaEvent_t e0, e1, e2;
+  CUDA_OK(cudaEventCreate(&e0));
+  CUDA_OK(cudaEventCreate(&e1));
+  CUDA_OK(cudaEventCreate(&e2));
+
+  for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+    const shape_def *d = &shapes[si];
+    char pat[64];
+    snprintf(pat, sizeof pat, ",%s,", d->name);
+    char list[512];
+    snprintf(list, sizeof list, ",%s,", want);
+    if (strstr(list, pat) == NULL)
+      continue;
+    problem p;
+    problem_make(&p, d);
+    float *fms = xmalloc(iters * 4), *bms = xmalloc(iters * 4);
+    for (int it = -2; it < iters; it++) {
+      mokk_ctx *ctx = NULL;
+      CUDA_OK(cudaEventRecord(e0, st));
+      if (mokk_forward(gpu, &p.s, p.T, &p.fr, &ctx, err)) {
+        fprintf(stderr, "bench_gpu: %s: forward: %s\n", d->name, err);
+        return 1;
+      }
+      CUDA_OK(cudaEventRecord(e1, st));
+      if (mokk_backward(gpu, ctx, MOKK_GRAD_BF16, &p.br, err)) {
+        fprintf(stderr, "bench_gpu: %s: backward: %s\n", d->name, err);
+        return 1;
+      }
+      CUDA_OK(cudaEventRecord(e2, st));
+      mokk_ctx_free(gpu, ctx);
+      if (mokk_cuda_sync(gpu, err)) {
+        fprintf(stderr, "bench_gpu: %s: %s\n", d->name, err);
+        return 1;
+      }
+      if (it >= 0) {
+        CUDA_OK(cudaEventElapsedTime(&fms[it], e0, e1));
+        CUDA_OK(cudaEventElapsedTime(&bms[it], e1, e2));
+      }
+    }
+    qsort(fms, iters, 4, cmp_float);
+    qsort(bms, iters, 4, cmp_float);
+    double f = fms[iters / 2], b = bms[iters / 2];
+    double flop = 6.0 * (double)d->T * d->H * ((double)d->K * d->I + d->Is);
+    printf("mokd %s T=%lld H=%lld I=%lld E=%lld K=%lld shared=%d fwd_ms=%.3f fwd_tflops=%.1f "
+           "bwd_ms=%.3f bwd_tflops=%.1f\n",
+           d->name, (long long)d->T, (long long)d->H, (long long)d->I, (long long)d->E,
+           (long long)d->K, d->Is > 0, f, flop / f / 1e9, b, 2 * flop / b / 1e9);
+    fflush(stdout);
+    if (do_verify && !strcmp(d->name, "dsv3"))
+      bad |= verify(&p, cpu);
+    problem_free(&p);
+    free(fms), free(bms);
+    if (torch != NULL) {
+      double tf, tb;
+      if (torch_baseline(torch, d->name, iters, &tf, &tb))
+        printf("ratio %s: fwd %.3fx bwd %.3fx of torch._grouped_mm (>1 = mokd faster)\n",
+               d->name, tf / f, tb / b);
+      else
+        printf("ratio %s: no torch baseline\n", d->name);
+      fflush(stdout);
+    }
+  }
+  mokk_backend_destroy(gpu);
+  mokk_backend_destroy(cpu);
+  return bad;
+}
