@@ -170,7 +170,7 @@ $(BENCH_BIN): $(BENCH_OBJ) $(LIBMOKK) $(LIBCOMMON)
 check: deps
 	@$(MAKE) --no-print-directory check-run
 
-check-run: check-c check-python
+check-run: check-c check-python gpu-check
 
 check-c: all
 	CK_FORK=yes $(UNIT_BIN)

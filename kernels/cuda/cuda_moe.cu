@@ -226,19 +226,29 @@ static int grid_for(const cuda_backend *cb, int64_t work, int per_sm)
 
 static int64_t gemm_tiles(const gemm_args *a, int layout)
 {
-  int64_t ntn = a->N / G_BN;
+  int64_t ntn = (a->N + G_BN - 1) / G_BN, mtn = (a->M + G_BM - 1) / G_BM;
   if (layout == L_TN)
-    return (int64_t)a->groups * (a->M / G_BM) * ntn;
+    return (int64_t)a->groups * mtn * ntn;
   if (a->count != NULL)
     return (int64_t)a->tiles_max * ntn;
-  return (int64_t)((a->M + G_BM - 1) / G_BM) * ntn;
+  return mtn * ntn;
 }
 
 template <int LAYOUT, int EPI>
 static int gemm(cuda_backend *cb, const gemm_args *a, char *err, const char *what)
 {
-  int grid = grid_for(cb, gemm_tiles(a, LAYOUT), 8);
-  k_gemm<LAYOUT, EPI><<<grid, G_THREADS, 0, cb->stream>>>(*a);
+  static int ready; /* per instantiation: the shared-memory opt-in is done */
+  if (!ready) {
+    cudaError_t e = cudaFuncSetAttribute(k_gemm<LAYOUT, EPI>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         G_SMEM_BYTES);
+    if (e != cudaSuccess)
+      return cuda_fail(err, e, what);
+    ready = 1;
+  }
+  /* 256 threads and 66 KiB each: three blocks fit on an SM */
+  int grid = grid_for(cb, gemm_tiles(a, LAYOUT), 3);
+  k_gemm<LAYOUT, EPI><<<grid, G_THREADS, G_SMEM_BYTES, cb->stream>>>(*a);
   cudaError_t e = cudaGetLastError();
   return e == cudaSuccess ? 0 : cuda_fail(err, e, what);
 }

@@ -17,10 +17,13 @@
 #include <mma.h>
 #include <stdint.h>
 
-#define G_BM 64
-#define G_BN 64
+#define G_BM 128
+#define G_BN 128
 #define G_BK 32
-#define G_THREADS 128
+#define G_THREADS 256
+/* shared memory: the A and B tiles during the k loop, the fp32 tile after */
+#define G_TILE_ELEMS (G_BM * (G_BK + 8) > G_BK * (G_BM + 8) ? G_BM * (G_BK + 8) : G_BK * (G_BM + 8))
+#define G_SMEM_BYTES (G_BM * (G_BN + 4) * 4)
 
 typedef __nv_bfloat16 bf16;
 
@@ -59,46 +62,68 @@ __device__ __forceinline__ float g_silu(float g)
   return g / (1.0f + expf(-g));
 }
 
-template <int LAYOUT>
-__device__ __forceinline__ void g_load_tiles(const gemm_args &a, const bf16 *Ag, const bf16 *Bg,
-                                             const bf16 *B2g, int m0, int n0, int nt, int k0,
-                                             int Mg, int Kg, bf16 *As, bf16 *Bs, int gateup)
+/* One k step of operand tiles, global -> registers (zero outside the
+ * matrix), so that the next step's loads overlap this step's MMAs. Every
+ * dimension is a multiple of 64, so a 128-wide tile is full or half. */
+typedef struct g_regs {
+  uint4 a[2], b[2];
+} g_regs;
+
+template <int LAYOUT, int GATEUP>
+__device__ __forceinline__ void g_fetch(const gemm_args &a, const bf16 *Ag, const bf16 *Bg,
+                                        const bf16 *B2g, int m0, int n0, int nt, int k0,
+                                        int Mg, int Kg, g_regs *r)
 {
   const uint4 zero = make_uint4(0, 0, 0, 0);
-  for (int c = threadIdx.x; c < 256; c += G_THREADS) {
-    /* A: 64 x 32 (NT, NN) or 32 x 64 (TN) in 8-element chunks */
-    if (LAYOUT == L_TN) {
-      int kr = c >> 3, mc = (c & 7) * 8;
-      uint4 v = zero;
-      if (k0 + kr < Kg)
+  for (int q = 0; q < 2; q++) {
+    int c = threadIdx.x + q * G_THREADS;
+    uint4 v = zero;
+    if (LAYOUT == L_TN) { /* A is [k][m]: 32 x 128 */
+      int kr = c >> 4, mc = (c & 15) * 8;
+      if (k0 + kr < Kg && m0 + mc < Mg)
         v = *(const uint4 *)(Ag + (int64_t)(k0 + kr) * a.lda + m0 + mc);
-      *(uint4 *)(As + kr * (G_BM + 8) + mc) = v;
-    } else {
-      int r = c >> 2, kc = (c & 3) * 8;
-      uint4 v = zero;
-      if (m0 + r < Mg)
-        v = *(const uint4 *)(Ag + (int64_t)(m0 + r) * a.lda + k0 + kc);
-      *(uint4 *)(As + r * (G_BK + 8) + kc) = v;
+    } else {              /* A is [m][k]: 128 x 32 */
+      int rr = c >> 2, kc = (c & 3) * 8;
+      if (m0 + rr < Mg)
+        v = *(const uint4 *)(Ag + (int64_t)(m0 + rr) * a.lda + k0 + kc);
     }
-    /* B: 64 x 32 as [n][k] (NT) or 32 x 64 as [k][n] */
-    if (LAYOUT == L_NT) {
-      int r = c >> 2, kc = (c & 3) * 8;
-      const bf16 *row;
-      if (gateup)
-        row = r < 32 ? Bg + (int64_t)(nt * 32 + r) * a.ldb : B2g + (int64_t)(nt * 32 + r - 32) * a.ldb;
-      else
-        row = Bg + (int64_t)(n0 + r) * a.ldb;
-      *(uint4 *)(Bs + r * (G_BK + 8) + kc) = *(const uint4 *)(row + k0 + kc);
-    } else {
-      int kr = c >> 3, nc = (c & 7) * 8, k = k0 + kr;
-      uint4 v = zero;
-      if (k < Kg) {
+    r->a[q] = v;
+    v = zero;
+    if (LAYOUT == L_NT) { /* B is [n][k]: 128 x 32 */
+      int rr = c >> 2, kc = (c & 3) * 8;
+      const bf16 *row = NULL;
+      if (GATEUP)
+        row = rr < G_BN / 2 ? Bg + (int64_t)(nt * (G_BN / 2) + rr) * a.ldb
+                            : B2g + (int64_t)(nt * (G_BN / 2) + rr - G_BN / 2) * a.ldb;
+      else if (n0 + rr < a.N)
+        row = Bg + (int64_t)(n0 + rr) * a.ldb;
+      if (row != NULL)
+        v = *(const uint4 *)(row + k0 + kc);
+    } else {              /* B is [k][n]: 32 x 128 */
+      int kr = c >> 4, nc = (c & 15) * 8, k = k0 + kr;
+      if (k < Kg && n0 + nc < a.N) {
         const bf16 *p = (B2g != NULL && k >= a.split) ? B2g + (int64_t)(k - a.split) * a.ldb
                                                       : Bg + (int64_t)k * a.ldb;
         v = *(const uint4 *)(p + n0 + nc);
       }
-      *(uint4 *)(Bs + kr * (G_BN + 8) + nc) = v;
     }
+    r->b[q] = v;
+  }
+}
+
+template <int LAYOUT>
+__device__ __forceinline__ void g_stash(const g_regs *r, bf16 *As, bf16 *Bs)
+{
+  for (int q = 0; q < 2; q++) {
+    int c = threadIdx.x + q * G_THREADS;
+    if (LAYOUT == L_TN)
+      *(uint4 *)(As + (c >> 4) * (G_BM + 8) + (c & 15) * 8) = r->a[q];
+    else
+      *(uint4 *)(As + (c >> 2) * (G_BK + 8) + (c & 3) * 8) = r->a[q];
+    if (LAYOUT == L_NT)
+      *(uint4 *)(Bs + (c >> 2) * (G_BK + 8) + (c & 3) * 8) = r->b[q];
+    else
+      *(uint4 *)(Bs + (c >> 4) * (G_BN + 8) + (c & 15) * 8) = r->b[q];
   }
 }
 
@@ -106,27 +131,26 @@ template <int LAYOUT, int EPI>
 __global__ void __launch_bounds__(G_THREADS) k_gemm(gemm_args a)
 {
   using namespace nvcuda;
-  __shared__ __align__(128) bf16 As[G_BM * (G_BK + 8)];
-  __shared__ __align__(128) bf16 Bs[G_BN * (G_BK + 8)];
-  __shared__ __align__(128) float Cs[G_BM * (G_BN + 4)];
-  const int warp = threadIdx.x >> 5, wm = warp >> 1, wn = warp & 1;
-  const int ntn = a.N / G_BN;
-  const int gateup = EPI == E_GATEUP;
+  extern __shared__ __align__(128) unsigned char g_smem[];
+  bf16 *As = (bf16 *)g_smem, *Bs = As + G_TILE_ELEMS;
+  float *Cs = (float *)g_smem; /* reuses the operand tiles after the k loop */
+  const int warp = threadIdx.x >> 5, wm = warp >> 2, wn = warp & 3;
+  const int ntn = (a.N + G_BN - 1) / G_BN, mtn = (a.M + G_BM - 1) / G_BM;
   int64_t tiles;
 
   if (LAYOUT == L_TN)
-    tiles = (int64_t)a.groups * (a.M / G_BM) * ntn;
+    tiles = (int64_t)a.groups * mtn * ntn;
   else if (a.count != NULL)
     tiles = (int64_t)a.tiles_max * ntn;
   else
-    tiles = (int64_t)((a.M + G_BM - 1) / G_BM) * ntn;
+    tiles = (int64_t)mtn * ntn;
 
   for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
     int g, m0, n0, nt, Mg, Kg;
     int64_t rb = 0; /* first row of the group */
 
     if (LAYOUT == L_TN) {
-      int per = (a.M / G_BM) * ntn;
+      int per = mtn * ntn;
       g = (int)(t / per);
       m0 = (int)(t % per) / ntn * G_BM;
       nt = (int)(t % per) % ntn;
@@ -165,18 +189,24 @@ __global__ void __launch_bounds__(G_THREADS) k_gemm(gemm_args a)
     const bf16 *Bg = a.B + (LAYOUT == L_TN ? rb * a.ldb : (int64_t)g * a.b_stride);
     const bf16 *B2g = a.B2 != NULL ? a.B2 + (int64_t)g * a.b_stride : NULL;
 
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2];
-    for (int i = 0; i < 2; i++)
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[4][2];
+    for (int i = 0; i < 4; i++)
       for (int j = 0; j < 2; j++)
         wmma::fill_fragment(acc[i][j], 0.0f);
 
-    for (int k0 = 0; k0 < Kg; k0 += G_BK) {
-      __syncthreads(); /* the previous step (or tile epilogue) is done with smem */
-      g_load_tiles<LAYOUT>(a, Ag, Bg, B2g, m0, n0, nt, k0, Mg, Kg, As, Bs, gateup);
+    g_regs rg;
+    if (Kg > 0) {
+      g_fetch<LAYOUT, EPI == E_GATEUP>(a, Ag, Bg, B2g, m0, n0, nt, 0, Mg, Kg, &rg);
+      g_stash<LAYOUT>(&rg, As, Bs);
       __syncthreads();
+    }
+    for (int k0 = 0; k0 < Kg; k0 += G_BK) {
+      int more = k0 + G_BK < Kg;
+      if (more)
+        g_fetch<LAYOUT, EPI == E_GATEUP>(a, Ag, Bg, B2g, m0, n0, nt, k0 + G_BK, Mg, Kg, &rg);
       for (int kk = 0; kk < G_BK; kk += 16) {
-        for (int i = 0; i < 2; i++) {
-          int mo = wm * 32 + i * 16;
+        for (int i = 0; i < 4; i++) {
+          int mo = wm * 64 + i * 16;
           if (LAYOUT == L_TN) {
             wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::col_major> fa;
             wmma::load_matrix_sync(fa, As + kk * (G_BM + 8) + mo, G_BM + 8);
@@ -204,23 +234,29 @@ __global__ void __launch_bounds__(G_THREADS) k_gemm(gemm_args a)
           }
         }
       }
+      __syncthreads(); /* everyone is done reading this step's tiles */
+      if (more) {
+        g_stash<LAYOUT>(&rg, As, Bs);
+        __syncthreads();
+      }
     }
-    for (int i = 0; i < 2; i++)
+    for (int i = 0; i < 4; i++)
       for (int j = 0; j < 2; j++)
-        wmma::store_matrix_sync(Cs + (wm * 32 + i * 16) * (G_BN + 4) + wn * 32 + j * 16,
+        wmma::store_matrix_sync(Cs + (wm * 64 + i * 16) * (G_BN + 4) + wn * 32 + j * 16,
                                 acc[i][j], G_BN + 4, wmma::mem_row_major);
     __syncthreads();
 
     /* epilogue: Cs holds the fp32 tile */
     if (EPI == E_GATEUP) {
+      const int half = G_BN / 2;
       bf16 *h = (bf16 *)a.C;
-      for (int idx = threadIdx.x; idx < G_BM * 32; idx += G_THREADS) {
-        int m = idx >> 5, n = idx & 31;
+      for (int idx = threadIdx.x; idx < G_BM * half; idx += G_THREADS) {
+        int m = idx / half, n = idx % half;
         if (m0 + m >= Mg)
           continue;
         int64_t row = rb + m0 + m;
-        int i = nt * 32 + n;
-        float gv = Cs[m * (G_BN + 4) + n], uv = Cs[m * (G_BN + 4) + n + 32];
+        int i = nt * half + n;
+        float gv = Cs[m * (G_BN + 4) + n], uv = Cs[m * (G_BN + 4) + n + half];
         if (a.sg != NULL) {
           a.sg[row * a.lds + i] = gv;
           a.su[row * a.lds + i] = uv;
@@ -235,6 +271,8 @@ __global__ void __launch_bounds__(G_THREADS) k_gemm(gemm_args a)
       for (int idx = threadIdx.x; idx < G_BM * G_BN; idx += G_THREADS) {
         int m = idx / G_BN, n = idx % G_BN;
         int64_t mm = m0 + m;
+        if (mm >= a.M || n0 + n >= a.N)
+          continue;
         void *base = a.C;
         if (a.C2 != NULL && mm >= a.split) {
           base = a.C2;
@@ -250,7 +288,7 @@ __global__ void __launch_bounds__(G_THREADS) k_gemm(gemm_args a)
     } else {
       for (int idx = threadIdx.x; idx < G_BM * G_BN; idx += G_THREADS) {
         int m = idx / G_BN, n = idx % G_BN;
-        if (m0 + m >= Mg)
+        if (m0 + m >= Mg || n0 + n >= a.N)
           continue;
         int64_t row = rb + m0 + m;
         float v = Cs[m * (G_BN + 4) + n];
@@ -278,7 +316,7 @@ __global__ void __launch_bounds__(G_THREADS) k_gemm(gemm_args a)
         }
       }
     }
-    __syncthreads(); /* Cs is rewritten by the next tile */
+    __syncthreads(); /* the next tile overwrites shared memory */
   }
 }
 
