@@ -283,6 +283,78 @@ static gemm_args dense(const cuda_ctx *c, int64_t T)
   return a;
 }
 
+/* One set of experts: the routed ones, grouped over the schedule, or the
+ * shared one, a single dense group of T rows. */
+typedef struct mlp {
+  gemm_args base;          /* routed() or dense() */
+  const bf16 *wg, *wu, *wd;
+  int64_t Ie, stride;      /* intermediate size; elements per expert of each weight */
+  float *g, *u;            /* gate and up saved by the forward */
+  bf16 *h;
+} mlp;
+
+static mlp mlp_routed(const cuda_ctx *c, int64_t TK)
+{
+  const mokk_shape *s = &c->hdr.shape;
+  mlp m = {routed(c, TK), c->w[MOKK_W_GATE], c->w[MOKK_W_UP], c->w[MOKK_W_DOWN],
+           s->I, s->I * s->H, c->g, c->u, c->h};
+  return m;
+}
+
+static mlp mlp_shared(const cuda_ctx *c, int64_t T)
+{
+  const mokk_shape *s = &c->hdr.shape;
+  mlp m = {dense(c, T), c->w[MOKK_S_GATE], c->w[MOKK_S_UP], c->w[MOKK_S_DOWN],
+           s->I_s, 0, c->gs, c->us, c->hs};
+  return m;
+}
+
+/* h = swiglu(x W_gate^T, x W_up^T) (saving g, u), then y = h W_down^T */
+static int mlp_forward(cuda_backend *cb, const mlp *m, const bf16 *x, int64_t H, bf16 *y,
+                       char *err)
+{
+  gemm_args a = m->base;
+  int rc;
+
+  a.A = x, a.lda = H;
+  a.B = m->wg, a.B2 = m->wu, a.ldb = H, a.b_stride = m->stride;
+  a.N = (int)(2 * m->Ie), a.K = (int)H;
+  a.C = m->h, a.ldc = m->Ie;
+  a.sg = m->g, a.su = m->u, a.lds = m->Ie;
+  if ((rc = gemm<L_NT, E_GATEUP>(cb, &a, err, "gate/up GEMM")))
+    return rc;
+  a = m->base;
+  a.A = m->h, a.lda = m->Ie;
+  a.B = m->wd, a.ldb = m->Ie, a.b_stride = m->stride;
+  a.N = (int)H, a.K = (int)m->Ie;
+  a.C = y, a.ldc = H;
+  return gemm<L_NT, E_BF16>(cb, &a, err, "down GEMM");
+}
+
+/* d_h = scale (d_out W_down) -> d_g | d_u (bf16, [rows, 2 Ie]), then
+ * dx = d_g W_gate + d_u W_up (fp32, per row) */
+static int mlp_backward(cuda_backend *cb, const mlp *m, const bf16 *d_out, const float *scale,
+                        int64_t H, bf16 *dgu, float *dx, char *err)
+{
+  gemm_args a = m->base;
+  int rc;
+
+  a.A = d_out, a.lda = H;
+  a.B = m->wd, a.ldb = m->Ie, a.b_stride = m->stride;
+  a.N = (int)m->Ie, a.K = (int)H;
+  a.C = dgu, a.ldc = 2 * m->Ie;
+  a.sg = m->g, a.su = m->u, a.lds = m->Ie;
+  a.scale = scale;
+  if ((rc = gemm<L_NN, E_DH>(cb, &a, err, "d_h GEMM")))
+    return rc;
+  a = m->base;
+  a.A = dgu, a.lda = 2 * m->Ie;
+  a.B = m->wg, a.B2 = m->wu, a.split = m->Ie, a.ldb = H, a.b_stride = m->stride;
+  a.N = (int)H, a.K = (int)(2 * m->Ie);
+  a.C = dx, a.ldc = H;
+  return gemm<L_NN, E_F32>(cb, &a, err, "d_x GEMM");
+}
+
 /* ---- forward ------------------------------------------------------------- */
 
 static int aligned16(const void *p)
@@ -394,6 +466,7 @@ static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
     c->hs = (bf16 *)(base + o_hs);
   }
   bf16 *ys = Is ? (bf16 *)(base + o_ys) : NULL;
+  mlp routed_mlp = mlp_routed(c, TK), shared_mlp = mlp_shared(c, T);
 
   /* schedule */
   k_count<<<(int)E, SCHED_THREADS, 0, cb->stream>>>(f->topk_ids, TK, (int)E, c->count, c->slot,
@@ -412,64 +485,10 @@ static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
                                                          H, c->xr, NULL, NULL);
   if ((rc = launched(err, "dispatch")))
     goto fail;
-  {
-    gemm_args a = routed(c, TK); /* h = swiglu(xr W_gate^T, xr W_up^T) */
-    a.A = c->xr;
-    a.lda = H;
-    a.B = c->w[MOKK_W_GATE];
-    a.B2 = c->w[MOKK_W_UP];
-    a.ldb = H;
-    a.b_stride = I * H;
-    a.N = (int)(2 * I);
-    a.K = (int)H;
-    a.C = c->h;
-    a.ldc = I;
-    a.sg = c->g;
-    a.su = c->u;
-    a.lds = I;
-    if ((rc = gemm<L_NT, E_GATEUP>(cb, &a, err, "gate/up GEMM")))
-      goto fail;
-    a = routed(c, TK); /* y = h W_down^T */
-    a.A = c->h;
-    a.lda = I;
-    a.B = c->w[MOKK_W_DOWN];
-    a.ldb = I;
-    a.b_stride = H * I;
-    a.N = (int)H;
-    a.K = (int)I;
-    a.C = c->y;
-    a.ldc = H;
-    if ((rc = gemm<L_NT, E_BF16>(cb, &a, err, "down GEMM")))
-      goto fail;
-  }
-  if (Is) {
-    gemm_args a = dense(c, T);
-    a.A = c->x;
-    a.lda = H;
-    a.B = c->w[MOKK_S_GATE];
-    a.B2 = c->w[MOKK_S_UP];
-    a.ldb = H;
-    a.N = (int)(2 * Is);
-    a.K = (int)H;
-    a.C = c->hs;
-    a.ldc = Is;
-    a.sg = c->gs;
-    a.su = c->us;
-    a.lds = Is;
-    if ((rc = gemm<L_NT, E_GATEUP>(cb, &a, err, "shared gate/up GEMM")))
-      goto fail;
-    a = dense(c, T);
-    a.A = c->hs;
-    a.lda = Is;
-    a.B = c->w[MOKK_S_DOWN];
-    a.ldb = Is;
-    a.N = (int)H;
-    a.K = (int)Is;
-    a.C = ys;
-    a.ldc = H;
-    if ((rc = gemm<L_NT, E_BF16>(cb, &a, err, "shared down GEMM")))
-      goto fail;
-  }
+  if ((rc = mlp_forward(cb, &routed_mlp, c->xr, H, c->y, err)))
+    goto fail;
+  if (Is && (rc = mlp_forward(cb, &shared_mlp, c->x, H, ys, err)))
+    goto fail;
   k_combine<<<grid_for(cb, T, 16), 256, 0, cb->stream>>>(c->y, c->slot, f->topk_weights, ys, T,
                                                          (int)K, H, (bf16 *)f->out);
   if ((rc = launched(err, "combine")))
@@ -523,6 +542,7 @@ static int cuda_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
   bf16 *dgus = Is ? (bf16 *)(base + o_dgus) : NULL;
   float *dxs = Is ? (float *)(base + o_dxs) : NULL;
   const bf16 *d_out = (const bf16 *)r->d_out;
+  mlp routed_mlp = mlp_routed(c, TK), shared_mlp = mlp_shared(c, T);
 
   k_gather<<<grid_for(cb, TK, 16), 128, 0, cb->stream>>>(d_out, c->src, c->row_start + E,
                                                          (int)K, H, dor, c->row_w, dy);
@@ -532,67 +552,10 @@ static int cuda_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
                                                                 (int)K, H, r->d_topk_weights);
   if ((rc = launched(err, "d_topk_weights")))
     goto out;
-  {
-    gemm_args a = routed(c, TK); /* d_h = w (d_out W_down) -> d_g | d_u */
-    a.A = dor;
-    a.lda = H;
-    a.B = c->w[MOKK_W_DOWN];
-    a.ldb = I;
-    a.b_stride = H * I;
-    a.N = (int)I;
-    a.K = (int)H;
-    a.C = dgu;
-    a.ldc = 2 * I;
-    a.sg = c->g;
-    a.su = c->u;
-    a.lds = I;
-    a.scale = c->row_w;
-    if ((rc = gemm<L_NN, E_DH>(cb, &a, err, "d_h GEMM")))
-      goto out;
-    a = routed(c, TK); /* dxr = d_g W_gate + d_u W_up */
-    a.A = dgu;
-    a.lda = 2 * I;
-    a.B = c->w[MOKK_W_GATE];
-    a.B2 = c->w[MOKK_W_UP];
-    a.split = I;
-    a.ldb = H;
-    a.b_stride = I * H;
-    a.N = (int)H;
-    a.K = (int)(2 * I);
-    a.C = dxr;
-    a.ldc = H;
-    if ((rc = gemm<L_NN, E_F32>(cb, &a, err, "d_x GEMM")))
-      goto out;
-  }
-  if (Is) {
-    gemm_args a = dense(c, T);
-    a.A = d_out;
-    a.lda = H;
-    a.B = c->w[MOKK_S_DOWN];
-    a.ldb = Is;
-    a.N = (int)Is;
-    a.K = (int)H;
-    a.C = dgus;
-    a.ldc = 2 * Is;
-    a.sg = c->gs;
-    a.su = c->us;
-    a.lds = Is;
-    if ((rc = gemm<L_NN, E_DH>(cb, &a, err, "shared d_h GEMM")))
-      goto out;
-    a = dense(c, T);
-    a.A = dgus;
-    a.lda = 2 * Is;
-    a.B = c->w[MOKK_S_GATE];
-    a.B2 = c->w[MOKK_S_UP];
-    a.split = Is;
-    a.ldb = H;
-    a.N = (int)H;
-    a.K = (int)(2 * Is);
-    a.C = dxs;
-    a.ldc = H;
-    if ((rc = gemm<L_NN, E_F32>(cb, &a, err, "shared d_x GEMM")))
-      goto out;
-  }
+  if ((rc = mlp_backward(cb, &routed_mlp, dor, c->row_w, H, dgu, dxr, err)))
+    goto out;
+  if (Is && (rc = mlp_backward(cb, &shared_mlp, d_out, NULL, H, dgus, dxs, err)))
+    goto out;
   k_combine_dx<<<grid_for(cb, T, 16), 256, 0, cb->stream>>>(dxr, c->slot, dxs, T, (int)K, H,
                                                             (bf16 *)r->d_x);
   if ((rc = launched(err, "d_x combine")))
