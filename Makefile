@@ -132,10 +132,10 @@ $(LIBMOKK_CUDA): $(CUDA_OBJ)
 	$(AR) rcs $@ $^
 $(GPU_BIN): $(call obj,tests/gpu/check_gpu.c tests/ref.c) $(LIBMOKK_CUDA) $(LIBMOKK) $(LIBCOMMON)
 	@mkdir -p $(dir $@)
-	$(CC) -o $@ $^ $(CHECK_STATIC) $(CUDA_LIBS) $(LDLIBS)
+	$(CC) $(LDSAN) -o $@ $^ $(CHECK_STATIC) $(CUDA_LIBS) $(LDLIBS)
 $(GPU_BENCH): $(call obj,tests/bench/bench_gpu.c) $(BUILD)/obj/tests/bench/gpu_fill.o \
               $(LIBMOKK_CUDA) $(LIBMOKK) $(LIBCOMMON)
-	$(CC) -o $@ $^ $(CUDA_LIBS) $(LDLIBS)
+	$(CC) $(LDSAN) -o $@ $^ $(CUDA_LIBS) $(LDLIBS)
 
 $(LIBCOMMON): $(COMMON_OBJ)
 	$(AR) rcs $@ $^
