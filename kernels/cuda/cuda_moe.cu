@@ -237,19 +237,15 @@ static int64_t gemm_tiles(const gemm_args *a, int layout)
 template <int LAYOUT, int EPI>
 static int gemm(cuda_backend *cb, const gemm_args *a, char *err, const char *what)
 {
-  static int ready; /* per instantiation: the shared-memory opt-in is done */
-  if (!ready) {
-    cudaError_t e = cudaFuncSetAttribute(k_gemm<LAYOUT, EPI>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         G_SMEM_BYTES);
-    if (e != cudaSuccess)
-      return cuda_fail(err, e, what);
-    ready = 1;
-  }
+  /* the opt-in belongs to the current device and is a host-side call: ask every time */
+  cudaError_t e = cudaFuncSetAttribute(k_gemm<LAYOUT, EPI>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, G_SMEM_BYTES);
+  if (e != cudaSuccess)
+    return cuda_fail(err, e, what);
   /* 256 threads and 66 KiB each: three blocks fit on an SM */
   int grid = grid_for(cb, gemm_tiles(a, LAYOUT), 3);
   k_gemm<LAYOUT, EPI><<<grid, G_THREADS, G_SMEM_BYTES, cb->stream>>>(*a);
-  cudaError_t e = cudaGetLastError();
+  e = cudaGetLastError();
   return e == cudaSuccess ? 0 : cuda_fail(err, e, what);
 }
 
