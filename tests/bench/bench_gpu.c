@@ -181,7 +181,7 @@ static void d2h(void *h, const void *d, size_t n)
 static int verify(problem *p, mokk_backend *cpu)
 {
   const mokk_shape *s = &p->s;
-  int64_t H = s->H, I = s->I, K = s->K, Is = s->I_s, T = p->T, nt = 8;
+  int64_t H = s->H, I = s->I, K = s->K, T = p->T, nt = 8;
   char err[MOK_ERRLEN];
   int bad = 0;
 
@@ -306,7 +306,6 @@ static int verify(problem *p, mokk_backend *cpu)
     free(ids), free(tw), free(x), free(dout), free(fr.out), free(br.d_x);
     free(br.d_topk_weights);
   }
-  (void)Is;
   return bad;
 }
 
