@@ -23,7 +23,7 @@ endif
 
 INCLUDES  := -Iclient/include -Iclient -Ikernels -Ikernels/cpu -Iproto -Idaemon -I$(BUILD)
 CFLAGS    += $(CSTD) $(WARN) $(FPFLAGS) $(OPT) $(INCLUDES) -fPIC -MMD -MP
-LDLIBS    += -lm -lpthread
+LDLIBS    += -lm -lpthread -ldl
 
 CHECK_CFLAGS := $(shell pkg-config --cflags check 2>/dev/null)
 CHECK_LIBS   := $(shell pkg-config --libs check 2>/dev/null)
@@ -49,7 +49,7 @@ KERNEL_SRC := kernels/layer.c kernels/backend.c kernels/cpu/ops.c \
               kernels/cpu/pool.c kernels/cpu/cpu_moe.c
 DAEMON_SRC := daemon/main.c daemon/config.c daemon/log.c daemon/server.c \
               daemon/session.c daemon/registry.c daemon/executor.c daemon/notify.c
-CLIENT_SRC := client/mok.c
+CLIENT_SRC := client/mok.c client/cudamap.c
 UNIT_SRC   := tests/check_main.c tests/ref.c tests/check_bf16.c \
               tests/check_schedule.c tests/check_forward.c tests/check_backward.c \
               tests/check_determinism.c tests/check_ep.c tests/check_errors.c \
@@ -58,7 +58,7 @@ UNIT_SRC   := tests/check_main.c tests/ref.c tests/check_bf16.c \
 UNIT_DAEMON := daemon/config.c daemon/log.c
 INTEG_SRC  := tests/check_daemon.c tests/ref.c
 BENCH_SRC  := tests/bench/bench_cpu.c
-CUDA_SRC   := kernels/cuda/cuda_moe.cu
+CUDA_SRC   := kernels/cuda/cuda_moe.cu kernels/cuda/gpumem.cu
 
 obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))
 
@@ -92,6 +92,12 @@ endif
 
 PROTOBUF_LIBS := $(shell pkg-config --libs libprotobuf-c 2>/dev/null || echo -lprotobuf-c)
 DAEMON_LIBS   := $(shell pkg-config --libs libuv inih libsystemd 2>/dev/null || echo -luv -linih -lsystemd) $(PROTOBUF_LIBS)
+# STATIC_DEPS=1: libuv, inih and protobuf-c linked in, for machines that lack
+# the packages (the GPU machine); libsystemd and libc stay shared
+ifeq ($(STATIC_DEPS),1)
+PROTOBUF_LIBS := -l:libprotobuf-c.a
+DAEMON_LIBS   := -l:libuv_a.a -l:libinih.a -l:libprotobuf-c.a -lsystemd
+endif
 
 PREFIX ?= /usr/local
 
@@ -130,9 +136,10 @@ $(call obj,tests/gpu/check_gpu.c tests/bench/bench_gpu.c): CFLAGS += $(CHECK_CFL
 
 $(LIBMOKK_CUDA): $(CUDA_OBJ)
 	$(AR) rcs $@ $^
-$(GPU_BIN): $(call obj,tests/gpu/check_gpu.c tests/ref.c) $(LIBMOKK_CUDA) $(LIBMOKK) $(LIBCOMMON)
+$(GPU_BIN): $(call obj,tests/gpu/check_gpu.c tests/ref.c) $(LIBMOK_A) $(LIBMOKK_CUDA) $(LIBMOKK) \
+            $(LIBCOMMON)
 	@mkdir -p $(dir $@)
-	$(CC) $(LDSAN) -o $@ $^ $(CHECK_STATIC) $(CUDA_LIBS) $(LDLIBS)
+	$(CC) $(LDSAN) -o $@ $^ $(CHECK_STATIC) -l:libprotobuf-c.a $(CUDA_LIBS) $(LDLIBS)
 $(GPU_BENCH): $(call obj,tests/bench/bench_gpu.c) $(BUILD)/obj/tests/bench/gpu_fill.o \
               $(LIBMOKK_CUDA) $(LIBMOKK) $(LIBCOMMON)
 	$(CC) $(LDSAN) -o $@ $^ $(CUDA_LIBS) $(LDLIBS)
@@ -144,13 +151,19 @@ $(LIBMOKK): $(KERNEL_OBJ)
 $(LIBMOK_A): $(CLIENT_OBJ) $(COMMON_OBJ)
 	$(AR) rcs $@ $^
 $(LIBMOK_SO): $(CLIENT_OBJ) $(COMMON_OBJ)
-	$(CC) $(LDSAN) -shared -Wl,-soname,libmok.so.0 -o $@ $^ $(PROTOBUF_LIBS)
+	$(CC) $(LDSAN) -shared -Wl,-soname,libmok.so.0 -o $@ $^ $(PROTOBUF_LIBS) -ldl -lpthread
 
 $(PC_FILE): Makefile
 	@printf 'prefix=%s\nlibdir=$${prefix}/lib\nincludedir=$${prefix}/include\n\nName: mok\nDescription: client library of the mokd MoE daemon\nVersion: 0.1.0\nRequires.private: libprotobuf-c\nLibs: -L$${libdir} -lmok\nCflags: -I$${includedir}\n' '$(PREFIX)' > $@
 
+ifeq ($(HAVE_CUDA),1)
+$(DAEMON_OBJ) $(call obj,$(UNIT_DAEMON)): CFLAGS += -DMOKD_HAVE_CUDA
+$(MOKD_BIN): $(DAEMON_OBJ) $(LIBMOKK_CUDA) $(LIBMOKK) $(LIBCOMMON)
+	$(CC) $(LDSAN) -o $@ $^ $(DAEMON_LIBS) $(CUDA_LIBS) $(LDLIBS)
+else
 $(MOKD_BIN): $(DAEMON_OBJ) $(LIBMOKK) $(LIBCOMMON)
 	$(CC) $(LDSAN) -o $@ $^ $(DAEMON_LIBS) $(LDLIBS)
+endif
 $(MOKCTL_BIN): $(call obj,client/mokctl.c client/testbed.c) $(LIBMOK_A)
 	$(CC) $(LDSAN) -o $@ $^ $(PROTOBUF_LIBS) $(LDLIBS)
 $(DEMO_BIN): $(call obj,client/examples/mok_demo.c client/testbed.c) $(LIBMOK_A) $(LIBMOKK)
@@ -197,8 +210,8 @@ bench-cpu: $(BENCH_BIN)
 # on the GPU machine; without a GPU (or without nvcc) they say so and pass
 gpu-check:
 ifeq ($(HAVE_CUDA),1)
-	@$(MAKE) --no-print-directory $(GPU_BIN)
-	CK_FORK=no $(GPU_BIN)
+	@$(MAKE) --no-print-directory $(GPU_BIN) $(MOKD_BIN)
+	CK_FORK=no MOKD_BIN=$(MOKD_BIN) $(GPU_BIN)
 else
 	@echo "gpu-check: nvcc not found at $(NVCC) (set CUDA_HOME); GPU tests skipped"
 endif

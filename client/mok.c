@@ -16,6 +16,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "cudamap.h"
 #include "frame.h"
 #include "proto/mokd.pb-c.h"
 
@@ -23,6 +24,8 @@ typedef struct mapped {
   uint64_t id;
   void *ptr;
   size_t bytes;
+  int device;                /* CUDA ordinal + 1 of a GPU arena; 0 = host */
+  unsigned long long handle; /* GPU arenas: the imported allocation */
 } mapped;
 
 struct mok_client {
@@ -63,8 +66,10 @@ static uint64_t now_ns(void)
   return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-static int add_map(mok_client *c, uint64_t id, int fd, size_t bytes)
+static int add_map(mok_client *c, uint64_t id, int fd, size_t bytes, int device)
 {
+  unsigned long long handle = 0;
+  char why[200];
   void *p;
   if (c->nmaps == c->capmaps) {
     int cap = c->capmaps ? 2 * c->capmaps : 8;
@@ -73,12 +78,26 @@ static int add_map(mok_client *c, uint64_t id, int fd, size_t bytes)
       return fail(c, MOK_ENOMEM, "out of memory");
     c->maps = m, c->capmaps = cap;
   }
-  p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (p == MAP_FAILED)
-    return fail(c, MOK_ENOMEM, "cannot map arena %llu (%zu bytes): %s",
-                (unsigned long long)id, bytes, strerror(errno));
-  c->maps[c->nmaps++] = (mapped){id, p, bytes};
+  if (device > 0) {
+    if (mok_cuda_map(fd, bytes, device - 1, &p, &handle, why, sizeof why) != 0)
+      return fail(c, MOK_EDEVICE, "cannot map GPU arena %llu (%zu bytes): %s",
+                  (unsigned long long)id, bytes, why);
+  } else {
+    p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED)
+      return fail(c, MOK_ENOMEM, "cannot map arena %llu (%zu bytes): %s",
+                  (unsigned long long)id, bytes, strerror(errno));
+  }
+  c->maps[c->nmaps++] = (mapped){id, p, bytes, device, handle};
   return 0;
+}
+
+static void unmap(const mapped *m)
+{
+  if (m->device > 0)
+    mok_cuda_unmap(m->ptr, m->bytes, m->handle);
+  else
+    munmap(m->ptr, m->bytes);
 }
 
 static mapped *find_map(const mok_client *c, uint64_t id)
@@ -216,14 +235,15 @@ static int call(mok_client *c, Mokd__Request *req, const int *fds, int nfds,
       break;
     }
     if ((rc = add_map(c, r->new_arenas[i]->arena, c->fds[next++],
-                      (size_t)r->new_arenas[i]->bytes)) != 0)
+                      (size_t)r->new_arenas[i]->bytes, r->new_arenas[i]->device)) != 0)
       break;
   }
   if (rc == 0 && r->body_case == MOKD__RESPONSE__BODY_ARENA_CREATED) {
     if (c->nfds < 1)
       rc = fail(c, MOK_EPROTO, "ArenaCreated came without its fd");
     else
-      rc = add_map(c, r->arena_created->arena, c->fds[0], (size_t)r->arena_created->bytes);
+      rc = add_map(c, r->arena_created->arena, c->fds[0], (size_t)r->arena_created->bytes,
+                   r->arena_created->device);
   }
   drop_fds(c);
   if (rc != 0) {
@@ -298,7 +318,7 @@ void mok_close(mok_client *c)
   if (c->fd >= 0)
     close(c->fd);
   for (int i = 0; i < c->nmaps; i++)
-    munmap(c->maps[i].ptr, c->maps[i].bytes);
+    unmap(&c->maps[i]);
   drop_fds(c);
   free(c->maps);
   mokw_framer_free(&c->rx);
@@ -388,7 +408,7 @@ int mok_arena_create(mok_client *c, size_t bytes, mok_arena_info *out)
   if ((rc = expect(c, &req, NULL, 0, MOKD__RESPONSE__BODY_ARENA_CREATED, &r)) != 0)
     return rc;
   mapped *m = find_map(c, r->arena_created->arena);
-  out->id = m->id, out->ptr = m->ptr, out->bytes = m->bytes;
+  out->id = m->id, out->ptr = m->ptr, out->bytes = m->bytes, out->device = m->device - 1;
   mokd__response__free_unpacked(r, NULL);
   return 0;
 }
@@ -407,12 +427,12 @@ int mok_arena_import(mok_client *c, int fd, size_t bytes, mok_arena_info *out)
     return rc;
   dupfd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
   rc = dupfd < 0 ? fail(c, MOK_EIO, "dup: %s", strerror(errno))
-                 : add_map(c, r->buffer_imported->arena, dupfd, bytes);
+                 : add_map(c, r->buffer_imported->arena, dupfd, bytes, 0);
   if (dupfd >= 0)
     close(dupfd);
   if (rc == 0) {
     mapped *m = find_map(c, r->buffer_imported->arena);
-    out->id = m->id, out->ptr = m->ptr, out->bytes = m->bytes;
+    out->id = m->id, out->ptr = m->ptr, out->bytes = m->bytes, out->device = -1;
   }
   mokd__response__free_unpacked(r, NULL);
   return rc;
@@ -431,7 +451,7 @@ int mok_arena_destroy(mok_client *c, uint64_t arena)
     return rc;
   for (int i = 0; i < c->nmaps; i++)
     if (c->maps[i].id == arena) {
-      munmap(c->maps[i].ptr, c->maps[i].bytes);
+      unmap(&c->maps[i]);
       c->maps[i] = c->maps[--c->nmaps];
       break;
     }
@@ -642,4 +662,38 @@ int mok_release(mok_client *c, const uint64_t *ids, int n)
   req.body_case = MOKD__REQUEST__BODY_RELEASE;
   req.release = &rl;
   return expect(c, &req, NULL, 0, MOKD__RESPONSE__BODY_RELEASED, NULL);
+}
+
+static int tensor_copy(mok_client *c, const mok_tensor *t, void *host, int to_arena)
+{
+  const mapped *m = c != NULL && t != NULL ? find_map(c, t->arena) : NULL;
+  void *p = mok_tensor_ptr(c, t);
+  size_t n = p != NULL ? mok_tensor_bytes(t) : 0;
+  char why[200];
+
+  if (c == NULL || host == NULL)
+    return MOK_ENULL;
+  if (p == NULL)
+    return fail(c, MOK_ERANGE, "the tensor lies outside the arenas this client has mapped");
+  if (m->device == 0) {
+    if (to_arena)
+      memcpy(p, host, n);
+    else
+      memcpy(host, p, n);
+    return 0;
+  }
+  if (mok_cuda_copy(to_arena ? p : host, to_arena ? host : p, n, to_arena, m->device - 1, why,
+                    sizeof why) != 0)
+    return fail(c, MOK_EDEVICE, "%s", why);
+  return 0;
+}
+
+int mok_tensor_write(mok_client *c, const mok_tensor *t, const void *src)
+{
+  return tensor_copy(c, t, (void *)src, 1);
+}
+
+int mok_tensor_read(mok_client *c, const mok_tensor *t, void *dst)
+{
+  return tensor_copy(c, t, dst, 0);
 }

@@ -2,6 +2,7 @@
 #include "testbed.h"
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 static uint64_t next(uint64_t *s)
@@ -25,11 +26,21 @@ static uint16_t to_bf16(float f)
   return (uint16_t)(u >> 16);
 }
 
-static void fill_bf16(void *p, size_t n, float scale, uint64_t *s)
+/* bf16 tensors get uniform(-scale, scale), fp32 ones zeros */
+static int fill_random(mok_client *c, const mok_tensor *t, float scale, uint64_t *s)
 {
-  uint16_t *b = p;
-  for (size_t i = 0; i < n; i++)
-    b[i] = to_bf16(scale * uniform(s));
+  size_t n = mok_tensor_bytes(t);
+  void *p = calloc(1, n ? n : 1);
+  int rc;
+
+  if (p == NULL)
+    return MOK_ENOMEM;
+  if (t->dtype == MOK_DTYPE_BF16)
+    for (size_t i = 0; i < n / 2; i++)
+      ((uint16_t *)p)[i] = to_bf16(scale * uniform(s));
+  rc = mok_tensor_write(c, t, p);
+  free(p);
+  return rc;
 }
 
 static mok_tensor place(uint64_t arena, size_t *at, mok_dtype dt, int ndim, int64_t a,
@@ -76,15 +87,21 @@ int mok_testbed_setup(mok_client *c, const mok_layer_desc *d, int64_t T, uint64_
     if (pass == 0 && (rc = mok_arena_create(c, at, &tb->arena)) != 0)
       return rc;
   }
-  fill_bf16(mok_tensor_ptr(c, &tb->x), (size_t)(T * H), 1.0f, &seed);
-  fill_bf16(mok_tensor_ptr(c, &tb->d_out), (size_t)(T * H), 1.0f, &seed);
+  /* filled on the host and copied in, so GPU arenas work the same */
+  if ((rc = fill_random(c, &tb->x, 1.0f, &seed)) || (rc = fill_random(c, &tb->d_out, 1.0f, &seed)))
+    return rc;
   for (int w = 0; w < tb->nweights; w++) {
     int64_t fan_in = w == MOK_W_DOWN ? I : w == MOK_S_DOWN ? Is : H;
-    fill_bf16(mok_tensor_ptr(c, &tb->w[w]), mok_tensor_bytes(&tb->w[w]) / 2,
-              2.0f / sqrtf((float)fan_in), &seed);
+    if ((rc = fill_random(c, &tb->w[w], 2.0f / sqrtf((float)fan_in), &seed)) ||
+        (rc = fill_random(c, &tb->g32[w], 0.0f, &seed)))
+      return rc;
   }
-  int32_t *ids = mok_tensor_ptr(c, &tb->ids);
-  float *tw = mok_tensor_ptr(c, &tb->tw);
+  int32_t *ids = malloc((size_t)(T * K) * sizeof *ids);
+  float *tw = malloc((size_t)(T * K) * sizeof *tw);
+  if (ids == NULL || tw == NULL) {
+    free(ids), free(tw);
+    return MOK_ENOMEM;
+  }
   for (int64_t t = 0; t < T; t++)
     for (int64_t k = 0; k < K; k++) {
       int32_t e;
@@ -98,6 +115,12 @@ int mok_testbed_setup(mok_client *c, const mok_layer_desc *d, int64_t T, uint64_
       ids[t * K + k] = e;
       tw[t * K + k] = 0.5f + 0.5f * uniform(&seed);
     }
+  rc = mok_tensor_write(c, &tb->ids, ids);
+  if (rc == 0)
+    rc = mok_tensor_write(c, &tb->tw, tw);
+  free(ids), free(tw);
+  if (rc != 0)
+    return rc;
   if ((rc = mok_layer_create(c, d, &tb->layer)) != 0)
     return rc;
   return mok_layer_set_weights(c, tb->layer, tb->w);

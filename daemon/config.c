@@ -34,7 +34,11 @@ static const opt options[] = {
      "Unix socket path (default /run/mokd/mokd.sock as root, else "
      "$XDG_RUNTIME_DIR/mokd.sock)"},
     {"backend", STR(backend), "auto", 0, 0, "MOKD_BACKEND",
-     "compute backend: cpu, or auto (the best one this build and machine have)"},
+     "compute backend: cuda, cpu, or auto (cuda when this build has it and a GPU is "
+     "visible, else cpu)"},
+    {"devices", STR(devices), "", 0, 0, "MOKD_DEVICES",
+     "CUDA device ordinal to run on (the first of a comma-separated list is used); "
+     "empty = 0"},
     {"cpu_threads", NUM(T_INT, cpu_threads), "0", 0, 1024, "MOKD_CPU_THREADS",
      "CPU backend worker threads; 0 = one per online CPU"},
     {"executor_threads", NUM(T_INT, executor_threads), "2", 1, 64, "MOKD_EXECUTOR_THREADS",
@@ -340,9 +344,22 @@ int mokd_config_load(mokd_config *cfg, int argc, char **argv, char *err, size_t 
       return MOK_EINVAL;
     }
   }
+#ifdef MOKD_HAVE_CUDA
+  if (strcmp(cfg->backend, "cpu") != 0 && strcmp(cfg->backend, "auto") != 0 &&
+      strcmp(cfg->backend, "cuda") != 0) {
+    snprintf(err, errlen, "backend \"%s\" is unknown; use cuda, cpu or auto", cfg->backend);
+    return MOK_EINVAL;
+  }
+#else
   if (strcmp(cfg->backend, "cpu") != 0 && strcmp(cfg->backend, "auto") != 0) {
     snprintf(err, errlen, "backend \"%s\" is not available in this build; use cpu or auto",
              cfg->backend);
+    return MOK_EINVAL;
+  }
+#endif
+  if (cfg->devices[0] != '\0' && (cfg->devices[0] < '0' || cfg->devices[0] > '9')) {
+    snprintf(err, errlen, "devices \"%s\" must be CUDA ordinals, such as 0 or 0,1",
+             cfg->devices);
     return MOK_EINVAL;
   }
   default_socket(cfg);

@@ -13,6 +13,7 @@
 typedef struct mokd_config {
   char socket[108];
   char backend[16];
+  char devices[64];
   int64_t cpu_threads;
   int64_t executor_threads;
   int64_t max_frame_bytes;

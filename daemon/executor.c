@@ -3,6 +3,7 @@
 
 #include <pthread.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "log.h"
 
@@ -27,6 +28,15 @@ static void run_job(mokd_job *job)
   else
     job->rc = mokk_forward(job->backend, &job->shape, job->T, &job->fr,
                            job->want_ctx ? &job->ctx : NULL, job->err);
+#ifdef MOKD_HAVE_CUDA
+  /* Until replies carry a done event, a CUDA step finishes before its reply;
+   * this is also where errors the GPU found (bad expert ids) come back. */
+  if (job->rc == 0 && strcmp(mokk_backend_name(job->backend), "cuda") == 0 &&
+      (job->rc = mokk_cuda_sync(job->backend, job->err)) != 0 && job->ctx != NULL) {
+    mokk_ctx_free(job->backend, job->ctx);
+    job->ctx = NULL;
+  }
+#endif
   job->t_end = mokd_now_ns();
 }
 

@@ -13,13 +13,28 @@ static mokd_server srv;
 
 static int open_backend(mokd_server *s, char *err)
 {
-  /* auto picks the best backend in this build; the CPU one always exists */
+#ifdef MOKD_HAVE_CUDA
+  int want = strcmp(s->cfg.backend, "cuda") == 0;
+  if (want || strcmp(s->cfg.backend, "auto") == 0) {
+    char why[MOK_ERRLEN] = "none is visible";
+    int n = mokk_cuda_devices(why), dev = atoi(s->cfg.devices), rc;
+    if (n > 0) {
+      if ((rc = mokk_cuda_create(dev, &s->backend, err)) == 0)
+        s->cuda_device = dev + 1;
+      return rc;
+    }
+    if (want)
+      return mokk_fail(err, MOK_EDEVICE, "no usable CUDA device: %s", why);
+    LOG_INFO(INIT, "backend auto: no usable CUDA device (%s); using cpu", why);
+  }
+#endif
+  /* the CPU backend always exists */
   return mokk_cpu_create((int)s->cfg.cpu_threads, &s->backend, err);
 }
 
 int main(int argc, char **argv)
 {
-  char err[MOK_ERRLEN] = "", status[160];
+  char err[MOK_ERRLEN] = "", status[320];
   uv_loop_t loop;
   int rc;
 
@@ -44,6 +59,9 @@ int main(int argc, char **argv)
   }
   srv.loop = &loop;
   srv.start_ns = mokd_now_ns();
+  /* one executor thread per GPU: it owns the device's stream */
+  if (srv.cuda_device > 0)
+    srv.cfg.executor_threads = 1;
   if ((rc = mokd_executor_create(&loop, (int)srv.cfg.executor_threads, mokd_session_job_done,
                                  &srv.exec)) != 0) {
     LOG_ERROR(INIT, "executor: %s", mok_strerror(rc));
@@ -59,11 +77,14 @@ int main(int argc, char **argv)
     mokk_backend_destroy(srv.backend);
     return 1;
   }
-  snprintf(status, sizeof status, "READY=1\nSTATUS=serving on %s, backend %s (%d threads)",
-           srv.cfg.socket, mokk_backend_name(srv.backend), mokk_cpu_threads(srv.backend));
+  if (srv.cuda_device > 0)
+    snprintf(status, sizeof status, "READY=1\nSTATUS=serving on %s, backend cuda (device %d)",
+             srv.cfg.socket, srv.cuda_device - 1);
+  else
+    snprintf(status, sizeof status, "READY=1\nSTATUS=serving on %s, backend %s (%d threads)",
+             srv.cfg.socket, mokk_backend_name(srv.backend), mokk_cpu_threads(srv.backend));
   mokd_notify(status);
-  LOG_INFO(INIT, "mokd %s ready: backend %s, %d CPU threads, %lld executor threads",
-           MOKD_VERSION, mokk_backend_name(srv.backend), mokk_cpu_threads(srv.backend),
+  LOG_INFO(INIT, "mokd %s ready: %s, %lld executor threads", MOKD_VERSION, status + 15,
            (long long)srv.cfg.executor_threads);
 
   uv_run(&loop, UV_RUN_DEFAULT);

@@ -9,6 +9,7 @@
 #include <uv.h>
 
 #include "backend.h"
+#include "cuda/cuda_backend.h"
 #include "config.h"
 #include "frame.h"
 #include "mok.h"
@@ -29,6 +30,8 @@ typedef struct mokd_arena {
   int fd;            /* kept for output arenas until sent; -1 after */
   void *base;
   size_t bytes;
+  int device;        /* CUDA ordinal + 1 of a GPU arena; 0 = host memory */
+  mokk_gpu_mem gpu;
   int users;         /* contexts and results pointing into it */
   mokd_span *free;   /* output arenas: free ranges, sorted by offset */
   size_t nfree, capfree, used;
@@ -139,6 +142,7 @@ struct mokd_server {
   uv_loop_t *loop;
   mokd_config cfg;
   mokk_backend *backend;
+  int cuda_device;      /* ordinal + 1 when the backend is CUDA: arenas live there */
   uv_pipe_t listener;
   int listening;
   uv_signal_t sig_term, sig_int, sig_hup;
@@ -163,6 +167,9 @@ uint64_t mokd_now_ns(void);
 /* registry.c */
 int mokd_arena_new_memfd(mokd_session *s, size_t bytes, mokd_arena_kind kind,
                          mokd_arena **out, char *err);
+/* A GPU arena when the backend is CUDA, else a memfd. */
+int mokd_arena_new(mokd_session *s, size_t bytes, mokd_arena_kind kind, mokd_arena **out,
+                   char *err);
 int mokd_arena_import(mokd_session *s, int fd, size_t bytes, mokd_arena **out, char *err);
 mokd_arena *mokd_arena_find(mokd_session *s, uint64_t id);
 void mokd_arena_free(mokd_session *s, mokd_arena *a);

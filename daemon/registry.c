@@ -100,6 +100,63 @@ fail:
   return rc;
 }
 
+#ifdef MOKD_HAVE_CUDA
+static int arena_new_gpu(mokd_session *s, size_t bytes, mokd_arena_kind kind,
+                         mokd_arena **out, char *err)
+{
+  mokd_arena *a;
+  int fd = -1, rc;
+
+  if (bytes == 0)
+    return mokk_fail(err, MOK_EZEROSIZE, "arena size is 0");
+  if (bytes > (uint64_t)s->srv->cfg.max_arena_bytes)
+    return mokk_fail(err, MOK_EINVAL, "arena of %zu bytes is larger than max_arena_bytes "
+                     "(%lld)", bytes, (long long)s->srv->cfg.max_arena_bytes);
+  if ((a = calloc(1, sizeof *a)) == NULL)
+    return mokk_fail(err, MOK_ENOMEM, "out of memory");
+  if ((rc = mokk_gpu_mem_create(s->srv->cuda_device - 1, bytes, &a->gpu, &fd, err))) {
+    free(a);
+    return rc;
+  }
+  /* the quota counts what the GPU really holds: the size rounded up */
+  if ((rc = mokd_quota_take(s, a->gpu.bytes, err))) {
+    mokk_gpu_mem_free(&a->gpu);
+    close(fd);
+    free(a);
+    return rc;
+  }
+  a->base = a->gpu.ptr;
+  a->bytes = a->gpu.bytes;
+  a->device = s->srv->cuda_device;
+  a->fd = fd;
+  a->kind = kind;
+  if (kind == ARENA_OUTPUT) {
+    if ((a->free = malloc(4 * sizeof *a->free)) == NULL) {
+      mokd_quota_give(s, a->bytes);
+      mokk_gpu_mem_free(&a->gpu);
+      close(fd);
+      free(a);
+      return mokk_fail(err, MOK_ENOMEM, "out of memory");
+    }
+    a->free[0] = (mokd_span){0, a->bytes};
+    a->nfree = 1, a->capfree = 4;
+  }
+  link_arena(s, a);
+  *out = a;
+  return 0;
+}
+#endif
+
+int mokd_arena_new(mokd_session *s, size_t bytes, mokd_arena_kind kind, mokd_arena **out,
+                   char *err)
+{
+#ifdef MOKD_HAVE_CUDA
+  if (s->srv->cuda_device > 0)
+    return arena_new_gpu(s, bytes, kind, out, err);
+#endif
+  return mokd_arena_new_memfd(s, bytes, kind, out, err);
+}
+
 int mokd_arena_import(mokd_session *s, int fd, size_t bytes, mokd_arena **out, char *err)
 {
   struct stat st;
@@ -158,7 +215,12 @@ void mokd_arena_free(mokd_session *s, mokd_arena *a)
   account(s, a, -1);
   if (a->kind != ARENA_IMPORTED)
     mokd_quota_give(s, a->bytes);
-  munmap(a->base, a->bytes);
+#ifdef MOKD_HAVE_CUDA
+  if (a->device > 0)
+    mokk_gpu_mem_free(&a->gpu);
+  else
+#endif
+    munmap(a->base, a->bytes);
   if (a->fd >= 0)
     close(a->fd);
   free(a->free);
@@ -196,8 +258,8 @@ int mokd_out_alloc(mokd_session *s, size_t len, mokd_arena **arena, mokd_span *s
       *arena = a;
       return 0;
     }
-  if ((rc = mokd_arena_new_memfd(s, len > OUT_ARENA_MIN ? len : OUT_ARENA_MIN, ARENA_OUTPUT,
-                                 &a, err)))
+  if ((rc = mokd_arena_new(s, len > OUT_ARENA_MIN ? len : OUT_ARENA_MIN, ARENA_OUTPUT, &a,
+                           err)))
     return rc;
   span_take(a, len, span);
   *arena = a;
@@ -270,6 +332,10 @@ int mokd_ref_resolve(mokd_session *s, const char *what, const Mokd__TensorRef *r
   if ((a = mokd_arena_find(s, r->arena)) == NULL)
     return mokk_fail(err, MOK_ENOENT, "%s: arena %llu is not an arena of this session",
                      what, (unsigned long long)r->arena);
+  if (s->srv->cuda_device > 0 && a->device == 0)
+    return mokk_fail(err, MOK_EDEVICE, "%s: arena %llu is host memory; the cuda backend "
+                     "reads tensors in GPU arenas (CreateArena on this daemon)", what,
+                     (unsigned long long)r->arena);
   if (r->dtype != dtype)
     return mokk_fail(err, MOK_EDTYPE, "%s: dtype is %s; it must be %s", what,
                      dtype_name(r->dtype), dtype_name(dtype));

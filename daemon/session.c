@@ -503,6 +503,13 @@ static int h_hello(mokd_session *s, const Mokd__Request *q, char *err)
   w.backend = (char *)mokk_backend_name(srv->backend);
   w.limits = &lim;
   w.session_id = s->id;
+  Mokd__Device dev = MOKD__DEVICE__INIT, *devp = &dev;
+  if (srv->cuda_device > 0) { /* the GPU this daemon's arenas live on */
+    dev.index = (uint32_t)(srv->cuda_device - 1);
+    dev.name = (char *)"cuda";
+    w.n_devices = 1;
+    w.devices = &devp;
+  }
   r.id = q->id;
   r.body_case = MOKD__RESPONSE__BODY_WELCOME;
   r.welcome = &w;
@@ -520,10 +527,11 @@ static int h_create_arena(mokd_session *s, const Mokd__Request *q, char *err)
   if (q->create_arena->bytes > SIZE_MAX / 2)
     return mokk_fail(err, MOK_EOVERFLOW, "arena size %llu overflows",
                      (unsigned long long)q->create_arena->bytes);
-  if ((rc = mokd_arena_new_memfd(s, (size_t)q->create_arena->bytes, ARENA_DAEMON, &a, err)))
+  if ((rc = mokd_arena_new(s, (size_t)q->create_arena->bytes, ARENA_DAEMON, &a, err)))
     return rc;
   ac.arena = a->id;
   ac.bytes = a->bytes;
+  ac.device = a->device;
   r.id = q->id;
   r.body_case = MOKD__RESPONSE__BODY_ARENA_CREATED;
   r.arena_created = &ac;
@@ -1084,6 +1092,7 @@ void mokd_session_job_done(mokd_job *j)
     if (r->out_arena->fd >= 0) { /* first reply naming this output arena */
       na.arena = r->out_arena->id;
       na.bytes = r->out_arena->bytes;
+      na.device = r->out_arena->device;
       resp.n_new_arenas = 1;
       resp.new_arenas = &nap;
     }

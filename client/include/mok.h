@@ -43,8 +43,9 @@ typedef struct mok_tensor {
 
 typedef struct mok_arena_info {
   uint64_t id;
-  void *ptr;     /* mapped in this process */
+  void *ptr;     /* mapped in this process: a device address for GPU arenas */
   size_t bytes;
+  int device;    /* CUDA device ordinal of a GPU arena; -1 = host memory */
 } mok_arena_info;
 
 typedef struct mok_layer_desc {
@@ -121,13 +122,20 @@ const mok_welcome *mok_server_info(const mok_client *c);
 int mok_ping(mok_client *c, uint64_t *rtt_ns);
 int mok_stats_get(mok_client *c, mok_stats *out);
 
-/* A daemon-created arena (memfd on the CPU backend), mapped here. */
+/* A daemon-created arena, mapped here: a memfd on the CPU backend, GPU memory
+ * (a cuMem allocation, rounded up to the GPU's granularity) on the CUDA
+ * backend. GPU arenas need the CUDA driver, which libmok loads on first use. */
 int mok_arena_create(mok_client *c, size_t bytes, mok_arena_info *out);
 /* Hands a memfd (or any mmap-able fd) of `bytes` to the daemon; fd stays ours. */
 int mok_arena_import(mok_client *c, int fd, size_t bytes, mok_arena_info *out);
 int mok_arena_destroy(mok_client *c, uint64_t arena);
 /* The mapped address of a tensor in any arena this client knows, or NULL. */
 void *mok_tensor_ptr(const mok_client *c, const mok_tensor *t);
+
+/* Copies a tensor's bytes in from src or out to dst, host memory on the other
+ * side; works for host and GPU arenas alike. */
+int mok_tensor_write(mok_client *c, const mok_tensor *t, const void *src);
+int mok_tensor_read(mok_client *c, const mok_tensor *t, void *dst);
 
 /* A tensor at `offset` of `arena`; shape[0..ndim). */
 mok_tensor mok_tensor_make(uint64_t arena, uint64_t offset, mok_dtype dtype, int ndim,

@@ -27,6 +27,20 @@ void *mokk_cuda_stream(mokk_backend *b);
 /* Waits for the queued work; returns the first error it met, if any. */
 int mokk_cuda_sync(mokk_backend *b, char *err);
 
+/* A GPU arena: a cuMem allocation of `bytes` (rounded up to the device's
+ * granularity) mapped at ptr and exportable as a POSIX fd. */
+typedef struct mokk_gpu_mem {
+  void *ptr;
+  size_t bytes;
+  unsigned long long handle;
+  int device;
+} mokk_gpu_mem;
+
+/* *fd is the exported handle (the caller closes it when sent). */
+int mokk_gpu_mem_create(int device, size_t bytes, mokk_gpu_mem *m, int *fd, char *err);
+/* Waits for the device, then unmaps and releases. */
+void mokk_gpu_mem_free(mokk_gpu_mem *m);
+
 #ifdef __cplusplus
 }
 #endif

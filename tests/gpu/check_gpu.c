@@ -19,13 +19,19 @@
  *     at the tail (measured: 1.07 x 2^-6 for d_w_gate of a 1000-row
  *     expert), so 2^-5 keeps the same factor of two as the forward.
   */
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cuda_runtime_api.h>
 
 #include "cuda/cuda_backend.h"
+#include "mok.h"
 #include "ref.h"
 
 static mokk_backend *gpu, *cpu;
@@ -325,6 +331,150 @@ START_TEST(errors)
 }
 END_TEST
 
+/* ---- through the daemon ------------------------------------------------- */
+
+static mok_tensor place(uint64_t arena, size_t *at, mok_dtype dt, int ndim, int64_t a,
+                        int64_t b, int64_t c)
+{
+  int64_t shape[3] = {a, b, c};
+  mok_tensor t = mok_tensor_make(arena, *at, dt, ndim, shape);
+  *at += (mok_tensor_bytes(&t) + 255) / 256 * 256;
+  return t;
+}
+
+/* mokd --backend cuda on a private socket; a layer forward and backward
+ * through libmok with every tensor in a GPU arena, against the CPU engine. */
+START_TEST(through_daemon)
+{
+  const char *bin = getenv("MOKD_BIN") != NULL ? getenv("MOKD_BIN") : "build/mokd";
+  mokk_shape s = {.H = 256, .I = 128, .E = 16, .K = 4, .I_s = 128, .swiglu_limit = 0.8f, .P = 1};
+  char sock[108], logp[128], err[2 * MOK_ERRLEN] = "";
+  int64_t T = 300, H = s.H, K = s.K;
+  mok_tensor x, ids, tw, dout, w[MOK_NWEIGHTS];
+  mok_arena_info ar;
+  mok_forward_result fr;
+  mok_backward_result br;
+  mok_client *c = NULL;
+  moe_case cs;
+  moe_out oc, og;
+  uint64_t layer;
+  size_t at = 0;
+  pid_t pid;
+  int st, up = 0;
+
+  snprintf(sock, sizeof sock, "/tmp/mokd-gpu-%d.sock", (int)getpid());
+  snprintf(logp, sizeof logp, "/tmp/mokd-gpu-%d.log", (int)getpid());
+  if ((pid = fork()) == 0) {
+    int fd = open(logp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    dup2(fd, 2);
+    execl(bin, "mokd", "--socket", sock, "--config", "/dev/null", "--backend", "cuda",
+          (char *)NULL);
+    _exit(127);
+  }
+  ck_assert_int_gt(pid, 0);
+  for (int i = 0; i < 500 && !up; i++) {
+    up = mok_connect(sock, "gpu-check", &c) == 0;
+    if (!up) {
+      mok_close(c);
+      c = NULL;
+      ck_assert_msg(waitpid(pid, &st, WNOHANG) == 0, "mokd exited early; see %s", logp);
+      usleep(10000);
+    }
+  }
+  ck_assert_msg(up, "mokd did not come up on %s", sock);
+  ck_assert_str_eq(mok_server_info(c)->backend, "cuda");
+  ck_assert_int_eq(mok_server_info(c)->ndevices, 1);
+
+  case_make(&cs, &s, T, 21, ROUTE_RANDOM);
+  for (int pass = 0; pass < 2; pass++) {
+    uint64_t id = pass ? ar.id : 0;
+    at = 0;
+    x = place(id, &at, MOK_DTYPE_BF16, 2, T, H, 0);
+    dout = place(id, &at, MOK_DTYPE_BF16, 2, T, H, 0);
+    ids = place(id, &at, MOK_DTYPE_I32, 2, T, K, 0);
+    tw = place(id, &at, MOK_DTYPE_F32, 2, T, K, 0);
+    w[MOK_W_GATE] = place(id, &at, MOK_DTYPE_BF16, 3, s.E, s.I, H);
+    w[MOK_W_UP] = place(id, &at, MOK_DTYPE_BF16, 3, s.E, s.I, H);
+    w[MOK_W_DOWN] = place(id, &at, MOK_DTYPE_BF16, 3, s.E, H, s.I);
+    w[MOK_S_GATE] = place(id, &at, MOK_DTYPE_BF16, 2, s.I_s, H, 0);
+    w[MOK_S_UP] = place(id, &at, MOK_DTYPE_BF16, 2, s.I_s, H, 0);
+    w[MOK_S_DOWN] = place(id, &at, MOK_DTYPE_BF16, 2, H, s.I_s, 0);
+    if (pass == 0)
+      ck_assert_msg(mok_arena_create(c, at, &ar) == 0, "%s", mok_last_error(c));
+  }
+  ck_assert_int_eq(ar.device, 0); /* a GPU arena on device 0 */
+  ck_assert(mok_tensor_write(c, &x, cs.x) == 0);
+  ck_assert(mok_tensor_write(c, &dout, cs.d_out) == 0);
+  ck_assert(mok_tensor_write(c, &ids, cs.ids) == 0);
+  ck_assert(mok_tensor_write(c, &tw, cs.tw) == 0);
+  for (int i = 0; i < MOK_NWEIGHTS; i++)
+    ck_assert(mok_tensor_write(c, &w[i], cs.w[i]) == 0);
+
+  mok_layer_desc d = {.hidden = H, .intermediate = s.I, .experts = s.E, .top_k = K,
+                      .shared_intermediate = s.I_s, .swiglu_limit = s.swiglu_limit,
+                      .grad_mode = MOK_GRAD_BF16};
+  ck_assert_msg(mok_layer_create(c, &d, &layer) == 0, "%s", mok_last_error(c));
+  ck_assert_msg(mok_layer_set_weights(c, layer, w) == 0, "%s", mok_last_error(c));
+  ck_assert_msg(mok_forward(c, layer, &x, &ids, &tw, 0, &fr) == 0, "%s", mok_last_error(c));
+  ck_assert_msg(mok_backward(c, fr.context, &dout, NULL, 0, &br) == 0, "%s",
+                mok_last_error(c));
+
+  memset(&og, 0, sizeof og);
+  og.out = xcalloc(T * H, 2);
+  og.d_x = xcalloc(T * H, 2);
+  og.d_tw = xcalloc(T * K, 4);
+  ck_assert(mok_tensor_read(c, &fr.out, og.out) == 0);
+  ck_assert(mok_tensor_read(c, &br.d_x, og.d_x) == 0);
+  ck_assert(mok_tensor_read(c, &br.d_topk_weights, og.d_tw) == 0);
+  ck_assert_int_eq(br.ngrads, MOK_NWEIGHTS);
+  ck_assert_msg(case_run(cpu, &cs, 1, 1, MOKK_GRAD_BF16, 0, &oc, err) == 0, "%s", err);
+  expect_close_bf16(oc.out, og.out, T * H, TOL_FWD, "daemon out");
+  expect_close_bf16(oc.d_x, og.d_x, T * H, TOL_BWD, "daemon d_x");
+  expect_close_f32(oc.d_tw, og.d_tw, T * K, TOL_FWD, "daemon d_topk_weights");
+  for (int i = 0; i < MOK_NWEIGHTS; i++) {
+    int64_t n = case_weight_elems(&cs, i);
+    og.g_bf16[i] = xcalloc(n, 2);
+    ck_assert(mok_tensor_read(c, &br.grads[i], og.g_bf16[i]) == 0);
+    expect_close_bf16(oc.g_bf16[i], og.g_bf16[i], n, TOL_BWD, wname[i]);
+  }
+
+  /* a host tensor is refused with its reason */
+  {
+    int fd = memfd_create("host", MFD_ALLOW_SEALING);
+    mok_arena_info ha;
+    ck_assert(fd >= 0 && ftruncate(fd, 1 << 20) == 0);
+    ck_assert(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) == 0);
+    ck_assert_msg(mok_arena_import(c, fd, 1 << 20, &ha) == 0, "%s", mok_last_error(c));
+    ck_assert_int_eq(ha.device, -1);
+    mok_tensor hx = x;
+    hx.arena = ha.id, hx.offset = 0;
+    ck_assert_int_eq(mok_forward(c, layer, &hx, &ids, &tw, 1, &fr), MOK_EDEVICE);
+    ck_assert_msg(strstr(mok_last_error(c), "host memory") != NULL, "%s", mok_last_error(c));
+    close(fd);
+  }
+  mok_close(c);
+
+  /* the session's GPU memory is gone once it closes */
+  ck_assert(mok_connect(sock, "gpu-check-2", &c) == 0);
+  mok_stats sts;
+  for (int i = 0; i < 200; i++) {
+    ck_assert(mok_stats_get(c, &sts) == 0);
+    if (sts.daemon.sessions == 1)
+      break;
+    usleep(10000);
+  }
+  ck_assert_int_eq(sts.daemon.arenas, 0);
+  ck_assert_int_eq(sts.daemon.arena_bytes, 0);
+  ck_assert_int_eq(sts.daemon.contexts, 0);
+  mok_close(c);
+  kill(pid, SIGTERM);
+  ck_assert_int_eq(waitpid(pid, &st, 0), pid);
+  ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 0, "mokd exit status %d; see %s", st, logp);
+  unlink(logp);
+  out_free(&og), out_free(&oc), case_free(&cs);
+}
+END_TEST
+
 static Suite *gpu_suite(void)
 {
   Suite *su = suite_create("cuda");
@@ -346,6 +496,10 @@ static Suite *gpu_suite(void)
   suite_add_tcase(su, tc);
   tc = tcase_create("errors");
   tcase_add_test(tc, errors);
+  suite_add_tcase(su, tc);
+  tc = tcase_create("daemon");
+  tcase_set_timeout(tc, 120);
+  tcase_add_test(tc, through_daemon);
   suite_add_tcase(su, tc);
   return su;
 }

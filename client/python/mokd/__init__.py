@@ -34,7 +34,8 @@ class _Tensor(ctypes.Structure):
 
 
 class _ArenaInfo(ctypes.Structure):
-    _fields_ = [("id", ctypes.c_uint64), ("ptr", ctypes.c_void_p), ("bytes", ctypes.c_size_t)]
+    _fields_ = [("id", ctypes.c_uint64), ("ptr", ctypes.c_void_p), ("bytes", ctypes.c_size_t),
+                ("device", ctypes.c_int)]
 
 
 class _LayerDesc(ctypes.Structure):

@@ -1,0 +1,133 @@
+/* gpumem.cu - GPU arenas: cuMem allocations that can be exported as POSIX file
+ * descriptors and mapped by another process. The driver's entry points are
+ * reached through the runtime, so nothing links against libcuda. */
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "cuda_backend.h"
+
+typedef CUresult (*fn_create)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *,
+                              unsigned long long);
+typedef CUresult (*fn_gran)(size_t *, const CUmemAllocationProp *,
+                            CUmemAllocationGranularity_flags);
+typedef CUresult (*fn_reserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
+typedef CUresult (*fn_map)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,
+                           unsigned long long);
+typedef CUresult (*fn_access)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
+typedef CUresult (*fn_export)(void *, CUmemGenericAllocationHandle, CUmemAllocationHandleType,
+                              unsigned long long);
+typedef CUresult (*fn_unmap)(CUdeviceptr, size_t);
+typedef CUresult (*fn_afree)(CUdeviceptr, size_t);
+typedef CUresult (*fn_release)(CUmemGenericAllocationHandle);
+
+static struct {
+  int ready;
+  fn_create create;
+  fn_gran gran;
+  fn_reserve reserve;
+  fn_map map;
+  fn_access access;
+  fn_export exportfd;
+  fn_unmap unmap;
+  fn_afree afree;
+  fn_release release;
+} drv;
+
+static int entry(const char *name, void **fn, char *err)
+{
+  cudaDriverEntryPointQueryResult q;
+  cudaError_t e = cudaGetDriverEntryPointByVersion(name, fn, 12000, cudaEnableDefault, &q);
+  if (e != cudaSuccess || q != cudaDriverEntryPointSuccess || *fn == NULL)
+    return mokk_fail(err, MOK_EDEVICE, "the CUDA driver has no %s: %s", name,
+                     cudaGetErrorString(e));
+  return 0;
+}
+
+static int load(char *err)
+{
+  int rc;
+  if (drv.ready)
+    return 0;
+  if ((rc = entry("cuMemCreate", (void **)&drv.create, err)) ||
+      (rc = entry("cuMemGetAllocationGranularity", (void **)&drv.gran, err)) ||
+      (rc = entry("cuMemAddressReserve", (void **)&drv.reserve, err)) ||
+      (rc = entry("cuMemMap", (void **)&drv.map, err)) ||
+      (rc = entry("cuMemSetAccess", (void **)&drv.access, err)) ||
+      (rc = entry("cuMemExportToShareableHandle", (void **)&drv.exportfd, err)) ||
+      (rc = entry("cuMemUnmap", (void **)&drv.unmap, err)) ||
+      (rc = entry("cuMemAddressFree", (void **)&drv.afree, err)) ||
+      (rc = entry("cuMemRelease", (void **)&drv.release, err)))
+    return rc;
+  drv.ready = 1;
+  return 0;
+}
+
+static int drv_fail(char *err, CUresult r, const char *what)
+{
+  return mokk_fail(err, r == CUDA_ERROR_OUT_OF_MEMORY ? MOK_ENOMEM : MOK_EDEVICE,
+                   "%s failed (CUresult %d)", what, (int)r);
+}
+
+extern "C" int mokk_gpu_mem_create(int device, size_t bytes, mokk_gpu_mem *m, int *fd, char *err)
+{
+  CUmemAllocationProp prop;
+  CUmemAccessDesc acc;
+  CUmemGenericAllocationHandle h = 0;
+  CUdeviceptr va = 0;
+  size_t g = 0;
+  CUresult r;
+  int rc, out = -1;
+
+  memset(m, 0, sizeof *m);
+  *fd = -1;
+  if (cudaSetDevice(device) != cudaSuccess || cudaFree(0) != cudaSuccess)
+    return mokk_fail(err, MOK_EDEVICE, "cannot use CUDA device %d", device);
+  if ((rc = load(err)))
+    return rc;
+  memset(&prop, 0, sizeof prop);
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = device;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  if ((r = drv.gran(&g, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)) != CUDA_SUCCESS)
+    return drv_fail(err, r, "cuMemGetAllocationGranularity");
+  bytes = (bytes + g - 1) / g * g;
+  if ((r = drv.create(&h, bytes, &prop, 0)) != CUDA_SUCCESS)
+    return drv_fail(err, r, "cuMemCreate");
+  if ((r = drv.reserve(&va, bytes, g, 0, 0)) != CUDA_SUCCESS) {
+    drv.release(h);
+    return drv_fail(err, r, "cuMemAddressReserve");
+  }
+  memset(&acc, 0, sizeof acc);
+  acc.location = prop.location;
+  acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  if ((r = drv.map(va, bytes, 0, h, 0)) != CUDA_SUCCESS ||
+      (r = drv.access(va, bytes, &acc, 1)) != CUDA_SUCCESS ||
+      (r = drv.exportfd(&out, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)) != CUDA_SUCCESS) {
+    drv.unmap(va, bytes);
+    drv.afree(va, bytes);
+    drv.release(h);
+    return drv_fail(err, r, "mapping or exporting a GPU arena");
+  }
+  m->ptr = (void *)va;
+  m->bytes = bytes;
+  m->handle = h;
+  m->device = device;
+  *fd = out;
+  return 0;
+}
+
+extern "C" void mokk_gpu_mem_free(mokk_gpu_mem *m)
+{
+  if (m->ptr == NULL || !drv.ready)
+    return;
+  cudaSetDevice(m->device);
+  /* the memory may still be read by queued work: let it finish first */
+  cudaDeviceSynchronize();
+  drv.unmap((CUdeviceptr)m->ptr, m->bytes);
+  drv.afree((CUdeviceptr)m->ptr, m->bytes);
+  drv.release(m->handle);
+  memset(m, 0, sizeof *m);
+}
