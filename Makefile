@@ -141,8 +141,8 @@ $(GPU_BIN): $(call obj,tests/gpu/check_gpu.c tests/ref.c) $(LIBMOK_A) $(LIBMOKK_
 	@mkdir -p $(dir $@)
 	$(CC) $(LDSAN) -o $@ $^ $(CHECK_STATIC) -l:libprotobuf-c.a $(CUDA_LIBS) $(LDLIBS)
 $(GPU_BENCH): $(call obj,tests/bench/bench_gpu.c) $(BUILD)/obj/tests/bench/gpu_fill.o \
-              $(LIBMOKK_CUDA) $(LIBMOKK) $(LIBCOMMON)
-	$(CC) $(LDSAN) -o $@ $^ $(CUDA_LIBS) $(LDLIBS)
+              $(LIBMOK_A) $(LIBMOKK_CUDA) $(LIBMOKK) $(LIBCOMMON)
+	$(CC) $(LDSAN) -o $@ $^ -l:libprotobuf-c.a $(CUDA_LIBS) $(LDLIBS)
 
 $(LIBCOMMON): $(COMMON_OBJ)
 	$(AR) rcs $@ $^

@@ -94,7 +94,20 @@ extern "C" int mokk_gpu_mem_create(int device, size_t bytes, mokk_gpu_mem *m, in
   if ((r = drv.gran(&g, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)) != CUDA_SUCCESS)
     return drv_fail(err, r, "cuMemGetAllocationGranularity");
   bytes = (bytes + g - 1) / g * g;
-  if ((r = drv.create(&h, bytes, &prop, 0)) != CUDA_SUCCESS)
+  r = drv.create(&h, bytes, &prop, 0);
+  if (r == CUDA_ERROR_OUT_OF_MEMORY) {
+    /* steps keep their freed memory in the stream-ordered pool; hand it
+     * back to the device and try once more */
+    cudaMemPool_t pool;
+    cudaDeviceSynchronize();
+    if (cudaDeviceGetDefaultMemPool(&pool, device) == cudaSuccess)
+      cudaMemPoolTrimTo(pool, 0);
+    r = drv.create(&h, bytes, &prop, 0);
+  }
+  if (r == CUDA_ERROR_OUT_OF_MEMORY)
+    return mokk_fail(err, MOK_ENOMEM, "out of GPU memory: cannot allocate a %zu-byte arena "
+                     "on device %d", bytes, device);
+  if (r != CUDA_SUCCESS)
     return drv_fail(err, r, "cuMemCreate");
   if ((r = drv.reserve(&va, bytes, g, 0, 0)) != CUDA_SUCCESS) {
     drv.release(h);

@@ -8,17 +8,22 @@
  * weights; and expert e's weight gradients depend only on the rows routed to
  * e. So the CPU engine runs (a) a few tokens with only the experts they use,
  * and (b) the tokens of one expert, each routed to it alone with its weight,
- * and both are compared with the GPU's full-batch results. */
+ * and both are compared with the GPU's full-batch results.
+ *
+ * With --daemon SOCK the same steps go through a running mokd on the CUDA
+ * backend, every tensor in one of its GPU arenas, timed per request. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <cuda_runtime_api.h>
 
 #include "backend.h"
 #include "bf16.h"
 #include "cuda/cuda_backend.h"
+#include "mok.h"
 
 int bench_fill_bf16(void *p, int64_t n, uint64_t seed, float scale);
 
@@ -82,7 +87,8 @@ typedef struct problem {
   mokk_bwd_rank br;
 } problem;
 
-static void problem_make(problem *p, const shape_def *d)
+/* Shape and routing (on the host): K distinct experts per token. */
+static void problem_route(problem *p, const shape_def *d)
 {
   uint64_t seed = 12345;
   int64_t T = d->T, K = d->K, E = d->E;
@@ -95,7 +101,7 @@ static void problem_make(problem *p, const shape_def *d)
   p->tw = xmalloc(T * K * 4);
   for (int64_t e = 0; e < E; e++)
     perm[e] = (int)e;
-  for (int64_t t = 0; t < T; t++) { /* K distinct experts, partial shuffle */
+  for (int64_t t = 0; t < T; t++) { /* partial shuffle */
     float sum = 0;
     for (int64_t k = 0; k < K; k++) {
       int64_t j = k + (int64_t)(rng(&seed) % (uint64_t)(E - k));
@@ -109,28 +115,46 @@ static void problem_make(problem *p, const shape_def *d)
       p->tw[t * K + k] /= sum;
   }
   free(perm);
-  p->fr.x = dmalloc(T * d->H * 2);
-  bench_fill_bf16((void *)p->fr.x, T * d->H, 1, 2.0f);
-  p->fr.topk_ids = dmalloc(T * K * 4);
-  p->fr.topk_weights = dmalloc(T * K * 4);
+}
+
+/* Fills the inputs at the device pointers already set in p. */
+static void problem_fill(problem *p)
+{
+  int64_t T = p->T, H = p->s.H, K = p->s.K;
+  bench_fill_bf16((void *)p->fr.x, T * H, 1, 2.0f);
   CUDA_OK(cudaMemcpy((void *)p->fr.topk_ids, p->ids, T * K * 4, cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemcpy((void *)p->fr.topk_weights, p->tw, T * K * 4, cudaMemcpyHostToDevice));
+  for (int w = 0; w < MOKK_NWEIGHTS; w++) {
+    int64_t n = mokk_weight_elems(&p->s, w);
+    /* about 1/sqrt(fan-in), so activations stay O(1) */
+    float scale = (w == MOKK_W_DOWN || w == MOKK_S_DOWN) ? 2.0f / 45 : 2.0f / 85;
+    if (n > 0)
+      bench_fill_bf16((void *)p->fr.w[w], n, 100 + w, scale);
+  }
+  bench_fill_bf16((void *)p->br.d_out, T * H, 7, 0.02f);
+  CUDA_OK(cudaDeviceSynchronize());
+}
+
+static void problem_make(problem *p, const shape_def *d)
+{
+  int64_t T = d->T, K = d->K;
+
+  problem_route(p, d);
+  p->fr.x = dmalloc(T * d->H * 2);
+  p->fr.topk_ids = dmalloc(T * K * 4);
+  p->fr.topk_weights = dmalloc(T * K * 4);
   p->fr.out = dmalloc(T * d->H * 2);
   for (int w = 0; w < MOKK_NWEIGHTS; w++) {
     int64_t n = mokk_weight_elems(&p->s, w);
     if (n == 0)
       continue;
-    /* about 1/sqrt(fan-in), so activations stay O(1) */
-    float scale = (w == MOKK_W_DOWN || w == MOKK_S_DOWN) ? 2.0f / 45 : 2.0f / 85;
     p->fr.w[w] = dmalloc(n * 2);
-    bench_fill_bf16((void *)p->fr.w[w], n, 100 + w, scale);
     p->br.g_bf16[w] = dmalloc(n * 2);
   }
   p->br.d_out = dmalloc(T * d->H * 2);
-  bench_fill_bf16((void *)p->br.d_out, T * d->H, 7, 0.02f);
   p->br.d_x = dmalloc(T * d->H * 2);
   p->br.d_topk_weights = dmalloc(T * K * 4);
-  CUDA_OK(cudaDeviceSynchronize());
+  problem_fill(p);
 }
 
 static void problem_free(problem *p)
@@ -309,6 +333,120 @@ static int verify(problem *p, mokk_backend *cpu)
   return bad;
 }
 
+static double now_ms(void)
+{
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
+}
+
+static mok_tensor place(uint64_t arena, size_t *at, mok_dtype dt, int ndim, int64_t a,
+                        int64_t b, int64_t c)
+{
+  int64_t shape[3] = {a, b, c};
+  mok_tensor t = mok_tensor_make(arena, *at, dt, ndim, shape);
+  *at += (mok_tensor_bytes(&t) + 255) / 256 * 256;
+  return t;
+}
+
+#define MOK_OK(c, call)                                                         \
+  do {                                                                          \
+    if ((call) != 0) {                                                          \
+      fprintf(stderr, "bench_gpu: %s: %s\n", #call, mok_last_error(c));         \
+      exit(1);                                                                  \
+    }                                                                           \
+  } while (0)
+
+/* The shape through mokd: medians of the request round trips (the daemon
+ * finishes a step before replying), then the sample check on its outputs. */
+static int run_daemon(const char *sock, const shape_def *d, int iters, int do_verify,
+                      mokk_backend *cpu, double *fwd, double *bwd)
+{
+  int64_t T = d->T, H = d->H, K = d->K, E = d->E, I = d->I, Is = d->Is;
+  mok_tensor x, ids, tw, dout, w[MOK_NWEIGHTS];
+  mok_arena_info ar = {0};
+  mok_client *c = NULL;
+  mok_forward_result fr;
+  mok_backward_result br;
+  uint64_t layer;
+  problem p;
+  float *fms = xmalloc(iters * 4), *bms = xmalloc(iters * 4);
+  int bad = 0;
+
+  if (mok_connect(sock, "bench_gpu", &c) != 0) {
+    fprintf(stderr, "bench_gpu: cannot reach mokd at %s: %s\n", sock, mok_last_error(c));
+    exit(1);
+  }
+  if (strcmp(mok_server_info(c)->backend, "cuda") != 0) {
+    fprintf(stderr, "bench_gpu: mokd at %s runs the %s backend, not cuda\n", sock,
+            mok_server_info(c)->backend);
+    exit(1);
+  }
+  problem_route(&p, d);
+  for (int pass = 0; pass < 2; pass++) {
+    size_t at = 0;
+    x = place(ar.id, &at, MOK_DTYPE_BF16, 2, T, H, 0);
+    dout = place(ar.id, &at, MOK_DTYPE_BF16, 2, T, H, 0);
+    ids = place(ar.id, &at, MOK_DTYPE_I32, 2, T, K, 0);
+    tw = place(ar.id, &at, MOK_DTYPE_F32, 2, T, K, 0);
+    w[MOK_W_GATE] = place(ar.id, &at, MOK_DTYPE_BF16, 3, E, I, H);
+    w[MOK_W_UP] = place(ar.id, &at, MOK_DTYPE_BF16, 3, E, I, H);
+    w[MOK_W_DOWN] = place(ar.id, &at, MOK_DTYPE_BF16, 3, E, H, I);
+    w[MOK_S_GATE] = place(ar.id, &at, MOK_DTYPE_BF16, 2, Is, H, 0);
+    w[MOK_S_UP] = place(ar.id, &at, MOK_DTYPE_BF16, 2, Is, H, 0);
+    w[MOK_S_DOWN] = place(ar.id, &at, MOK_DTYPE_BF16, 2, H, Is, 0);
+    if (Is == 0) /* no shared expert: no shared weights either */
+      memset(&w[MOK_S_GATE], 0, 3 * sizeof w[0]);
+    if (pass == 0)
+      MOK_OK(c, mok_arena_create(c, at, &ar));
+  }
+  p.fr.x = mok_tensor_ptr(c, &x);
+  p.fr.topk_ids = mok_tensor_ptr(c, &ids);
+  p.fr.topk_weights = mok_tensor_ptr(c, &tw);
+  p.br.d_out = mok_tensor_ptr(c, &dout);
+  for (int i = 0; i < (Is ? MOK_NWEIGHTS : MOK_S_GATE); i++)
+    p.fr.w[i] = mok_tensor_ptr(c, &w[i]);
+  problem_fill(&p); /* the arena is mapped here: fill it in place */
+
+  mok_layer_desc ld = {.hidden = H, .intermediate = I, .experts = E, .top_k = K,
+                       .shared_intermediate = Is, .grad_mode = MOK_GRAD_BF16};
+  MOK_OK(c, mok_layer_create(c, &ld, &layer));
+  MOK_OK(c, mok_layer_set_weights(c, layer, w));
+  for (int it = -2; it < iters; it++) {
+    double t0 = now_ms(), t1, t2;
+    MOK_OK(c, mok_forward(c, layer, &x, &ids, &tw, 0, &fr));
+    t1 = now_ms();
+    MOK_OK(c, mok_backward(c, fr.context, &dout, NULL, 0, &br));
+    t2 = now_ms();
+    if (it >= 0)
+      fms[it] = (float)(t1 - t0), bms[it] = (float)(t2 - t1);
+    if (it + 1 < iters) {
+      uint64_t rel[2] = {fr.context, br.result};
+      MOK_OK(c, mok_release(c, rel, 2));
+    }
+  }
+  qsort(fms, iters, 4, cmp_float);
+  qsort(bms, iters, 4, cmp_float);
+  *fwd = fms[iters / 2], *bwd = bms[iters / 2];
+  double flop = 6.0 * (double)T * H * ((double)K * I + Is);
+  printf("mokd-daemon %s fwd_ms=%.3f fwd_tflops=%.1f bwd_ms=%.3f bwd_tflops=%.1f "
+         "(request round trips through %s)\n", d->name, *fwd, flop / *fwd / 1e9, *bwd,
+         2 * flop / *bwd / 1e9, sock);
+  fflush(stdout);
+  if (do_verify) {
+    p.fr.out = fr.out_ptr;
+    p.br.d_x = br.d_x_ptr;
+    p.br.d_topk_weights = br.d_topk_weights_ptr;
+    for (int i = 0; i < br.ngrads; i++)
+      p.br.g_bf16[i] = br.grad_ptrs[i];
+    printf("verify (through mokd):\n");
+    bad = verify(&p, cpu);
+  }
+  mok_close(c);
+  free(p.ids), free(p.tw), free(fms), free(bms);
+  return bad;
+}
+
 static int torch_baseline(const char *cmd, const char *name, int iters, double *fwd,
                           double *bwd)
 {
@@ -333,7 +471,7 @@ static int torch_baseline(const char *cmd, const char *name, int iters, double *
 
 int main(int argc, char **argv)
 {
-  const char *want = "dsv3,mid,qwen3_4k,qwen3_32k,mok", *torch = NULL;
+  const char *want = "dsv3,mid,qwen3_4k,qwen3_32k,mok", *torch = NULL, *sock = NULL;
   int iters = 10, do_verify = 0, bad = 0;
   char err[MOK_ERRLEN];
   mokk_backend *gpu = NULL, *cpu = NULL;
@@ -347,11 +485,15 @@ int main(int argc, char **argv)
       torch = argv[++i];
     else if (!strcmp(argv[i], "--verify"))
       do_verify = 1;
+    else if (!strcmp(argv[i], "--daemon") && i + 1 < argc)
+      sock = argv[++i];
     else {
       fprintf(stderr, "usage: bench_gpu [--shapes a,b] [--iters n] [--torch CMD] [--verify]\n"
+                      "                 [--daemon SOCK]\n"
                       "  shapes: dsv3 mid qwen3_4k qwen3_32k mok (DESIGN §6)\n"
                       "  --torch CMD  run 'CMD --shapes NAME --iters N' for the baseline\n"
-                      "  --verify     check dsv3 against the CPU engine on samples\n");
+                      "  --verify     check dsv3 against the CPU engine on samples\n"
+                      "  --daemon SOCK  also run each shape through mokd (cuda) at SOCK\n");
       return 2;
     }
   }
@@ -418,6 +560,16 @@ int main(int argc, char **argv)
       bad |= verify(&p, cpu);
     problem_free(&p);
     free(fms), free(bms);
+    { /* give the step memory cached in this process back before the next run */
+      cudaMemPool_t pool;
+      CUDA_OK(cudaDeviceSynchronize());
+      CUDA_OK(cudaDeviceGetDefaultMemPool(&pool, mokk_cuda_device(gpu)));
+      CUDA_OK(cudaMemPoolTrimTo(pool, 0));
+    }
+    if (sock != NULL) {
+      double df, db;
+      bad |= run_daemon(sock, d, iters, do_verify && !strcmp(d->name, "dsv3"), cpu, &df, &db);
+    }
     if (torch != NULL) {
       double tf, tb;
       if (torch_baseline(torch, d->name, iters, &tf, &tb))
