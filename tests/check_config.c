@@ -106,6 +106,18 @@ START_TEST(bad_env_and_flags)
   char *argv5[] = {"mokd", "--config", "/dev/null", "--socket"};
   ck_assert_int_eq(load(4, argv5), MOK_EINVAL);
   ck_assert_msg(strstr(err, "--socket needs a value") != NULL, "got: %s", err);
+  char *argv6[] = {"mokd", "--config", "/dev/null", "--devices", "gpu0"};
+  ck_assert_int_eq(load(5, argv6), MOK_EINVAL);
+  ck_assert_msg(strstr(err, "must be CUDA ordinals") != NULL, "got: %s", err);
+  char *argv7[] = {"mokd", "--config", "/dev/null", "--backend", "cuda", "--devices", "1,0"};
+#ifdef MOKD_HAVE_CUDA
+  ck_assert_int_eq(load(7, argv7), MOKD_CONFIG_RUN);
+  ck_assert_str_eq(cfg.backend, "cuda");
+  ck_assert_str_eq(cfg.devices, "1,0");
+#else
+  ck_assert_int_eq(load(7, argv7), MOK_EINVAL);
+  ck_assert_msg(strstr(err, "not available in this build") != NULL, "got: %s", err);
+#endif
 }
 END_TEST
 
