@@ -153,8 +153,21 @@ __global__ void k_gather(const bf16 *x, const int *src, const int *total, int K,
   }
 }
 
-/* out[t] = bf16( sum_k w[t,k] * y[t,k]  (k ascending)  + ys[t] ) */
-__global__ void k_combine(const bf16 *y, const int *slot, const float *tw, const bf16 *ys,
+__device__ __forceinline__ float to_f32(bf16 v)
+{
+  return __bfloat162float(v);
+}
+
+__device__ __forceinline__ float to_f32(float v)
+{
+  return v;
+}
+
+/* out[t] = bf16( sum_k [tw[t,k] *] v[t,k]  (k ascending)  + extra[t] ): the
+ * forward's combine (bf16 y, router weights, shared ys) and the backward's
+ * d_x (fp32 rows, no weights, shared part). tw and extra may be NULL. */
+template <typename V, typename X>
+__global__ void k_combine(const V *v, const int *slot, const float *tw, const X *extra,
                           int64_t T, int K, int64_t H, bf16 *out)
 {
   for (int64_t t = blockIdx.x; t < T; t += gridDim.x)
@@ -162,11 +175,13 @@ __global__ void k_combine(const bf16 *y, const int *slot, const float *tw, const
       float acc = 0.0f;
       for (int k = 0; k < K; k++) {
         int r = slot[t * K + k];
-        if (r >= 0)
-          acc = __fadd_rn(acc, __fmul_rn(tw[t * K + k], __bfloat162float(y[(int64_t)r * H + c])));
+        if (r < 0)
+          continue;
+        float x = to_f32(v[(int64_t)r * H + c]);
+        acc = __fadd_rn(acc, tw != NULL ? __fmul_rn(tw[t * K + k], x) : x);
       }
-      if (ys != NULL)
-        acc = __fadd_rn(acc, __bfloat162float(ys[t * H + c]));
+      if (extra != NULL)
+        acc = __fadd_rn(acc, to_f32(extra[t * H + c]));
       out[t * H + c] = __float2bfloat16_rn(acc);
     }
 }
@@ -192,24 +207,6 @@ __global__ void k_dtw(const bf16 *d_out, const bf16 *y, const int *slot, int64_t
     if (lane == 0)
       dtw[p] = acc;
   }
-}
-
-/* d_x[t] = bf16( sum_k dxr[t,k] (k ascending) + dxs[t] ) */
-__global__ void k_combine_dx(const float *dxr, const int *slot, const float *dxs, int64_t T,
-                             int K, int64_t H, bf16 *d_x)
-{
-  for (int64_t t = blockIdx.x; t < T; t += gridDim.x)
-    for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
-      float acc = 0.0f;
-      for (int k = 0; k < K; k++) {
-        int r = slot[t * K + k];
-        if (r >= 0)
-          acc = __fadd_rn(acc, dxr[(int64_t)r * H + c]);
-      }
-      if (dxs != NULL)
-        acc = __fadd_rn(acc, dxs[t * H + c]);
-      d_x[t * H + c] = __float2bfloat16_rn(acc);
-    }
 }
 
 /* ---- launch helpers ------------------------------------------------------ */
@@ -552,8 +549,8 @@ static int cuda_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
     goto out;
   if (Is && (rc = mlp_backward(cb, &shared_mlp, d_out, NULL, H, dgus, dxs, err)))
     goto out;
-  k_combine_dx<<<grid_for(cb, T, 16), 256, 0, cb->stream>>>(dxr, c->slot, dxs, T, (int)K, H,
-                                                            (bf16 *)r->d_x);
+  k_combine<<<grid_for(cb, T, 16), 256, 0, cb->stream>>>(dxr, c->slot, (const float *)NULL, dxs,
+                                                         T, (int)K, H, (bf16 *)r->d_x);
   if ((rc = launched(err, "d_x combine")))
     goto out;
 

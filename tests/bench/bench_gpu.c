@@ -201,12 +201,26 @@ static void d2h(void *h, const void *d, size_t n)
   CUDA_OK(cudaMemcpy(h, d, n, cudaMemcpyDeviceToHost));
 }
 
+/* Forward and backward (bf16 gradients) on the CPU engine; 1 on failure. */
+static int cpu_step(mokk_backend *cpu, const mokk_shape *s, int64_t T, const mokk_fwd_rank *fr,
+                    const mokk_bwd_rank *br)
+{
+  char err[MOK_ERRLEN];
+  mokk_ctx *ctx = NULL;
+  if (mokk_forward(cpu, s, T, fr, &ctx, err) || mokk_backward(cpu, ctx, MOKK_GRAD_BF16, br, err)) {
+    fprintf(stderr, "verify: cpu engine: %s\n", err);
+    mokk_ctx_free(cpu, ctx);
+    return 1;
+  }
+  mokk_ctx_free(cpu, ctx);
+  return 0;
+}
+
 /* The CPU engine on a small problem built from rows of the big one. */
 static int verify(problem *p, mokk_backend *cpu)
 {
   const mokk_shape *s = &p->s;
   int64_t H = s->H, I = s->I, K = s->K, T = p->T, nt = 8;
-  char err[MOK_ERRLEN];
   int bad = 0;
 
   /* (a) nt tokens with the experts they use, renumbered */
@@ -257,13 +271,8 @@ static int verify(problem *p, mokk_backend *cpu)
       fr.w[w] = hw;
       br.g_bf16[w] = xmalloc(n * 2);
     }
-    mokk_ctx *ctx = NULL;
-    if (mokk_forward(cpu, &ss, nt, &fr, &ctx, err) ||
-        mokk_backward(cpu, ctx, MOKK_GRAD_BF16, &br, err)) {
-      fprintf(stderr, "verify: cpu engine: %s\n", err);
+    if (cpu_step(cpu, &ss, nt, &fr, &br))
       return 1;
-    }
-    mokk_ctx_free(cpu, ctx);
     double r_out = ratio_bf16(fr.out, out_g, nt * H, 1.0 / 128);
     double r_dx = ratio_bf16(br.d_x, dx_g, nt * H, 1.0 / 32);
     double r_dtw = ratio_f32(br.d_topk_weights, dtw_g, nt * K, 1.0 / 128);
@@ -310,13 +319,8 @@ static int verify(problem *p, mokk_backend *cpu)
       fr.w[w] = hw;
       br.g_bf16[w] = xmalloc(m * 2);
     }
-    mokk_ctx *ctx = NULL;
-    if (mokk_forward(cpu, &ss, n, &fr, &ctx, err) ||
-        mokk_backward(cpu, ctx, MOKK_GRAD_BF16, &br, err)) {
-      fprintf(stderr, "verify: cpu engine: %s\n", err);
+    if (cpu_step(cpu, &ss, n, &fr, &br))
       return 1;
-    }
-    mokk_ctx_free(cpu, ctx);
     for (int w = 0; w < 3; w++) {
       int64_t m = I * H;
       uint16_t *g = xmalloc(m * 2);
