@@ -58,7 +58,7 @@ UNIT_SRC   := tests/check_main.c tests/ref.c tests/check_bf16.c \
 UNIT_DAEMON := daemon/config.c daemon/log.c
 INTEG_SRC  := tests/check_daemon.c tests/ref.c
 BENCH_SRC  := tests/bench/bench_cpu.c
-CUDA_SRC   := kernels/cuda/cuda_moe.cu kernels/cuda/gpumem.cu
+CUDA_SRC   := kernels/cuda/cuda_moe.cu kernels/cuda/gpumem.cu kernels/cuda/ipc.cu
 
 obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))
 
@@ -91,6 +91,8 @@ CUDA_TARGETS := $(LIBMOKK_CUDA) $(GPU_BIN) $(GPU_BENCH)
 endif
 
 PROTOBUF_LIBS := $(shell pkg-config --libs libprotobuf-c 2>/dev/null || echo -lprotobuf-c)
+# the shared client always links the shared protobuf-c (the archive is not PIC)
+PROTOBUF_SO   := $(PROTOBUF_LIBS)
 DAEMON_LIBS   := $(shell pkg-config --libs libuv inih libsystemd 2>/dev/null || echo -luv -linih -lsystemd) $(PROTOBUF_LIBS)
 # STATIC_DEPS=1: libuv, inih and protobuf-c linked in, for machines that lack
 # the packages (the GPU machine); libsystemd and libc stay shared
@@ -136,7 +138,7 @@ $(call obj,tests/gpu/check_gpu.c tests/bench/bench_gpu.c): CFLAGS += $(CHECK_CFL
 
 $(LIBMOKK_CUDA): $(CUDA_OBJ)
 	$(AR) rcs $@ $^
-$(GPU_BIN): $(call obj,tests/gpu/check_gpu.c tests/ref.c) $(LIBMOK_A) $(LIBMOKK_CUDA) $(LIBMOKK) \
+$(GPU_BIN): $(call obj,tests/gpu/check_gpu.c tests/ref.c) $(BUILD)/obj/tests/gpu/gate.o $(LIBMOK_A) $(LIBMOKK_CUDA) $(LIBMOKK) \
             $(LIBCOMMON)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDSAN) -o $@ $^ $(CHECK_STATIC) -l:libprotobuf-c.a $(CUDA_LIBS) $(LDLIBS)
@@ -151,7 +153,7 @@ $(LIBMOKK): $(KERNEL_OBJ)
 $(LIBMOK_A): $(CLIENT_OBJ) $(COMMON_OBJ)
 	$(AR) rcs $@ $^
 $(LIBMOK_SO): $(CLIENT_OBJ) $(COMMON_OBJ)
-	$(CC) $(LDSAN) -shared -Wl,-soname,libmok.so.0 -o $@ $^ $(PROTOBUF_LIBS) -ldl -lpthread
+	$(CC) $(LDSAN) -shared -Wl,-soname,libmok.so.0 -o $@ $^ $(PROTOBUF_SO) -ldl -lpthread
 
 $(PC_FILE): Makefile
 	@printf 'prefix=%s\nlibdir=$${prefix}/lib\nincludedir=$${prefix}/include\n\nName: mok\nDescription: client library of the mokd MoE daemon\nVersion: 0.1.0\nRequires.private: libprotobuf-c\nLibs: -L$${libdir} -lmok\nCflags: -I$${includedir}\n' '$(PREFIX)' > $@

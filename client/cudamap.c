@@ -15,7 +15,11 @@ typedef unsigned long long cu_ptr;
 typedef unsigned long long cu_handle;
 typedef struct { int type, id; } cu_location;
 typedef struct { cu_location location; int flags; } cu_access;
+typedef struct { char bytes[MOK_CUDA_IPC_BYTES]; } cu_ipc;
 enum { CU_LOCATION_DEVICE = 1, CU_ACCESS_RW = 3, CU_HANDLE_POSIX_FD = 1 };
+enum { CU_EVENT_DISABLE_TIMING = 2, CU_EVENT_INTERPROCESS = 4 };
+enum { CU_ATTR_BUFFER_ID = 7, CU_ATTR_DEVICE_ORDINAL = 9, CU_ATTR_LEGACY_IPC = 10 };
+#define CU_STREAM_LEGACY ((void *)0x1)
 
 static struct {
   int state; /* 0 not tried, 1 ready, -1 unavailable */
@@ -34,6 +38,18 @@ static struct {
   cu_result (*release)(cu_handle);
   cu_result (*htod)(cu_ptr, const void *, size_t);
   cu_result (*dtoh)(void *, cu_ptr, size_t);
+  cu_result (*ev_create)(void **, unsigned);
+  cu_result (*ev_record)(void *, void *);
+  cu_result (*ev_sync)(void *);
+  cu_result (*ev_destroy)(void *);
+  cu_result (*ev_handle)(cu_ipc *, void *);
+  cu_result (*ev_open)(void **, cu_ipc);
+  cu_result (*stream_wait)(void *, void *, unsigned);
+  cu_result (*mem_handle)(cu_ipc *, cu_ptr);
+  cu_result (*range)(cu_ptr *, size_t *, cu_ptr);
+  cu_result (*attr)(void *, int, cu_ptr);
+  cu_result (*retain)(cu_handle *, void *);
+  cu_result (*exportfd)(void *, cu_handle, int, unsigned long long);
 } cu;
 
 static pthread_mutex_t cu_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -44,12 +60,19 @@ static int load(void)
       "cuInit", "cuDeviceGet", "cuCtxGetCurrent", "cuDevicePrimaryCtxRetain",
       "cuCtxSetCurrent", "cuMemImportFromShareableHandle", "cuMemAddressReserve", "cuMemMap",
       "cuMemSetAccess", "cuMemUnmap", "cuMemAddressFree", "cuMemRelease", "cuMemcpyHtoD_v2",
-      "cuMemcpyDtoH_v2"};
+      "cuMemcpyDtoH_v2", "cuEventCreate", "cuEventRecord", "cuEventSynchronize",
+      "cuEventDestroy_v2", "cuIpcGetEventHandle", "cuIpcOpenEventHandle", "cuStreamWaitEvent",
+      "cuIpcGetMemHandle", "cuMemGetAddressRange_v2", "cuPointerGetAttribute",
+      "cuMemRetainAllocationHandle", "cuMemExportToShareableHandle"};
   void **slots[] = {(void **)&cu.init, (void **)&cu.device_get, (void **)&cu.ctx_get,
                     (void **)&cu.primary_retain, (void **)&cu.ctx_set, (void **)&cu.import,
                     (void **)&cu.reserve, (void **)&cu.map, (void **)&cu.access,
                     (void **)&cu.unmap, (void **)&cu.afree, (void **)&cu.release,
-                    (void **)&cu.htod, (void **)&cu.dtoh};
+                    (void **)&cu.htod, (void **)&cu.dtoh, (void **)&cu.ev_create,
+                    (void **)&cu.ev_record, (void **)&cu.ev_sync, (void **)&cu.ev_destroy,
+                    (void **)&cu.ev_handle, (void **)&cu.ev_open, (void **)&cu.stream_wait,
+                    (void **)&cu.mem_handle, (void **)&cu.range, (void **)&cu.attr,
+                    (void **)&cu.retain, (void **)&cu.exportfd};
   void *lib;
 
   pthread_mutex_lock(&cu_mu);
@@ -144,6 +167,119 @@ int mok_cuda_copy(void *dst, const void *src, size_t bytes, int to_device, int d
   if (r != 0) {
     snprintf(why, n, "copying %zu bytes %s the GPU failed (CUresult %d)", bytes,
              to_device ? "to" : "from", r);
+    return -1;
+  }
+  return 0;
+}
+
+/* ---- events and imports -------------------------------------------------- */
+
+#define CU_TRY(call, what)                                                        \
+  do {                                                                            \
+    cu_result r_ = (call);                                                        \
+    if (r_ != 0) {                                                                \
+      snprintf(why, n, "%s failed (CUresult %d)", what, r_);                      \
+      return -1;                                                                  \
+    }                                                                             \
+  } while (0)
+
+int mok_cuda_event_new(int device, void **ev, void *handle, char *why, size_t n)
+{
+  if (use_device(device, why, n) != 0)
+    return -1;
+  CU_TRY(cu.ev_create(ev, CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS),
+         "creating an interprocess event");
+  if (cu.ev_handle((cu_ipc *)handle, *ev) != 0) {
+    cu.ev_destroy(*ev);
+    *ev = NULL;
+    snprintf(why, n, "cuIpcGetEventHandle failed");
+    return -1;
+  }
+  return 0;
+}
+
+int mok_cuda_event_open(int device, const void *handle, void **ev, char *why, size_t n)
+{
+  cu_ipc h;
+  if (use_device(device, why, n) != 0)
+    return -1;
+  memcpy(&h, handle, sizeof h);
+  CU_TRY(cu.ev_open(ev, h), "opening the daemon's done event (cuIpcOpenEventHandle)");
+  return 0;
+}
+
+int mok_cuda_event_record(void *ev, void *stream, char *why, size_t n)
+{
+  CU_TRY(cu.ev_record(ev, stream != NULL ? stream : CU_STREAM_LEGACY),
+         "recording the ready event (cuEventRecord)");
+  return 0;
+}
+
+int mok_cuda_stream_wait(void *stream, void *ev, char *why, size_t n)
+{
+  CU_TRY(cu.stream_wait(stream, ev, 0), "cuStreamWaitEvent on the done event");
+  return 0;
+}
+
+int mok_cuda_event_sync(void *ev, char *why, size_t n)
+{
+  CU_TRY(cu.ev_sync(ev), "waiting for the done event (cuEventSynchronize)");
+  return 0;
+}
+
+void mok_cuda_event_free(void *ev)
+{
+  if (ev != NULL && cu.state == 1)
+    cu.ev_destroy(ev);
+}
+
+int mok_cuda_alloc_info(const void *ptr, mok_cuda_alloc *a, char *why, size_t n)
+{
+  cu_ptr p = (cu_ptr)(uintptr_t)ptr, base = 0;
+  int dev = -1, legacy = 0;
+  if (load() != 1) {
+    snprintf(why, n, "%s", cu.why);
+    return -1;
+  }
+  if (cu.attr(&dev, CU_ATTR_DEVICE_ORDINAL, p) != 0) {
+    snprintf(why, n, "%p is not GPU memory this process allocated", ptr);
+    return -1;
+  }
+  if (use_device(dev, why, n) != 0)
+    return -1;
+  memset(a, 0, sizeof *a);
+  CU_TRY(cu.range(&base, &a->bytes, p), "cuMemGetAddressRange");
+  if (cu.attr(&a->buffer_id, CU_ATTR_BUFFER_ID, p) != 0)
+    a->buffer_id = 0; /* then only a changed size tells a new allocation */
+  if (cu.attr(&legacy, CU_ATTR_LEGACY_IPC, p) != 0)
+    legacy = 0;
+  a->base = (uintptr_t)base;
+  a->device = dev;
+  a->legacy_ipc = legacy;
+  return 0;
+}
+
+int mok_cuda_ipc_handle(uintptr_t base, void *handle, char *why, size_t n)
+{
+  CU_TRY(cu.mem_handle((cu_ipc *)handle, (cu_ptr)base), "cuIpcGetMemHandle");
+  return 0;
+}
+
+int mok_cuda_export_fd(uintptr_t base, int *fd, char *why, size_t n)
+{
+  cu_handle h = 0;
+  cu_result r;
+  if ((r = cu.retain(&h, (void *)base)) != 0) {
+    snprintf(why, n, "the memory is neither from cudaMalloc nor a cuMem allocation "
+             "(cuMemRetainAllocationHandle: CUresult %d)", r);
+    return -1;
+  }
+  r = cu.exportfd(fd, h, CU_HANDLE_POSIX_FD, 0);
+  cu.release(h); /* drops only the reference retain took */
+  if (r != 0) {
+    snprintf(why, n, "the cuMem allocation cannot be exported as a POSIX fd (CUresult %d); "
+             "create it with requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR",
+             r);
     return -1;
   }
   return 0;

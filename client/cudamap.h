@@ -4,12 +4,38 @@
 #define MOK_CUDAMAP_H
 
 #include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
+
+#define MOK_CUDA_IPC_BYTES 64
+
+/* The allocation that holds a pointer of this process. */
+typedef struct mok_cuda_alloc {
+  uintptr_t base;
+  size_t bytes;
+  unsigned long long buffer_id; /* unique per allocation for the process's life */
+  int device;
+  int legacy_ipc;               /* cudaMalloc memory: cudaIpcGetMemHandle works */
+} mok_cuda_alloc;
 
 int mok_cuda_map(int fd, size_t bytes, int device, void **ptr, unsigned long long *handle,
                  char *why, size_t n);
 void mok_cuda_unmap(void *ptr, size_t bytes, unsigned long long handle);
 int mok_cuda_copy(void *dst, const void *src, size_t bytes, int to_device, int device,
                   char *why, size_t n);
+
+
+/* Interprocess events (disable-timing); handle is 64 bytes. */
+int mok_cuda_event_new(int device, void **ev, void *handle, char *why, size_t n);
+int mok_cuda_event_open(int device, const void *handle, void **ev, char *why, size_t n);
+/* stream NULL = the legacy default stream */
+int mok_cuda_event_record(void *ev, void *stream, char *why, size_t n);
+int mok_cuda_stream_wait(void *stream, void *ev, char *why, size_t n);
+int mok_cuda_event_sync(void *ev, char *why, size_t n);
+void mok_cuda_event_free(void *ev);
+
+int mok_cuda_alloc_info(const void *ptr, mok_cuda_alloc *a, char *why, size_t n);
+int mok_cuda_ipc_handle(uintptr_t base, void *handle, char *why, size_t n);
+int mok_cuda_export_fd(uintptr_t base, int *fd, char *why, size_t n);
 
 #endif

@@ -26,7 +26,16 @@ typedef struct mapped {
   size_t bytes;
   int device;                /* CUDA ordinal + 1 of a GPU arena; 0 = host */
   unsigned long long handle; /* GPU arenas: the imported allocation */
+  int own;                   /* our own GPU memory, imported into the daemon: not ours to unmap */
 } mapped;
+
+/* A GPU allocation of ours that the daemon has imported. */
+typedef struct imported {
+  uintptr_t base;
+  size_t bytes;
+  unsigned long long buffer_id;
+  uint64_t arena;
+} imported;
 
 struct mok_client {
   int fd;
@@ -38,6 +47,14 @@ struct mok_client {
   int nmaps, capmaps;
   int fds[16];
   int nfds;
+  int cuda_device;      /* the daemon's GPU; -1 when it runs on the CPU */
+  void *stream;         /* mok_set_stream; NULL = wait on the host */
+  void *ready;          /* our interprocess event, recorded before each step */
+  uint8_t ready_handle[MOK_CUDA_IPC_BYTES];
+  void *done;           /* the daemon's done event, opened once */
+  uint8_t done_handle[MOK_CUDA_IPC_BYTES];
+  imported *imps;
+  int nimps, capimps;
 };
 
 static int fail(mok_client *c, int code, const char *fmt, ...)
@@ -88,12 +105,14 @@ static int add_map(mok_client *c, uint64_t id, int fd, size_t bytes, int device)
       return fail(c, MOK_ENOMEM, "cannot map arena %llu (%zu bytes): %s",
                   (unsigned long long)id, bytes, strerror(errno));
   }
-  c->maps[c->nmaps++] = (mapped){id, p, bytes, device, handle};
+  c->maps[c->nmaps++] = (mapped){id, p, bytes, device, handle, 0};
   return 0;
 }
 
 static void unmap(const mapped *m)
 {
+  if (m->own)
+    return;
   if (m->device > 0)
     mok_cuda_unmap(m->ptr, m->bytes, m->handle);
   else
@@ -277,6 +296,7 @@ int mok_connect(const char *path, const char *client_name, mok_client **out)
   if (c == NULL)
     return MOK_ENOMEM;
   mokw_framer_init(&c->rx, 64u << 20);
+  c->cuda_device = -1;
   strcpy(sa.sun_path, path);
   c->fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (c->fd < 0 || connect(c->fd, (struct sockaddr *)&sa, sizeof sa) != 0) {
@@ -302,10 +322,14 @@ int mok_connect(const char *path, const char *client_name, mok_client **out)
   snprintf(c->info.backend, sizeof c->info.backend, "%s", r->welcome->backend);
   c->info.session_id = r->welcome->session_id;
   c->info.ndevices = (int)r->welcome->n_devices;
+  c->cuda_device = strcmp(c->info.backend, "cuda") == 0 && r->welcome->n_devices > 0
+                       ? (int)r->welcome->devices[0]->index
+                       : -1;
   if (r->welcome->limits != NULL) {
     c->info.max_frame_bytes = r->welcome->limits->max_frame_bytes;
     c->info.max_arena_bytes = r->welcome->limits->max_arena_bytes;
     c->info.session_quota_bytes = r->welcome->limits->session_quota_bytes;
+    c->info.session_gpu_quota_bytes = r->welcome->limits->session_gpu_quota_bytes;
   }
   mokd__response__free_unpacked(r, NULL);
   return 0;
@@ -321,6 +345,9 @@ void mok_close(mok_client *c)
     unmap(&c->maps[i]);
   drop_fds(c);
   free(c->maps);
+  free(c->imps);
+  mok_cuda_event_free(c->ready);
+  mok_cuda_event_free(c->done);
   mokw_framer_free(&c->rx);
   free(c);
 }
@@ -373,7 +400,7 @@ static void usage_from(mok_usage *u, const Mokd__Usage *m)
   u->sessions = m->sessions, u->arenas = m->arenas, u->arena_bytes = m->arena_bytes;
   u->layers = m->layers, u->contexts = m->contexts, u->context_bytes = m->context_bytes;
   u->results = m->results, u->requests = m->requests, u->forwards = m->forwards;
-  u->backwards = m->backwards, u->errors = m->errors;
+  u->backwards = m->backwards, u->errors = m->errors, u->gpu_bytes = m->gpu_bytes;
 }
 
 int mok_stats_get(mok_client *c, mok_stats *out)
@@ -438,6 +465,100 @@ int mok_arena_import(mok_client *c, int fd, size_t bytes, mok_arena_info *out)
   return rc;
 }
 
+/* Imports one whole allocation of ours; the daemon maps it once. */
+static int import_alloc(mok_client *c, const mok_cuda_alloc *al, uint64_t *arena)
+{
+  Mokd__Request req = MOKD__REQUEST__INIT;
+  Mokd__ImportBuffer ib = MOKD__IMPORT_BUFFER__INIT;
+  Mokd__Response *r;
+  uint8_t handle[MOK_CUDA_IPC_BYTES];
+  char why[200];
+  int fd = -1, rc;
+
+  ib.bytes = al->bytes;
+  if (al->legacy_ipc) {
+    if (mok_cuda_ipc_handle(al->base, handle, why, sizeof why) != 0)
+      return fail(c, MOK_EDEVICE, "%s", why);
+    ib.kind = MOKD__IMPORT_KIND__IMPORT_CUDA_IPC;
+    ib.cuda_ipc_handle.data = handle;
+    ib.cuda_ipc_handle.len = sizeof handle;
+  } else {
+    if (mok_cuda_export_fd(al->base, &fd, why, sizeof why) != 0)
+      return fail(c, MOK_EINVAL, "%s", why);
+    ib.kind = MOKD__IMPORT_KIND__IMPORT_CUMEM_FD;
+  }
+  req.body_case = MOKD__REQUEST__BODY_IMPORT_BUFFER;
+  req.import_buffer = &ib;
+  rc = expect(c, &req, fd >= 0 ? &fd : NULL, fd >= 0, MOKD__RESPONSE__BODY_BUFFER_IMPORTED, &r);
+  if (fd >= 0)
+    close(fd);
+  if (rc != 0)
+    return rc;
+  *arena = r->buffer_imported->arena;
+  mokd__response__free_unpacked(r, NULL);
+  if (c->nmaps == c->capmaps) {
+    int cap = c->capmaps ? 2 * c->capmaps : 8;
+    mapped *m = realloc(c->maps, (size_t)cap * sizeof *m);
+    if (m == NULL)
+      return fail(c, MOK_ENOMEM, "out of memory");
+    c->maps = m, c->capmaps = cap;
+  }
+  c->maps[c->nmaps++] = (mapped){*arena, (void *)al->base, al->bytes, al->device + 1, 0, 1};
+  return 0;
+}
+
+int mok_arena_import_cuda(mok_client *c, const void *ptr, size_t bytes, uint64_t *arena,
+                          uint64_t *offset)
+{
+  mok_cuda_alloc al;
+  imported *hit = NULL;
+  char why[200];
+  int rc;
+
+  if (c == NULL || ptr == NULL || arena == NULL || offset == NULL)
+    return MOK_ENULL;
+  if (c->cuda_device < 0)
+    return fail(c, MOK_ENOTSUP, "mokd runs the %s backend; it imports GPU memory only on "
+                "the cuda backend", c->info.backend);
+  if (mok_cuda_alloc_info(ptr, &al, why, sizeof why) != 0)
+    return fail(c, MOK_EINVAL, "%s", why);
+  if (al.device != c->cuda_device)
+    return fail(c, MOK_EDEVICE, "the memory is on CUDA device %d; mokd runs on device %d",
+                al.device, c->cuda_device);
+  if ((uintptr_t)ptr + bytes > al.base + al.bytes)
+    return fail(c, MOK_ERANGE, "%zu bytes at %p run past the end of their allocation "
+                "(%zu bytes at %#lx)", bytes, ptr, al.bytes, (unsigned long)al.base);
+  for (int i = 0; i < c->nimps; i++)
+    if (c->imps[i].base == al.base)
+      hit = &c->imps[i];
+  if (hit != NULL && (hit->buffer_id != al.buffer_id || hit->bytes != al.bytes)) {
+    /* freed and allocated again at the same address: the daemon's mapping is
+     * of memory that is gone */
+    uint64_t old = hit->arena;
+    *hit = c->imps[--c->nimps];
+    hit = NULL;
+    if ((rc = mok_arena_destroy(c, old)) != 0)
+      return rc;
+  }
+  if (hit == NULL) {
+    uint64_t id = 0;
+    if (c->nimps == c->capimps) {
+      int cap = c->capimps ? 2 * c->capimps : 8;
+      imported *m = realloc(c->imps, (size_t)cap * sizeof *m);
+      if (m == NULL)
+        return fail(c, MOK_ENOMEM, "out of memory");
+      c->imps = m, c->capimps = cap;
+    }
+    if ((rc = import_alloc(c, &al, &id)) != 0)
+      return rc;
+    hit = &c->imps[c->nimps++];
+    *hit = (imported){al.base, al.bytes, al.buffer_id, id};
+  }
+  *arena = hit->arena;
+  *offset = (uint64_t)((uintptr_t)ptr - al.base);
+  return 0;
+}
+
 int mok_arena_destroy(mok_client *c, uint64_t arena)
 {
   Mokd__Request req = MOKD__REQUEST__INIT;
@@ -453,6 +574,11 @@ int mok_arena_destroy(mok_client *c, uint64_t arena)
     if (c->maps[i].id == arena) {
       unmap(&c->maps[i]);
       c->maps[i] = c->maps[--c->nmaps];
+      break;
+    }
+  for (int i = 0; i < c->nimps; i++)
+    if (c->imps[i].arena == arena) {
+      c->imps[i] = c->imps[--c->nimps];
       break;
     }
   return 0;
@@ -578,6 +704,108 @@ static void timing_from(mok_timing *t, const Mokd__Timing *m)
   t->compute_ns = m != NULL ? m->compute_ns : 0;
 }
 
+/* A step that failed after the daemon made its result: release it, keep the
+ * error and its message. */
+static int drop_result(mok_client *c, uint64_t id, int rc)
+{
+  char keep[MOK_ERRLEN];
+  memcpy(keep, c->err, sizeof keep);
+  mok_release(c, &id, 1);
+  memcpy(c->err, keep, sizeof keep);
+  return rc;
+}
+
+int mok_set_stream(mok_client *c, void *stream)
+{
+  if (c == NULL)
+    return MOK_ENULL;
+  if (stream != NULL && c->cuda_device < 0)
+    return fail(c, MOK_ENOTSUP, "mokd runs the %s backend; stream ordering needs the cuda "
+                "backend", c->info.backend);
+  c->stream = stream;
+  return 0;
+}
+
+/* Before a step on the CUDA backend: record our ready event where the inputs
+ * were written. */
+static int step_ready(mok_client *c, ProtobufCBinaryData *ev)
+{
+  char why[200];
+  if (c->cuda_device < 0)
+    return 0;
+  if (c->ready == NULL &&
+      mok_cuda_event_new(c->cuda_device, &c->ready, c->ready_handle, why, sizeof why) != 0)
+    return fail(c, MOK_EDEVICE, "%s", why);
+  if (mok_cuda_event_record(c->ready, c->stream, why, sizeof why) != 0)
+    return fail(c, MOK_EDEVICE, "%s", why);
+  ev->data = c->ready_handle;
+  ev->len = MOK_CUDA_IPC_BYTES;
+  return 0;
+}
+
+/* Opens the daemon's done event named by a reply (once: it is the same each
+ * step of a session). */
+static int done_event(mok_client *c, const ProtobufCBinaryData *ev)
+{
+  char why[200];
+  if (ev->len != MOK_CUDA_IPC_BYTES)
+    return fail(c, MOK_EPROTO, "the reply carries a %zu-byte done event", ev->len);
+  if (c->done != NULL && memcmp(c->done_handle, ev->data, MOK_CUDA_IPC_BYTES) == 0)
+    return 0;
+  mok_cuda_event_free(c->done);
+  c->done = NULL;
+  if (mok_cuda_event_open(c->cuda_device, ev->data, &c->done, why, sizeof why) != 0)
+    return fail(c, MOK_EDEVICE, "%s", why);
+  memcpy(c->done_handle, ev->data, MOK_CUDA_IPC_BYTES);
+  return 0;
+}
+
+static int read_status(mok_client *c, const mok_tensor *status)
+{
+  int32_t v = 0;
+  int rc;
+  if ((rc = mok_tensor_read(c, status, &v)) != 0)
+    return rc;
+  if (v == MOK_EEXPERT)
+    return fail(c, MOK_EEXPERT, "topk_ids held an expert id outside [0, E); the GPU dropped "
+                "those pairs");
+  if (v != 0)
+    return fail(c, v < 0 ? v : MOK_EPROTO, "the step reported status %d", (int)v);
+  return 0;
+}
+
+/* After a step's reply: order the caller's stream after it, or wait for it. */
+static int step_done(mok_client *c, const ProtobufCBinaryData *ev, const mok_tensor *status)
+{
+  char why[200];
+  int rc;
+  if (ev->len == 0)
+    return 0; /* CPU backend: the reply came after the step */
+  if ((rc = done_event(c, ev)) != 0)
+    return rc;
+  if (c->stream != NULL)
+    return mok_cuda_stream_wait(c->stream, c->done, why, sizeof why) != 0
+               ? fail(c, MOK_EDEVICE, "%s", why)
+               : 0;
+  if (mok_cuda_event_sync(c->done, why, sizeof why) != 0)
+    return fail(c, MOK_EDEVICE, "%s", why);
+  return status->ndim > 0 ? read_status(c, status) : 0;
+}
+
+int mok_step_status(mok_client *c, const mok_tensor *status)
+{
+  char why[200];
+  if (c == NULL || status == NULL)
+    return MOK_ENULL;
+  if (status->ndim == 0)
+    return 0;
+  /* the session's steps run in order, so its done event, recorded after the
+   * latest one, also covers this one */
+  if (c->done != NULL && mok_cuda_event_sync(c->done, why, sizeof why) != 0)
+    return fail(c, MOK_EDEVICE, "%s", why);
+  return read_status(c, status);
+}
+
 int mok_forward(mok_client *c, uint64_t layer, const mok_tensor *x,
                 const mok_tensor *topk_ids, const mok_tensor *topk_weights, int inference,
                 mok_forward_result *res)
@@ -598,14 +826,22 @@ int mok_forward(mok_client *c, uint64_t layer, const mok_tensor *x,
   f.inference = inference != 0;
   req.body_case = MOKD__REQUEST__BODY_FORWARD;
   req.forward = &f;
+  if ((rc = step_ready(c, &f.ready_event)) != 0)
+    return rc;
   if ((rc = expect(c, &req, NULL, 0, MOKD__RESPONSE__BODY_FORWARD_DONE, &r)) != 0)
     return rc;
+  memset(res, 0, sizeof *res);
   res->context = r->forward_done->context;
   from_wire(r->forward_done->out, &res->out);
+  if (r->forward_done->status != NULL)
+    from_wire(r->forward_done->status, &res->status);
   res->out_ptr = mok_tensor_ptr(c, &res->out);
   timing_from(&res->timing, r->forward_done->timing);
+  rc = res->out_ptr != NULL ? 0 : fail(c, MOK_EPROTO, "output lies outside mapped arenas");
+  if (rc == 0)
+    rc = step_done(c, &r->forward_done->done_event, &res->status);
   mokd__response__free_unpacked(r, NULL);
-  return res->out_ptr != NULL ? 0 : fail(c, MOK_EPROTO, "output lies outside mapped arenas");
+  return rc != 0 ? drop_result(c, res->context, rc) : 0;
 }
 
 int mok_backward(mok_client *c, uint64_t context, const mok_tensor *d_out,
@@ -630,6 +866,8 @@ int mok_backward(mok_client *c, uint64_t context, const mok_tensor *d_out,
   b.context = context, b.d_out = &rd, b.n_grads = (size_t)ngrads, b.grads = pg;
   req.body_case = MOKD__REQUEST__BODY_BACKWARD;
   req.backward = &b;
+  if ((rc = step_ready(c, &b.ready_event)) != 0)
+    return rc;
   if ((rc = expect(c, &req, NULL, 0, MOKD__RESPONSE__BODY_BACKWARD_DONE, &r)) != 0)
     return rc;
   memset(res, 0, sizeof *res);
@@ -643,11 +881,16 @@ int mok_backward(mok_client *c, uint64_t context, const mok_tensor *d_out,
     from_wire(r->backward_done->grads[i], &res->grads[i]);
     res->grad_ptrs[i] = mok_tensor_ptr(c, &res->grads[i]);
   }
+  if (r->backward_done->status != NULL)
+    from_wire(r->backward_done->status, &res->status);
   timing_from(&res->timing, r->backward_done->timing);
-  mokd__response__free_unpacked(r, NULL);
+  rc = 0;
   if (res->d_x_ptr == NULL || res->d_topk_weights_ptr == NULL)
-    return fail(c, MOK_EPROTO, "outputs lie outside mapped arenas");
-  return 0;
+    rc = fail(c, MOK_EPROTO, "outputs lie outside mapped arenas");
+  if (rc == 0)
+    rc = step_done(c, &r->backward_done->done_event, &res->status);
+  mokd__response__free_unpacked(r, NULL);
+  return rc != 0 ? drop_result(c, res->result, rc) : 0;
 }
 
 int mok_release(mok_client *c, const uint64_t *ids, int n)

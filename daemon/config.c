@@ -49,7 +49,11 @@ static const opt options[] = {
      "MOKD_MAX_ARENA_BYTES", "largest single arena a client may create or import"},
     {"session_quota_bytes", NUM(T_SIZE, session_quota_bytes), "0", 0, INT64_MAX / 2,
      "MOKD_SESSION_QUOTA_BYTES",
-     "memory a session may hold in arenas, outputs and contexts; 0 = unlimited"},
+     "host memory a session may hold in arenas, outputs and contexts; 0 = unlimited"},
+    {"session_gpu_quota_bytes", NUM(T_SIZE, session_gpu_quota_bytes), "0", 0, INT64_MAX / 2,
+     "MOKD_SESSION_GPU_QUOTA_BYTES",
+     "GPU memory a session may hold in daemon-made arenas, outputs and contexts (the "
+     "memory a client imports is its own and not counted); 0 = unlimited"},
     {"max_sessions", NUM(T_INT, max_sessions), "256", 1, 65536, "MOKD_MAX_SESSIONS",
      "clients connected at once"},
     {"max_layers", NUM(T_INT, max_layers), "1024", 1, 1 << 20, "MOKD_MAX_LAYERS",
@@ -253,7 +257,7 @@ void mokd_config_usage(FILE *out)
     for (j = 0; options[i].name[j] && j < sizeof flag - 1; j++)
       flag[j] = options[i].name[j] == '_' ? '-' : options[i].name[j];
     flag[j] = 0;
-    fprintf(out, "  --%-20s %-26s [%s]\n      %s\n", flag, options[i].env,
+    fprintf(out, "  --%-24s %-29s [%s]\n      %s\n", flag, options[i].env,
             options[i].def[0] ? options[i].def : "\"\"", options[i].help);
   }
   fprintf(out, "\nSignals: SIGTERM/SIGINT drain in-flight work and exit 0; SIGHUP re-reads\n"

@@ -19,6 +19,7 @@ typedef struct mokd_config {
   int64_t max_frame_bytes;
   int64_t max_arena_bytes;
   int64_t session_quota_bytes;
+  int64_t session_gpu_quota_bytes;
   int64_t max_sessions;
   int64_t max_layers;
   char allow_uids[256];

@@ -20,23 +20,49 @@ struct mokd_executor {
   void (*done)(mokd_job *);
 };
 
+/* A CUDA step is only queued here: it waits on the GPU for the client's ready
+ * event, and a done event recorded after it goes back with the reply, so the
+ * reply leaves while the GPU still works. Nothing here waits for the GPU;
+ * errors only the GPU can see travel in the step's status word. */
+static int run_cuda(mokd_job *job)
+{
+#ifdef MOKD_HAVE_CUDA
+  int rc;
+  if (*job->events == NULL && (rc = mokk_cuda_events_create(job->backend, job->events,
+                                                             job->err)) != 0)
+    return rc;
+  if (job->has_ready && (rc = mokk_cuda_wait(job->backend, *job->events, job->ready,
+                                             job->err)) != 0)
+    return rc;
+  if (job->backward)
+    rc = mokk_backward(job->backend, job->ctx, job->mode, &job->br, job->err);
+  else
+    rc = mokk_forward(job->backend, &job->shape, job->T, &job->fr,
+                      job->want_ctx ? &job->ctx : NULL, job->err);
+  if (rc == 0)
+    rc = mokk_cuda_finish(job->backend, *job->events, job->status, job->done, job->err);
+  if (rc == 0)
+    job->has_done = 1;
+  else if (!job->backward && job->ctx != NULL) {
+    mokk_ctx_free(job->backend, job->ctx);
+    job->ctx = NULL;
+  }
+  return rc;
+#else
+  return mokk_fail(job->err, MOK_ENOTSUP, "this mokd was built without CUDA");
+#endif
+}
+
 static void run_job(mokd_job *job)
 {
   job->t_start = mokd_now_ns();
-  if (job->backward)
+  if (job->events != NULL)
+    job->rc = run_cuda(job);
+  else if (job->backward)
     job->rc = mokk_backward(job->backend, job->ctx, job->mode, &job->br, job->err);
   else
     job->rc = mokk_forward(job->backend, &job->shape, job->T, &job->fr,
                            job->want_ctx ? &job->ctx : NULL, job->err);
-#ifdef MOKD_HAVE_CUDA
-  /* Until replies carry a done event, a CUDA step finishes before its reply;
-   * this is also where errors the GPU found (bad expert ids) come back. */
-  if (job->rc == 0 && strcmp(mokk_backend_name(job->backend), "cuda") == 0 &&
-      (job->rc = mokk_cuda_sync(job->backend, job->err)) != 0 && job->ctx != NULL) {
-    mokk_ctx_free(job->backend, job->ctx);
-    job->ctx = NULL;
-  }
-#endif
   job->t_end = mokd_now_ns();
 }
 

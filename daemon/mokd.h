@@ -31,7 +31,8 @@ typedef struct mokd_arena {
   void *base;
   size_t bytes;
   int device;        /* CUDA ordinal + 1 of a GPU arena; 0 = host memory */
-  mokk_gpu_mem gpu;
+  mokk_gpu_mem gpu;      /* daemon-made GPU arenas */
+  mokk_gpu_import imp;   /* imported GPU memory (kind ARENA_IMPORTED, device > 0) */
   int users;         /* contexts and results pointing into it */
   mokd_span *free;   /* output arenas: free ranges, sorted by offset */
   size_t nfree, capfree, used;
@@ -112,7 +113,9 @@ struct mokd_session {
   mokd_layer *layers;
   mokd_result *results;
   int nlayers;
-  uint64_t bytes;       /* held against the quota */
+  uint64_t bytes;       /* host memory held against session_quota_bytes */
+  uint64_t gpu_bytes;   /* GPU memory held against session_gpu_quota_bytes */
+  mokk_cuda_events *events; /* CUDA backend: done event, opened ready events */
   mok_usage usage; /* the counters Stats reports, as libmok spells them */
   struct mokd_session *next, *prev;
 };
@@ -129,6 +132,13 @@ struct mokd_job {
   mokk_grad_mode mode;
   mokk_ctx *ctx;
   int want_ctx;
+  mokk_cuda_events **events;  /* the session's, made on first use by the executor */
+  int has_ready;
+  uint8_t ready[MOKK_CUDA_IPC_BYTES];  /* the client's ready event */
+  uint8_t done[MOKK_CUDA_IPC_BYTES];   /* the done event, filled by the executor */
+  int has_done;
+  int32_t *status;                     /* device word the step's status goes to */
+  Mokd__TensorRef *status_ref;
   mokd_result *res;
   Mokd__TensorRef *refs[2 + MOKK_NWEIGHTS]; /* output refs to send back */
   int nrefs;
@@ -171,6 +181,9 @@ int mokd_arena_new_memfd(mokd_session *s, size_t bytes, mokd_arena_kind kind,
 int mokd_arena_new(mokd_session *s, size_t bytes, mokd_arena_kind kind, mokd_arena **out,
                    char *err);
 int mokd_arena_import(mokd_session *s, int fd, size_t bytes, mokd_arena **out, char *err);
+/* Client GPU memory: a cudaIpcMemHandle_t (ipc != NULL) or a cuMem fd. */
+int mokd_arena_import_gpu(mokd_session *s, const void *ipc, int fd, size_t bytes,
+                          mokd_arena **out, char *err);
 mokd_arena *mokd_arena_find(mokd_session *s, uint64_t id);
 void mokd_arena_free(mokd_session *s, mokd_arena *a);
 /* A block of `len` bytes in an output arena; *created is a new arena to announce. */
@@ -188,8 +201,9 @@ Mokd__TensorRef *mokd_ref_new(uint64_t arena, uint64_t offset, Mokd__DType dtype
                               const int64_t *shape);
 Mokd__TensorRef *mokd_ref_copy(const Mokd__TensorRef *r);
 void mokd_ref_free(Mokd__TensorRef *r);
-int mokd_quota_take(mokd_session *s, uint64_t bytes, char *err);
-void mokd_quota_give(mokd_session *s, uint64_t bytes);
+/* Charges host (gpu = 0) or GPU memory to the session's quota for it. */
+int mokd_quota_take(mokd_session *s, uint64_t bytes, int gpu, char *err);
+void mokd_quota_give(mokd_session *s, uint64_t bytes, int gpu);
 
 /* session.c */
 mokd_session *mokd_session_new(mokd_server *srv, int fd);

@@ -15,20 +15,30 @@
 #define OUT_ALIGN 256
 #define OUT_ARENA_MIN (64u << 20)
 
-int mokd_quota_take(mokd_session *s, uint64_t bytes, char *err)
+int mokd_quota_take(mokd_session *s, uint64_t bytes, int gpu, char *err)
 {
-  uint64_t q = (uint64_t)s->srv->cfg.session_quota_bytes;
-  if (q > 0 && (s->bytes + bytes > q || s->bytes + bytes < s->bytes))
-    return mokk_fail(err, MOK_EDQUOT,
-                     "session would hold %llu bytes; its quota is %llu (session_quota_bytes)",
-                     (unsigned long long)(s->bytes + bytes), (unsigned long long)q);
-  s->bytes += bytes;
+  uint64_t q = (uint64_t)(gpu ? s->srv->cfg.session_gpu_quota_bytes
+                              : s->srv->cfg.session_quota_bytes);
+  uint64_t *held = gpu ? &s->gpu_bytes : &s->bytes;
+  if (q > 0 && (*held + bytes > q || *held + bytes < *held))
+    return mokk_fail(err, MOK_EDQUOT, "session would hold %llu bytes of %s memory; its quota "
+                     "is %llu (%s)", (unsigned long long)(*held + bytes), gpu ? "GPU" : "host",
+                     (unsigned long long)q,
+                     gpu ? "session_gpu_quota_bytes" : "session_quota_bytes");
+  *held += bytes;
+  if (gpu)
+    s->usage.gpu_bytes += bytes, s->srv->usage.gpu_bytes += bytes;
   return 0;
 }
 
-void mokd_quota_give(mokd_session *s, uint64_t bytes)
+void mokd_quota_give(mokd_session *s, uint64_t bytes, int gpu)
 {
-  s->bytes -= bytes;
+  if (gpu) {
+    s->gpu_bytes -= bytes;
+    s->usage.gpu_bytes -= bytes, s->srv->usage.gpu_bytes -= bytes;
+  } else {
+    s->bytes -= bytes;
+  }
 }
 
 static void account(mokd_session *s, const mokd_arena *a, int sign)
@@ -59,7 +69,7 @@ int mokd_arena_new_memfd(mokd_session *s, size_t bytes, mokd_arena_kind kind,
   if (bytes > (uint64_t)s->srv->cfg.max_arena_bytes)
     return mokk_fail(err, MOK_EINVAL, "arena of %zu bytes is larger than max_arena_bytes "
                      "(%lld)", bytes, (long long)s->srv->cfg.max_arena_bytes);
-  if ((rc = mokd_quota_take(s, bytes, err)))
+  if ((rc = mokd_quota_take(s, bytes, 0, err)))
     return rc;
   a = calloc(1, sizeof *a);
   fd = memfd_create("mokd-arena", MFD_CLOEXEC | MFD_ALLOW_SEALING);
@@ -96,7 +106,7 @@ fail:
   if (fd >= 0)
     close(fd);
   free(a);
-  mokd_quota_give(s, bytes);
+  mokd_quota_give(s, bytes, 0);
   return rc;
 }
 
@@ -119,7 +129,7 @@ static int arena_new_gpu(mokd_session *s, size_t bytes, mokd_arena_kind kind,
     return rc;
   }
   /* the quota counts what the GPU really holds: the size rounded up */
-  if ((rc = mokd_quota_take(s, a->gpu.bytes, err))) {
+  if ((rc = mokd_quota_take(s, a->gpu.bytes, 1, err))) {
     mokk_gpu_mem_free(&a->gpu);
     close(fd);
     free(a);
@@ -132,7 +142,7 @@ static int arena_new_gpu(mokd_session *s, size_t bytes, mokd_arena_kind kind,
   a->kind = kind;
   if (kind == ARENA_OUTPUT) {
     if ((a->free = malloc(4 * sizeof *a->free)) == NULL) {
-      mokd_quota_give(s, a->bytes);
+      mokd_quota_give(s, a->bytes, 1);
       mokk_gpu_mem_free(&a->gpu);
       close(fd);
       free(a);
@@ -197,6 +207,44 @@ int mokd_arena_import(mokd_session *s, int fd, size_t bytes, mokd_arena **out, c
   return 0;
 }
 
+int mokd_arena_import_gpu(mokd_session *s, const void *ipc, int fd, size_t bytes,
+                          mokd_arena **out, char *err)
+{
+#ifdef MOKD_HAVE_CUDA
+  mokd_arena *a;
+  int rc;
+
+  if (s->srv->cuda_device <= 0)
+    return mokk_fail(err, MOK_ENOTSUP, "this daemon runs the %s backend; it imports GPU "
+                     "memory only on the cuda backend", mokk_backend_name(s->srv->backend));
+  if (bytes == 0)
+    return mokk_fail(err, MOK_EZEROSIZE, "imported buffer size is 0");
+  if (bytes > (uint64_t)s->srv->cfg.max_arena_bytes)
+    return mokk_fail(err, MOK_EINVAL, "buffer of %zu bytes is larger than max_arena_bytes",
+                     bytes);
+  if ((a = calloc(1, sizeof *a)) == NULL)
+    return mokk_fail(err, MOK_ENOMEM, "out of memory");
+  rc = ipc != NULL ? mokk_gpu_import_ipc(s->srv->cuda_device - 1, ipc, bytes, &a->imp, err)
+                   : mokk_gpu_import_fd(s->srv->cuda_device - 1, fd, bytes, &a->imp, err);
+  if (rc) {
+    free(a);
+    return rc;
+  }
+  a->kind = ARENA_IMPORTED;
+  a->fd = -1;
+  a->base = a->imp.ptr;
+  a->bytes = bytes;
+  a->device = s->srv->cuda_device;
+  link_arena(s, a);
+  *out = a;
+  return 0;
+#else
+  (void)ipc, (void)fd, (void)bytes, (void)out;
+  return mokk_fail(err, MOK_ENOTSUP, "this mokd was built without CUDA; it cannot import "
+                   "GPU memory");
+#endif
+}
+
 mokd_arena *mokd_arena_find(mokd_session *s, uint64_t id)
 {
   for (mokd_arena *a = s->arenas; a != NULL; a = a->next)
@@ -214,9 +262,11 @@ void mokd_arena_free(mokd_session *s, mokd_arena *a)
     *pp = a->next;
   account(s, a, -1);
   if (a->kind != ARENA_IMPORTED)
-    mokd_quota_give(s, a->bytes);
+    mokd_quota_give(s, a->bytes, a->device > 0);
 #ifdef MOKD_HAVE_CUDA
-  if (a->device > 0)
+  if (a->device > 0 && a->kind == ARENA_IMPORTED)
+    mokk_gpu_import_free(&a->imp);
+  else if (a->device > 0)
     mokk_gpu_mem_free(&a->gpu);
   else
 #endif

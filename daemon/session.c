@@ -143,7 +143,7 @@ static void mokd_result_free(mokd_session *s, mokd_result *r)
     mokk_ctx_free(s->srv->backend, r->ctx);
   for (int i = 0; i < r->npinned; i++)
     r->pinned[i]->users--;
-  mokd_quota_give(s, r->ctx_bytes);
+  mokd_quota_give(s, r->ctx_bytes, s->srv->cuda_device > 0);
   if (r->is_context) {
     s->usage.contexts--, s->srv->usage.contexts--;
     s->usage.context_bytes -= r->ctx_bytes, s->srv->usage.context_bytes -= r->ctx_bytes;
@@ -205,6 +205,9 @@ static void session_destroy(mokd_session *s)
   for (int i = 0; i < s->nrxfds; i++)
     close(s->rxfds[i].fd);
   mokw_framer_free(&s->rx);
+#ifdef MOKD_HAVE_CUDA
+  mokk_cuda_events_free(s->events);
+#endif
   if (s->prev != NULL)
     s->prev->next = s->next;
   else
@@ -497,6 +500,7 @@ static int h_hello(mokd_session *s, const Mokd__Request *q, char *err)
   lim.max_frame_bytes = (uint32_t)srv->cfg.max_frame_bytes;
   lim.max_arena_bytes = (uint64_t)srv->cfg.max_arena_bytes;
   lim.session_quota_bytes = (uint64_t)srv->cfg.session_quota_bytes;
+  lim.session_gpu_quota_bytes = (uint64_t)srv->cfg.session_gpu_quota_bytes;
   lim.max_layers = (uint32_t)srv->cfg.max_layers;
   w.protocol_version = MOKW_PROTOCOL_VERSION;
   w.daemon_version = (char *)MOKD_VERSION;
@@ -550,15 +554,32 @@ static int h_import(mokd_session *s, const Mokd__Request *q, mokd_pending *p, ch
   mokd_arena *a;
   int rc;
 
-  if (p->nfds != 1)
+  const Mokd__ImportBuffer *ib = q->import_buffer;
+  int want_fd = ib->kind != MOKD__IMPORT_KIND__IMPORT_CUDA_IPC;
+
+  if (ib->kind != MOKD__IMPORT_KIND__IMPORT_MEMFD && ib->kind != MOKD__IMPORT_KIND__IMPORT_CUDA_IPC &&
+      ib->kind != MOKD__IMPORT_KIND__IMPORT_CUMEM_FD)
+    return mokk_fail(err, MOK_EINVAL, "ImportBuffer kind %d is not one this daemon knows",
+                     (int)ib->kind);
+  if (want_fd && p->nfds != 1)
     return mokk_fail(err, MOK_EINVAL, "ImportBuffer needs exactly one fd (SCM_RIGHTS) on "
                      "its own frame");
-  if (q->import_buffer->bytes > SIZE_MAX / 2)
+  if (!want_fd && p->nfds != 0)
+    return mokk_fail(err, MOK_EINVAL, "a CUDA IPC import takes no fd");
+  if (!want_fd && ib->cuda_ipc_handle.len != MOKK_CUDA_IPC_BYTES)
+    return mokk_fail(err, MOK_EINVAL, "cuda_ipc_handle holds %zu bytes; a cudaIpcMemHandle_t "
+                     "has %d", ib->cuda_ipc_handle.len, MOKK_CUDA_IPC_BYTES);
+  if (ib->bytes > SIZE_MAX / 2)
     return mokk_fail(err, MOK_EOVERFLOW, "buffer size overflows");
-  rc = mokd_arena_import(s, p->fds[0], (size_t)q->import_buffer->bytes, &a, err);
+  if (ib->kind == MOKD__IMPORT_KIND__IMPORT_MEMFD)
+    rc = mokd_arena_import(s, p->fds[0], (size_t)ib->bytes, &a, err);
+  else
+    rc = mokd_arena_import_gpu(s, want_fd ? NULL : ib->cuda_ipc_handle.data,
+                               want_fd ? p->fds[0] : -1, (size_t)ib->bytes, &a, err);
   if (rc)
     return rc;
   bi.arena = a->id;
+  bi.device = a->device;
   r.id = q->id;
   r.body_case = MOKD__RESPONSE__BODY_BUFFER_IMPORTED;
   r.buffer_imported = &bi;
@@ -729,14 +750,52 @@ static mokd_job *job_new(mokd_session *s, uint64_t id)
     j->sess = s;
     j->req_id = id;
     j->backend = s->srv->backend;
+    if (s->srv->cuda_device > 0)
+      j->events = &s->events;
   }
   return j;
+}
+
+static int check_ready(mokd_session *s, const ProtobufCBinaryData *ev, char *err)
+{
+  if (ev->len == 0)
+    return 0;
+  if (s->srv->cuda_device <= 0)
+    return mokk_fail(err, MOK_EINVAL, "ready_event is a CUDA event; this daemon runs the %s "
+                     "backend", mokk_backend_name(s->srv->backend));
+  if (ev->len != MOKK_CUDA_IPC_BYTES)
+    return mokk_fail(err, MOK_EINVAL, "ready_event holds %zu bytes; a cudaIpcEventHandle_t "
+                     "has %d", ev->len, MOKK_CUDA_IPC_BYTES);
+  return 0;
+}
+
+static void set_ready(mokd_job *j, const ProtobufCBinaryData *ev)
+{
+  if (ev->len == MOKK_CUDA_IPC_BYTES) {
+    memcpy(j->ready, ev->data, MOKK_CUDA_IPC_BYTES);
+    j->has_ready = 1;
+  }
+}
+
+/* On the CUDA backend each step also returns a status word (i32 [1]), last
+ * in its block of outputs. */
+static int status_slot(mokd_session *s, mokd_job *j, mokd_result *r, size_t off, char *err)
+{
+  static const int64_t one[1] = {1};
+  if (s->srv->cuda_device <= 0)
+    return 0;
+  j->status = (int32_t *)((char *)r->out_arena->base + off);
+  if ((j->status_ref = mokd_ref_new(r->out_arena->id, off, MOKD__DTYPE__DTYPE_I32, 1, one)) ==
+      NULL)
+    return mokk_fail(err, MOK_ENOMEM, "out of memory");
+  return 0;
 }
 
 static void job_free(mokd_job *j)
 {
   for (int i = 0; i < j->nrefs; i++)
     mokd_ref_free(j->refs[i]);
+  mokd_ref_free(j->status_ref);
   free(j);
 }
 
@@ -766,7 +825,7 @@ static int h_forward(mokd_session *s, const Mokd__Request *q, char *err)
   void *px, *pi, *pw;
   mokd_job *j;
   mokd_result *r;
-  size_t bytes, off;
+  size_t bytes[2], off[2];
   int rc;
 
   if (l == NULL)
@@ -785,6 +844,8 @@ static int h_forward(mokd_session *s, const Mokd__Request *q, char *err)
   if ((rc = mokd_ref_resolve(s, "topk_weights", f->topk_weights, MOKD__DTYPE__DTYPE_F32, 2,
                              di, &pw, NULL, err)))
     return rc;
+  if ((rc = check_ready(s, &f->ready_event, err)))
+    return rc;
   if ((j = job_new(s, q->id)) == NULL || (r = result_new(s, 1)) == NULL) {
     free(j);
     return mokk_fail(err, MOK_ENOMEM, "out of memory");
@@ -798,15 +859,19 @@ static int h_forward(mokd_session *s, const Mokd__Request *q, char *err)
   r->T = dx[0];
   if ((rc = resolve_weights(s, l, j->fr.w, warenas, err)))
     goto fail;
-  bytes = (size_t)(j->T * l->shape.H) * 2;
-  if ((rc = alloc_outputs(s, r, 1, &bytes, &off, err)))
+  bytes[0] = (size_t)(j->T * l->shape.H) * 2;
+  bytes[1] = sizeof(int32_t);
+  if ((rc = alloc_outputs(s, r, s->srv->cuda_device > 0 ? 2 : 1, bytes, off, err)))
     goto fail;
-  j->fr.out = (uint16_t *)((char *)r->out_arena->base + off);
-  j->refs[j->nrefs++] = mokd_ref_new(r->out_arena->id, off, MOKD__DTYPE__DTYPE_BF16, 2, dx);
+  j->fr.out = (uint16_t *)((char *)r->out_arena->base + off[0]);
+  j->refs[j->nrefs++] = mokd_ref_new(r->out_arena->id, off[0], MOKD__DTYPE__DTYPE_BF16, 2, dx);
   if (j->refs[0] == NULL) {
     rc = mokk_fail(err, MOK_ENOMEM, "out of memory");
     goto fail;
   }
+  if ((rc = status_slot(s, j, r, off[1], err)))
+    goto fail;
+  set_ready(j, &f->ready_event);
   if (j->want_ctx)
     for (int i = 0; i < nweights(&l->shape); i++) {
       r->pinned[r->npinned++] = warenas[i];
@@ -828,7 +893,7 @@ static int h_backward(mokd_session *s, const Mokd__Request *q, char *err)
   mokd_result *c = find_result(s, b->context), *r;
   int64_t dx[2], dtw[2], gs[MOKK_NWEIGHTS][3];
   void *pd;
-  size_t bytes[2 + MOKK_NWEIGHTS], offs[2 + MOKK_NWEIGHTS];
+  size_t bytes[3 + MOKK_NWEIGHTS], offs[3 + MOKK_NWEIGHTS];
   mokd_job *j;
   const mokk_shape *sh;
   int nw, nout, rc;
@@ -841,6 +906,8 @@ static int h_backward(mokd_session *s, const Mokd__Request *q, char *err)
   dx[0] = c->T, dx[1] = sh->H;
   if ((rc = mokd_ref_resolve(s, "d_out", b->d_out, MOKD__DTYPE__DTYPE_BF16, 2, dx, &pd, NULL,
                              err)))
+    return rc;
+  if ((rc = check_ready(s, &b->ready_event, err)))
     return rc;
   mokd_layer *l = find_layer(s, c->layer);
   mokk_grad_mode mode = l != NULL ? l->mode : MOKK_GRAD_BF16;
@@ -883,8 +950,12 @@ static int h_backward(mokd_session *s, const Mokd__Request *q, char *err)
       weight_shape(sh, i, gs[i]);
       bytes[nout++] = (size_t)mokk_weight_elems(sh, i) * 2;
     }
-  if ((rc = alloc_outputs(s, r, nout, bytes, offs, err)))
+  bytes[nout] = sizeof(int32_t);
+  if ((rc = alloc_outputs(s, r, nout + (s->srv->cuda_device > 0), bytes, offs, err)))
     goto fail;
+  if ((rc = status_slot(s, j, r, offs[nout], err)))
+    goto fail;
+  set_ready(j, &b->ready_event);
   dtw[0] = c->T, dtw[1] = sh->K;
   j->br.d_x = (uint16_t *)((char *)r->out_arena->base + offs[0]);
   j->br.d_topk_weights = (float *)((char *)r->out_arena->base + offs[1]);
@@ -951,7 +1022,7 @@ static void fill_usage(Mokd__Usage *u, const mok_usage *m)
   u->sessions = m->sessions, u->arenas = m->arenas, u->arena_bytes = m->arena_bytes;
   u->layers = m->layers, u->contexts = m->contexts, u->context_bytes = m->context_bytes;
   u->results = m->results, u->requests = m->requests, u->forwards = m->forwards;
-  u->backwards = m->backwards, u->errors = m->errors;
+  u->backwards = m->backwards, u->errors = m->errors, u->gpu_bytes = m->gpu_bytes;
 }
 
 static int h_stats(mokd_session *s, const Mokd__Request *q)
@@ -1063,7 +1134,7 @@ void mokd_session_job_done(mokd_job *j)
   if (rc == 0 && !j->backward && j->ctx != NULL) {
     r->ctx = j->ctx;
     r->ctx_bytes = mokk_ctx_bytes(s->srv->backend, j->ctx);
-    rc = mokd_quota_take(s, r->ctx_bytes, j->err);
+    rc = mokd_quota_take(s, r->ctx_bytes, s->srv->cuda_device > 0, j->err);
     if (rc != 0)
       r->ctx_bytes = 0;
     else
@@ -1103,12 +1174,18 @@ void mokd_session_job_done(mokd_job *j)
       bd.n_grads = (size_t)(j->nrefs - 2);
       bd.grads = j->refs + 2;
       bd.timing = &tm;
+      bd.status = j->status_ref;
+      if (j->has_done)
+        bd.done_event = (ProtobufCBinaryData){MOKK_CUDA_IPC_BYTES, j->done};
       resp.body_case = MOKD__RESPONSE__BODY_BACKWARD_DONE;
       resp.backward_done = &bd;
     } else {
       fd.context = r->id;
       fd.out = j->refs[0];
       fd.timing = &tm;
+      fd.status = j->status_ref;
+      if (j->has_done)
+        fd.done_event = (ProtobufCBinaryData){MOKK_CUDA_IPC_BYTES, j->done};
       resp.body_case = MOKD__RESPONSE__BODY_FORWARD_DONE;
       resp.forward_done = &fd;
     }

@@ -71,6 +71,7 @@ typedef struct mok_forward_result {
   mok_tensor out;      /* bf16 [T, H] */
   void *out_ptr;       /* out, mapped */
   mok_timing timing;
+  mok_tensor status;   /* cuda backend: i32 [1], see mok_step_status; else ndim 0 */
 } mok_forward_result;
 
 typedef struct mok_backward_result {
@@ -82,11 +83,13 @@ typedef struct mok_backward_result {
   mok_tensor grads[MOK_NWEIGHTS];
   void *grad_ptrs[MOK_NWEIGHTS];
   mok_timing timing;
+  mok_tensor status;   /* as in mok_forward_result */
 } mok_backward_result;
 
 typedef struct mok_usage {
   uint64_t sessions, arenas, arena_bytes, layers, contexts, context_bytes, results;
   uint64_t requests, forwards, backwards, errors;
+  uint64_t gpu_bytes; /* GPU memory held in daemon-made arenas and contexts */
 } mok_usage;
 
 typedef struct mok_stats {
@@ -104,6 +107,7 @@ typedef struct mok_welcome {
   uint32_t max_frame_bytes;
   uint64_t max_arena_bytes;
   uint64_t session_quota_bytes;
+  uint64_t session_gpu_quota_bytes;
   int ndevices;
 } mok_welcome;
 
@@ -128,6 +132,16 @@ int mok_stats_get(mok_client *c, mok_stats *out);
 int mok_arena_create(mok_client *c, size_t bytes, mok_arena_info *out);
 /* Hands a memfd (or any mmap-able fd) of `bytes` to the daemon; fd stays ours. */
 int mok_arena_import(mok_client *c, int fd, size_t bytes, mok_arena_info *out);
+/* Lets the daemon (cuda backend) read and write GPU memory of this process
+ * in place: [ptr, ptr + bytes) must lie in one allocation from cudaMalloc
+ * (sent as a CUDA IPC handle) or from cuMemCreate with POSIX-fd handles
+ * (sent as its fd). The whole allocation becomes one arena, imported on the
+ * first call and found again on later ones, so registering weights or
+ * passing tensors of a caching allocator costs no request once seen; an
+ * allocation freed and made again at the same address is imported anew.
+ * *arena and *offset locate ptr for mok_tensor_make. */
+int mok_arena_import_cuda(mok_client *c, const void *ptr, size_t bytes, uint64_t *arena,
+                          uint64_t *offset);
 int mok_arena_destroy(mok_client *c, uint64_t arena);
 /* The mapped address of a tensor in any arena this client knows, or NULL. */
 void *mok_tensor_ptr(const mok_client *c, const mok_tensor *t);
@@ -144,10 +158,28 @@ size_t mok_tensor_bytes(const mok_tensor *t);
 
 int mok_layer_create(mok_client *c, const mok_layer_desc *d, uint64_t *layer);
 int mok_layer_destroy(mok_client *c, uint64_t layer);
-/* w[MOK_S_*] are ignored without a shared expert. Read in place every step. */
+/* w[MOK_S_*] must be absent (ndim 0) without a shared expert. The weights are
+ * read in place every step, so updates made to them between steps are seen. */
 int mok_layer_set_weights(mok_client *c, uint64_t layer, const mok_tensor *w);
 
-/* inference != 0 keeps no state for a backward (the context still owns out). */
+/* Stream ordering (cuda backend). With a stream set (a CUstream or
+ * cudaStream_t of this process, on the daemon's device), mok_forward and
+ * mok_backward record an event on it before the request leaves, the daemon's
+ * step waits for that event on the GPU, and the stream is made to wait for
+ * the step's done event before the call returns: the call returns while the
+ * GPU still works, and whatever is queued on the stream afterwards sees the
+ * outputs. Errors only the GPU can see are then read with mok_step_status.
+ * NULL (the default): the ready event is recorded on the legacy default
+ * stream, and the calls return once the outputs are complete, with such
+ * errors as their result. */
+int mok_set_stream(mok_client *c, void *stream);
+/* Waits for the step that returned `status` (a result's status tensor) and
+ * returns 0, or the error it met (MOK_EEXPERT: an expert id out of range,
+ * those pairs dropped). 0 at once for steps without a status (CPU backend). */
+int mok_step_status(mok_client *c, const mok_tensor *status);
+
+/* inference != 0 keeps no state for a backward (the context still owns out).
+ * A step that fails after the daemon made its result releases it again. */
 int mok_forward(mok_client *c, uint64_t layer, const mok_tensor *x,
                 const mok_tensor *topk_ids, const mok_tensor *topk_weights, int inference,
                 mok_forward_result *res);

@@ -27,6 +27,43 @@ void *mokk_cuda_stream(mokk_backend *b);
 /* Waits for the queued work; returns the first error it met, if any. */
 int mokk_cuda_sync(mokk_backend *b, char *err);
 
+/* ---- ordering with other processes, without host waits ----------------- */
+
+/* A cudaIpcEventHandle_t or cudaIpcMemHandle_t on the wire. */
+#define MOKK_CUDA_IPC_BYTES 64
+
+/* What one client session needs for stream ordering: the done event the
+ * daemon records after each step (interprocess, exported once) and the
+ * client's ready events, opened once each. Use it from one thread at a time. */
+typedef struct mokk_cuda_events mokk_cuda_events;
+
+int mokk_cuda_events_create(mokk_backend *b, mokk_cuda_events **out, char *err);
+void mokk_cuda_events_free(mokk_cuda_events *ev);
+/* The next step on b's stream waits for the client's event (its IPC handle). */
+int mokk_cuda_wait(mokk_backend *b, mokk_cuda_events *ev, const void *handle, char *err);
+/* Ends a step: queues the write of its status to status (a device int32: 0,
+ * or MOK_EEXPERT when an expert id was out of range), clears the flag for the
+ * next step and records the done event; handle gets its IPC handle. Reports
+ * launch errors only; nothing waits for the GPU. */
+int mokk_cuda_finish(mokk_backend *b, mokk_cuda_events *ev, int32_t *status, void *handle,
+                     char *err);
+
+/* Client GPU memory opened in this process: a legacy IPC handle of a
+ * cudaMalloc allocation, or a cuMem allocation's POSIX fd. */
+typedef struct mokk_gpu_import {
+  void *ptr;
+  size_t bytes;
+  unsigned long long handle; /* cuMem imports */
+  int device;
+  int legacy;                /* opened with cudaIpcOpenMemHandle */
+} mokk_gpu_import;
+
+int mokk_gpu_import_ipc(int device, const void *ipc_handle, size_t bytes, mokk_gpu_import *m,
+                        char *err);
+int mokk_gpu_import_fd(int device, int fd, size_t bytes, mokk_gpu_import *m, char *err);
+/* Waits for the device, then closes or unmaps. */
+void mokk_gpu_import_free(mokk_gpu_import *m);
+
 /* A GPU arena: a cuMem allocation of `bytes` (rounded up to the device's
  * granularity) mapped at ptr and exportable as a POSIX fd. */
 typedef struct mokk_gpu_mem {

@@ -713,3 +713,26 @@ extern "C" int mokk_cuda_sync(mokk_backend *b, char *err)
   }
   return 0;
 }
+
+/* The step's status as the client reads it, then a clean flag for the next. */
+__global__ void k_status(int *flag, int32_t *out)
+{
+  *out = *flag ? MOK_EEXPERT : 0;
+  *flag = 0;
+}
+
+int mokk_cuda_events_record(mokk_cuda_events *ev, cudaStream_t stream, void *handle,
+                            char *err);
+
+extern "C" int mokk_cuda_finish(mokk_backend *b, mokk_cuda_events *ev, int32_t *status,
+                                void *handle, char *err)
+{
+  cuda_backend *cb = (cuda_backend *)b;
+
+  CK(cudaSetDevice(cb->device));
+  if (status != NULL) {
+    k_status<<<1, 1, 0, cb->stream>>>(cb->status, status);
+    CK(cudaGetLastError());
+  }
+  return mokk_cuda_events_record(ev, cb->stream, handle, err);
+}

@@ -21,6 +21,8 @@ typedef CUresult (*fn_export)(void *, CUmemGenericAllocationHandle, CUmemAllocat
 typedef CUresult (*fn_unmap)(CUdeviceptr, size_t);
 typedef CUresult (*fn_afree)(CUdeviceptr, size_t);
 typedef CUresult (*fn_release)(CUmemGenericAllocationHandle);
+typedef CUresult (*fn_import)(CUmemGenericAllocationHandle *, void *, CUmemAllocationHandleType);
+typedef CUresult (*fn_range)(CUdeviceptr *, size_t *, CUdeviceptr);
 
 static struct {
   int ready;
@@ -33,6 +35,8 @@ static struct {
   fn_unmap unmap;
   fn_afree afree;
   fn_release release;
+  fn_import import;
+  fn_range range;
 } drv;
 
 static int entry(const char *name, void **fn, char *err)
@@ -58,7 +62,9 @@ static int load(char *err)
       (rc = entry("cuMemExportToShareableHandle", (void **)&drv.exportfd, err)) ||
       (rc = entry("cuMemUnmap", (void **)&drv.unmap, err)) ||
       (rc = entry("cuMemAddressFree", (void **)&drv.afree, err)) ||
-      (rc = entry("cuMemRelease", (void **)&drv.release, err)))
+      (rc = entry("cuMemRelease", (void **)&drv.release, err)) ||
+      (rc = entry("cuMemImportFromShareableHandle", (void **)&drv.import, err)) ||
+      (rc = entry("cuMemGetAddressRange", (void **)&drv.range, err)))
     return rc;
   drv.ready = 1;
   return 0;
@@ -142,5 +148,109 @@ extern "C" void mokk_gpu_mem_free(mokk_gpu_mem *m)
   drv.unmap((CUdeviceptr)m->ptr, m->bytes);
   drv.afree((CUdeviceptr)m->ptr, m->bytes);
   drv.release(m->handle);
+  memset(m, 0, sizeof *m);
+}
+
+/* ---- client memory ------------------------------------------------------- */
+
+extern "C" int mokk_gpu_import_ipc(int device, const void *ipc_handle, size_t bytes,
+                                   mokk_gpu_import *m, char *err)
+{
+  cudaIpcMemHandle_t h;
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  void *p = NULL;
+  cudaError_t e;
+  CUresult r;
+  int rc;
+
+  memset(m, 0, sizeof *m);
+  if (cudaSetDevice(device) != cudaSuccess || cudaFree(0) != cudaSuccess)
+    return mokk_fail(err, MOK_EDEVICE, "cannot use CUDA device %d", device);
+  if ((rc = load(err)))
+    return rc;
+  memcpy(&h, ipc_handle, sizeof h);
+  if ((e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess)) != cudaSuccess) {
+    cudaGetLastError();
+    return mokk_fail(err, MOK_EINVAL, "the CUDA IPC handle cannot be opened: %s (%s); it "
+                     "must come from cudaIpcGetMemHandle on a cudaMalloc allocation of a "
+                     "live process on device %d", cudaGetErrorString(e), cudaGetErrorName(e),
+                     device);
+  }
+  /* the handle names a whole allocation: it must hold what the client claims */
+  if ((r = drv.range(&base, &size, (CUdeviceptr)p)) != CUDA_SUCCESS || size < bytes) {
+    cudaIpcCloseMemHandle(p);
+    if (r != CUDA_SUCCESS)
+      return drv_fail(err, r, "cuMemGetAddressRange");
+    return mokk_fail(err, MOK_ERANGE, "the CUDA allocation holds %zu bytes, fewer than the "
+                     "%zu named", size, bytes);
+  }
+  m->ptr = p;
+  m->bytes = bytes;
+  m->device = device;
+  m->legacy = 1;
+  return 0;
+}
+
+extern "C" int mokk_gpu_import_fd(int device, int fd, size_t bytes, mokk_gpu_import *m,
+                                  char *err)
+{
+  CUmemAccessDesc acc;
+  CUmemGenericAllocationHandle h = 0;
+  CUdeviceptr va = 0;
+  CUresult r;
+  int rc;
+
+  memset(m, 0, sizeof *m);
+  if (cudaSetDevice(device) != cudaSuccess || cudaFree(0) != cudaSuccess)
+    return mokk_fail(err, MOK_EDEVICE, "cannot use CUDA device %d", device);
+  if ((rc = load(err)))
+    return rc;
+  if ((r = drv.import(&h, (void *)(intptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)) !=
+      CUDA_SUCCESS)
+    return mokk_fail(err, MOK_EINVAL, "the fd is not an exported cuMem allocation "
+                     "(cuMemImportFromShareableHandle: CUresult %d)", (int)r);
+  if ((r = drv.reserve(&va, bytes, 0, 0, 0)) != CUDA_SUCCESS) {
+    drv.release(h);
+    return drv_fail(err, r, "cuMemAddressReserve");
+  }
+  memset(&acc, 0, sizeof acc);
+  acc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  acc.location.id = device;
+  acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  /* mapping more than the allocation holds fails here, not later on a fault */
+  if ((r = drv.map(va, bytes, 0, h, 0)) != CUDA_SUCCESS) {
+    drv.afree(va, bytes);
+    drv.release(h);
+    return mokk_fail(err, MOK_ERANGE, "cannot map %zu bytes of the imported cuMem allocation "
+                     "(CUresult %d): is it smaller, or not a multiple of the granularity?",
+                     bytes, (int)r);
+  }
+  if ((r = drv.access(va, bytes, &acc, 1)) != CUDA_SUCCESS) {
+    drv.unmap(va, bytes);
+    drv.afree(va, bytes);
+    drv.release(h);
+    return drv_fail(err, r, "cuMemSetAccess");
+  }
+  m->ptr = (void *)va;
+  m->bytes = bytes;
+  m->handle = h;
+  m->device = device;
+  return 0;
+}
+
+extern "C" void mokk_gpu_import_free(mokk_gpu_import *m)
+{
+  if (m->ptr == NULL)
+    return;
+  cudaSetDevice(m->device);
+  cudaDeviceSynchronize(); /* queued work may still read it */
+  if (m->legacy) {
+    cudaIpcCloseMemHandle(m->ptr);
+  } else if (drv.ready) {
+    drv.unmap((CUdeviceptr)m->ptr, m->bytes);
+    drv.afree((CUdeviceptr)m->ptr, m->bytes);
+    drv.release(m->handle);
+  }
   memset(m, 0, sizeof *m);
 }

@@ -26,6 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <cuda_runtime_api.h>
@@ -342,48 +343,89 @@ static mok_tensor place(uint64_t arena, size_t *at, mok_dtype dt, int ndim, int6
   return t;
 }
 
-/* mokd --backend cuda on a private socket; a layer forward and backward
- * through libmok with every tensor in a GPU arena, against the CPU engine. */
-START_TEST(through_daemon)
+/* A mokd --backend cuda of our own, on a private socket. */
+typedef struct daemon_run {
+  pid_t pid;
+  char sock[108], log[128];
+} daemon_run;
+
+static mok_client *daemon_start(daemon_run *d, const char *extra_flag, const char *extra_val)
 {
   const char *bin = getenv("MOKD_BIN") != NULL ? getenv("MOKD_BIN") : "build/mokd";
+  static int seq;
+  mok_client *c = NULL;
+  int st, up = 0;
+
+  seq++;
+  snprintf(d->sock, sizeof d->sock, "/tmp/mokd-gpu-%d-%d.sock", (int)getpid(), seq);
+  snprintf(d->log, sizeof d->log, "/tmp/mokd-gpu-%d-%d.log", (int)getpid(), seq);
+  if ((d->pid = fork()) == 0) {
+    int fd = open(d->log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    dup2(fd, 2);
+    execl(bin, "mokd", "--socket", d->sock, "--config", "/dev/null", "--backend", "cuda",
+          extra_flag, extra_val, (char *)NULL);
+    _exit(127);
+  }
+  ck_assert_int_gt(d->pid, 0);
+  for (int i = 0; i < 500 && !up; i++) {
+    up = mok_connect(d->sock, "gpu-check", &c) == 0;
+    if (!up) {
+      mok_close(c);
+      c = NULL;
+      ck_assert_msg(waitpid(d->pid, &st, WNOHANG) == 0, "mokd exited early; see %s", d->log);
+      usleep(10000);
+    }
+  }
+  ck_assert_msg(up, "mokd did not come up on %s", d->sock);
+  ck_assert_str_eq(mok_server_info(c)->backend, "cuda");
+  ck_assert_int_eq(mok_server_info(c)->ndevices, 1);
+  return c;
+}
+
+/* Once the clients are gone: nothing held, and SIGTERM stops it cleanly. */
+static void daemon_stop(daemon_run *d)
+{
+  mok_client *c = NULL;
+  mok_stats sts;
+  int st;
+
+  ck_assert(mok_connect(d->sock, "gpu-check-last", &c) == 0);
+  for (int i = 0; i < 200; i++) {
+    ck_assert(mok_stats_get(c, &sts) == 0);
+    if (sts.daemon.sessions == 1)
+      break;
+    usleep(10000);
+  }
+  ck_assert_int_eq(sts.daemon.sessions, 1);
+  ck_assert_int_eq(sts.daemon.arenas, 0);
+  ck_assert_int_eq(sts.daemon.arena_bytes, 0);
+  ck_assert_int_eq(sts.daemon.contexts, 0);
+  ck_assert_int_eq(sts.daemon.gpu_bytes, 0);
+  mok_close(c);
+  kill(d->pid, SIGTERM);
+  ck_assert_int_eq(waitpid(d->pid, &st, 0), d->pid);
+  ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 0, "mokd exit status %d; see %s", st,
+                d->log);
+  unlink(d->log);
+}
+
+/* A layer forward and backward through libmok with every tensor in a GPU
+ * arena, against the CPU engine. */
+START_TEST(through_daemon)
+{
   mokk_shape s = {.H = 256, .I = 128, .E = 16, .K = 4, .I_s = 128, .swiglu_limit = 0.8f, .P = 1};
-  char sock[108], logp[128], err[2 * MOK_ERRLEN] = "";
+  char err[2 * MOK_ERRLEN] = "";
   int64_t T = 300, H = s.H, K = s.K;
   mok_tensor x, ids, tw, dout, w[MOK_NWEIGHTS];
   mok_arena_info ar;
   mok_forward_result fr;
   mok_backward_result br;
-  mok_client *c = NULL;
+  daemon_run dr;
+  mok_client *c = daemon_start(&dr, NULL, NULL);
   moe_case cs;
   moe_out oc, og;
   uint64_t layer;
   size_t at = 0;
-  pid_t pid;
-  int st, up = 0;
-
-  snprintf(sock, sizeof sock, "/tmp/mokd-gpu-%d.sock", (int)getpid());
-  snprintf(logp, sizeof logp, "/tmp/mokd-gpu-%d.log", (int)getpid());
-  if ((pid = fork()) == 0) {
-    int fd = open(logp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    dup2(fd, 2);
-    execl(bin, "mokd", "--socket", sock, "--config", "/dev/null", "--backend", "cuda",
-          (char *)NULL);
-    _exit(127);
-  }
-  ck_assert_int_gt(pid, 0);
-  for (int i = 0; i < 500 && !up; i++) {
-    up = mok_connect(sock, "gpu-check", &c) == 0;
-    if (!up) {
-      mok_close(c);
-      c = NULL;
-      ck_assert_msg(waitpid(pid, &st, WNOHANG) == 0, "mokd exited early; see %s", logp);
-      usleep(10000);
-    }
-  }
-  ck_assert_msg(up, "mokd did not come up on %s", sock);
-  ck_assert_str_eq(mok_server_info(c)->backend, "cuda");
-  ck_assert_int_eq(mok_server_info(c)->ndevices, 1);
 
   case_make(&cs, &s, T, 21, ROUTE_RANDOM);
   for (int pass = 0; pass < 2; pass++) {
@@ -453,25 +495,285 @@ START_TEST(through_daemon)
     close(fd);
   }
   mok_close(c);
-
-  /* the session's GPU memory is gone once it closes */
-  ck_assert(mok_connect(sock, "gpu-check-2", &c) == 0);
-  mok_stats sts;
-  for (int i = 0; i < 200; i++) {
-    ck_assert(mok_stats_get(c, &sts) == 0);
-    if (sts.daemon.sessions == 1)
-      break;
-    usleep(10000);
-  }
-  ck_assert_int_eq(sts.daemon.arenas, 0);
-  ck_assert_int_eq(sts.daemon.arena_bytes, 0);
-  ck_assert_int_eq(sts.daemon.contexts, 0);
-  mok_close(c);
-  kill(pid, SIGTERM);
-  ck_assert_int_eq(waitpid(pid, &st, 0), pid);
-  ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 0, "mokd exit status %d; see %s", st, logp);
-  unlink(logp);
+  daemon_stop(&dr);
   out_free(&og), out_free(&oc), case_free(&cs);
+}
+END_TEST
+
+/* ---- ordering by events, client memory, quotas ------------------------- */
+
+int gate_launch(void *stream, int *open, int *state, double timeout_s);
+
+static uint64_t now_ns(void)
+{
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* A tensor of n dims at p, GPU memory of ours that the daemon imports. */
+static mok_tensor import_dev(mok_client *c, const void *p, mok_dtype dt, int ndim, int64_t a,
+                             int64_t b, int64_t cc)
+{
+  int64_t shape[3] = {a, b, cc};
+  uint64_t arena = 0, off = 0;
+  mok_tensor t = mok_tensor_make(0, 0, dt, ndim, shape);
+  ck_assert_msg(mok_arena_import_cuda(c, p, mok_tensor_bytes(&t), &arena, &off) == 0, "%s",
+                mok_last_error(c));
+  t.arena = arena, t.offset = off;
+  return t;
+}
+
+static void to_dev(void *d, const void *h, size_t n)
+{
+  ck_assert_int_eq(cudaMemcpy(d, h, n, cudaMemcpyHostToDevice), cudaSuccess);
+}
+
+/* The inputs in one cudaMalloc block (as a caching allocator hands them out)
+ * and the weights in a cuMem allocation with POSIX-fd handles: both imported,
+ * read in place. Then stream ordering: a gate kernel holds our stream, the
+ * inputs are copied in behind it, and forward and backward are asked for.
+ * Their replies must come back while the gate is still shut (the daemon did
+ * not wait for its GPU work), the daemon's step must wait for our ready
+ * event (else it reads the previous step's x), and our stream must wait for
+ * the done event (else the copies of the outputs read the previous step's). */
+START_TEST(stream_ordering)
+{
+  mokk_shape s = {.H = 256, .I = 128, .E = 16, .K = 4, .P = 1};
+  int64_t T = 300, H = s.H, K = s.K;
+  size_t nx = (size_t)(T * H) * 2, nk = (size_t)(T * K) * 4, wat = 0;
+  size_t woff[3];
+  char err[2 * MOK_ERRLEN] = "";
+  daemon_run dr;
+  mok_client *c = daemon_start(&dr, NULL, NULL);
+  mok_tensor x, ids, tw, dout, w[MOK_NWEIGHTS];
+  mok_forward_result fr;
+  mok_backward_result br;
+  mokk_gpu_mem wmem;
+  moe_case cs, cs2;
+  moe_out oc, og;
+  uint64_t layer, in_arena;
+  char *in_blk, *out_blk;
+  int *gate_open, *gate_state, wfd;
+  cudaStream_t st;
+  mok_stats sts;
+
+  case_make(&cs, &s, T, 31, ROUTE_RANDOM);
+  case_make(&cs2, &s, T, 32, ROUTE_RANDOM);
+  ck_assert_int_eq(cudaMalloc((void **)&in_blk, 4 * nx + 2 * nk + 4096), cudaSuccess);
+  ck_assert_int_eq(cudaMalloc((void **)&out_blk, 2 * nx + nk), cudaSuccess);
+  x = import_dev(c, in_blk, MOK_DTYPE_BF16, 2, T, H, 0);
+  dout = import_dev(c, in_blk + nx, MOK_DTYPE_BF16, 2, T, H, 0);
+  ids = import_dev(c, in_blk + 2 * nx, MOK_DTYPE_I32, 2, T, K, 0);
+  tw = import_dev(c, in_blk + 2 * nx + nk, MOK_DTYPE_F32, 2, T, K, 0);
+  /* one allocation, one arena: the later imports were found in the cache */
+  ck_assert(x.arena == dout.arena && x.arena == ids.arena && x.arena == tw.arena);
+  ck_assert_int_eq(ids.offset, 2 * nx);
+  in_arena = x.arena;
+  for (int i = 0; i < 3; i++) {
+    woff[i] = wat;
+    wat += (size_t)case_weight_elems(&cs, i) * 2;
+  }
+  ck_assert_msg(mokk_gpu_mem_create(0, wat, &wmem, &wfd, err) == 0, "%s", err);
+  close(wfd);
+  memset(w, 0, sizeof w);
+  w[MOK_W_GATE] = import_dev(c, (char *)wmem.ptr + woff[0], MOK_DTYPE_BF16, 3, s.E, s.I, H);
+  w[MOK_W_UP] = import_dev(c, (char *)wmem.ptr + woff[1], MOK_DTYPE_BF16, 3, s.E, s.I, H);
+  w[MOK_W_DOWN] = import_dev(c, (char *)wmem.ptr + woff[2], MOK_DTYPE_BF16, 3, s.E, H, s.I);
+  ck_assert(w[MOK_W_GATE].arena == w[MOK_W_DOWN].arena && w[MOK_W_GATE].arena != in_arena);
+  for (int i = 0; i < 3; i++)
+    to_dev((char *)wmem.ptr + woff[i], cs.w[i], (size_t)case_weight_elems(&cs, i) * 2);
+  to_dev(in_blk, cs2.x, nx); /* the first step sees cs2's tokens */
+  to_dev(in_blk + nx, cs.d_out, nx);
+  to_dev(in_blk + 2 * nx, cs.ids, nk);
+  to_dev(in_blk + 2 * nx + nk, cs.tw, nk);
+  mok_layer_desc d = {.hidden = H, .intermediate = s.I, .experts = s.E, .top_k = K,
+                      .grad_mode = MOK_GRAD_BF16};
+  ck_assert_msg(mok_layer_create(c, &d, &layer) == 0, "%s", mok_last_error(c));
+  ck_assert_msg(mok_layer_set_weights(c, layer, w) == 0, "%s", mok_last_error(c));
+
+  /* 1. no stream: the call returns with the outputs complete */
+  {
+    moe_case c2 = cs;
+    c2.x = cs2.x;
+    ck_assert_msg(mok_forward(c, layer, &x, &ids, &tw, 1, &fr) == 0, "%s", mok_last_error(c));
+    ck_assert_int_eq(fr.status.ndim, 1);
+    memset(&og, 0, sizeof og);
+    og.out = xcalloc(T * H, 2);
+    ck_assert(mok_tensor_read(c, &fr.out, og.out) == 0);
+    ck_assert_msg(case_run(cpu, &c2, 1, 0, MOKK_GRAD_BF16, 0, &oc, err) == 0, "%s", err);
+    expect_close_bf16(oc.out, og.out, T * H, TOL_FWD, "blocking out");
+    out_free(&og), out_free(&oc);
+    ck_assert(mok_release(c, &fr.context, 1) == 0);
+  }
+
+  /* 2. on a stream held shut by the gate */
+  ck_assert_int_eq(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
+  ck_assert_int_eq(cudaHostAlloc((void **)&gate_open, 64, cudaHostAllocMapped), cudaSuccess);
+  ck_assert_int_eq(cudaHostAlloc((void **)&gate_state, 64, cudaHostAllocMapped), cudaSuccess);
+  *(volatile int *)gate_open = 0, *(volatile int *)gate_state = 0;
+  void *x_host;
+  ck_assert_int_eq(cudaMallocHost(&x_host, nx), cudaSuccess);
+  memcpy(x_host, cs.x, nx);
+  ck_assert_msg(mok_set_stream(c, st) == 0, "%s", mok_last_error(c));
+  ck_assert_int_eq(gate_launch(st, gate_open, gate_state, 20.0), 0);
+  ck_assert_int_eq(cudaMemcpyAsync(in_blk, x_host, nx, cudaMemcpyHostToDevice, st), cudaSuccess);
+  for (int i = 0; i < 2000 && *(volatile int *)gate_state == 0; i++)
+    usleep(1000);
+  ck_assert_int_eq(*(volatile int *)gate_state, 1);
+  uint64_t t0 = now_ns();
+  ck_assert_msg(mok_forward(c, layer, &x, &ids, &tw, 0, &fr) == 0, "%s", mok_last_error(c));
+  ck_assert_int_eq(cudaMemcpyAsync(out_blk, fr.out_ptr, nx, cudaMemcpyDeviceToDevice, st),
+                   cudaSuccess);
+  ck_assert_msg(mok_backward(c, fr.context, &dout, NULL, 0, &br) == 0, "%s",
+                mok_last_error(c));
+  ck_assert_int_eq(cudaMemcpyAsync(out_blk + nx, br.d_x_ptr, nx, cudaMemcpyDeviceToDevice, st),
+                   cudaSuccess);
+  ck_assert_int_eq(cudaMemcpyAsync(out_blk + 2 * nx, br.d_topk_weights_ptr, nk,
+                                   cudaMemcpyDeviceToDevice, st), cudaSuccess);
+  uint64_t replies_ns = now_ns() - t0;
+  /* both replies are here and the gate is still shut: no step has run */
+  ck_assert_msg(*(volatile int *)gate_state == 1, "gate state %d after the replies (%.3f ms)",
+                *(volatile int *)gate_state, replies_ns * 1e-6);
+  printf("stream_ordering: forward and backward replied in %.3f ms with the GPU held\n",
+         replies_ns * 1e-6);
+  *(volatile int *)gate_open = 1;
+  ck_assert_int_eq(cudaStreamSynchronize(st), cudaSuccess);
+  ck_assert_int_eq(*(volatile int *)gate_state, 2);
+  ck_assert_int_eq(mok_step_status(c, &fr.status), 0);
+  ck_assert_int_eq(mok_step_status(c, &br.status), 0);
+  memset(&og, 0, sizeof og);
+  og.out = xcalloc(T * H, 2);
+  og.d_x = xcalloc(T * H, 2);
+  og.d_tw = xcalloc(T * K, 4);
+  host_copy(og.out, out_blk, nx);
+  host_copy(og.d_x, out_blk + nx, nx);
+  host_copy(og.d_tw, out_blk + 2 * nx, nk);
+  ck_assert_msg(case_run(cpu, &cs, 1, 1, MOKK_GRAD_BF16, 0, &oc, err) == 0, "%s", err);
+  expect_close_bf16(oc.out, og.out, T * H, TOL_FWD, "stream out");
+  expect_close_bf16(oc.d_x, og.d_x, T * H, TOL_BWD, "stream d_x");
+  expect_close_f32(oc.d_tw, og.d_tw, T * K, TOL_FWD, "stream d_topk_weights");
+  for (int i = 0; i < 3; i++) {
+    int64_t n = case_weight_elems(&cs, i);
+    og.g_bf16[i] = xcalloc(n, 2);
+    ck_assert(mok_tensor_read(c, &br.grads[i], og.g_bf16[i]) == 0);
+    expect_close_bf16(oc.g_bf16[i], og.g_bf16[i], n, TOL_BWD, wname[i]);
+  }
+  out_free(&og), out_free(&oc);
+  uint64_t rel[2] = {fr.context, br.result};
+  ck_assert(mok_release(c, rel, 2) == 0);
+
+  /* 3. weights changed in place are seen by the next step */
+  {
+    moe_case c3 = cs;
+    c3.w[MOK_W_DOWN] = cs2.w[MOK_W_DOWN];
+    ck_assert_int_eq(cudaMemcpyAsync((char *)wmem.ptr + woff[2], cs2.w[MOK_W_DOWN],
+                                     (size_t)case_weight_elems(&cs, MOK_W_DOWN) * 2,
+                                     cudaMemcpyHostToDevice, st), cudaSuccess);
+    ck_assert_msg(mok_forward(c, layer, &x, &ids, &tw, 1, &fr) == 0, "%s", mok_last_error(c));
+    ck_assert_int_eq(cudaMemcpyAsync(out_blk, fr.out_ptr, nx, cudaMemcpyDeviceToDevice, st),
+                     cudaSuccess);
+    ck_assert_int_eq(cudaStreamSynchronize(st), cudaSuccess);
+    memset(&og, 0, sizeof og);
+    og.out = xcalloc(T * H, 2);
+    host_copy(og.out, out_blk, nx);
+    ck_assert_msg(case_run(cpu, &c3, 1, 0, MOKK_GRAD_BF16, 0, &oc, err) == 0, "%s", err);
+    expect_close_bf16(oc.out, og.out, T * H, TOL_FWD, "out after the weight update");
+    out_free(&og), out_free(&oc);
+    ck_assert(mok_release(c, &fr.context, 1) == 0);
+  }
+
+  /* 4. an expert id out of range: found by the GPU, reported through the
+   * status on a stream, as the call's error without one */
+  {
+    int32_t *bad = xcalloc(T * K, 4);
+    memcpy(bad, cs.ids, nk);
+    bad[5] = (int32_t)s.E;
+    ck_assert_int_eq(cudaMemcpyAsync(in_blk + 2 * nx, bad, nk, cudaMemcpyHostToDevice, st),
+                     cudaSuccess);
+    ck_assert_int_eq(cudaStreamSynchronize(st), cudaSuccess); /* bad is pageable */
+    ck_assert_msg(mok_forward(c, layer, &x, &ids, &tw, 1, &fr) == 0, "%s", mok_last_error(c));
+    ck_assert_int_eq(mok_step_status(c, &fr.status), MOK_EEXPERT);
+    ck_assert_msg(strstr(mok_last_error(c), "outside [0, E)") != NULL, "%s", mok_last_error(c));
+    ck_assert(mok_release(c, &fr.context, 1) == 0);
+    ck_assert(mok_set_stream(c, NULL) == 0);
+    ck_assert_int_eq(mok_forward(c, layer, &x, &ids, &tw, 0, &fr), MOK_EEXPERT);
+    ck_assert(mok_stats_get(c, &sts) == 0);
+    ck_assert_int_eq(sts.session.contexts, 0); /* the failed step's context went back */
+    to_dev(in_blk + 2 * nx, cs.ids, nk);
+    free(bad);
+  }
+
+  /* 5. an allocation freed and made again is imported anew */
+  {
+    char *old = in_blk;
+    ck_assert_int_eq(cudaFree(in_blk), cudaSuccess);
+    ck_assert_int_eq(cudaMalloc((void **)&in_blk, 4 * nx + 2 * nk + 4096), cudaSuccess);
+    mok_tensor x2 = import_dev(c, in_blk, MOK_DTYPE_BF16, 2, T, H, 0);
+    ck_assert(x2.arena != in_arena);
+    if (in_blk == old) { /* same address: the stale arena is gone */
+      mok_tensor gone = x;
+      ck_assert_ptr_null(mok_tensor_ptr(c, &gone));
+    }
+    to_dev(in_blk, cs.x, nx);
+    mok_tensor ids2 = import_dev(c, in_blk + 2 * nx, MOK_DTYPE_I32, 2, T, K, 0);
+    mok_tensor tw2 = import_dev(c, in_blk + 2 * nx + nk, MOK_DTYPE_F32, 2, T, K, 0);
+    to_dev(in_blk + 2 * nx, cs.ids, nk);
+    to_dev(in_blk + 2 * nx + nk, cs.tw, nk);
+    ck_assert_msg(mok_forward(c, layer, &x2, &ids2, &tw2, 1, &fr) == 0, "%s",
+                  mok_last_error(c));
+    ck_assert(mok_release(c, &fr.context, 1) == 0);
+  }
+
+  /* 6. what cannot be imported says why */
+  {
+    uint64_t a, o;
+    char *hostp = malloc(4096);
+    ck_assert_int_eq(mok_arena_import_cuda(c, hostp, 4096, &a, &o), MOK_EINVAL);
+    ck_assert_msg(strstr(mok_last_error(c), "not GPU memory") != NULL, "%s", mok_last_error(c));
+    ck_assert_int_eq(mok_arena_import_cuda(c, in_blk, 8 * nx + 2 * nk + 8192, &a, &o),
+                     MOK_ERANGE);
+    free(hostp);
+  }
+  mok_close(c);
+  daemon_stop(&dr);
+  cudaStreamDestroy(st);
+  cudaFreeHost(gate_open), cudaFreeHost(gate_state), cudaFreeHost(x_host);
+  cudaFree(in_blk), cudaFree(out_blk);
+  mokk_gpu_mem_free(&wmem);
+  case_free(&cs), case_free(&cs2);
+}
+END_TEST
+
+/* session_gpu_quota_bytes bounds what the daemon allocates on the GPU for a
+ * session; the client's own imported memory is not counted. */
+START_TEST(gpu_quota)
+{
+  daemon_run dr;
+  mok_client *c = daemon_start(&dr, "--session-gpu-quota-bytes", "64M");
+  mok_arena_info a;
+  mok_stats sts;
+  uint64_t arena, off;
+  void *mine;
+
+  ck_assert_int_eq(mok_server_info(c)->session_gpu_quota_bytes, 64u << 20);
+  ck_assert_int_eq(mok_arena_create(c, 96u << 20, &a), MOK_EDQUOT);
+  ck_assert_msg(strstr(mok_last_error(c), "GPU") != NULL &&
+                strstr(mok_last_error(c), "session_gpu_quota_bytes") != NULL, "%s",
+                mok_last_error(c));
+  ck_assert_msg(mok_arena_create(c, 32u << 20, &a) == 0, "%s", mok_last_error(c));
+  ck_assert(mok_stats_get(c, &sts) == 0);
+  ck_assert_int_eq(sts.session.gpu_bytes, a.bytes);
+  ck_assert_int_eq(cudaMalloc(&mine, 128u << 20), cudaSuccess);
+  ck_assert_msg(mok_arena_import_cuda(c, mine, 128u << 20, &arena, &off) == 0, "%s",
+                mok_last_error(c));
+  ck_assert(mok_stats_get(c, &sts) == 0);
+  ck_assert_int_eq(sts.session.gpu_bytes, a.bytes);
+  ck_assert_int_eq(mok_arena_create(c, 48u << 20, &a), MOK_EDQUOT);
+  ck_assert(mok_arena_destroy(c, arena) == 0);
+  mok_close(c);
+  daemon_stop(&dr);
+  cudaFree(mine);
 }
 END_TEST
 
@@ -500,6 +802,8 @@ static Suite *gpu_suite(void)
   tc = tcase_create("daemon");
   tcase_set_timeout(tc, 120);
   tcase_add_test(tc, through_daemon);
+  tcase_add_test(tc, stream_ordering);
+  tcase_add_test(tc, gpu_quota);
   suite_add_tcase(su, tc);
   return su;
 }

@@ -52,20 +52,20 @@ class _Timing(ctypes.Structure):
 
 class _FwdResult(ctypes.Structure):
     _fields_ = [("context", ctypes.c_uint64), ("out", _Tensor), ("out_ptr", ctypes.c_void_p),
-                ("timing", _Timing)]
+                ("timing", _Timing), ("status", _Tensor)]
 
 
 class _BwdResult(ctypes.Structure):
     _fields_ = [("result", ctypes.c_uint64), ("d_x", _Tensor), ("d_topk_weights", _Tensor),
                 ("d_x_ptr", ctypes.c_void_p), ("d_topk_weights_ptr", ctypes.c_void_p),
                 ("ngrads", ctypes.c_int), ("grads", _Tensor * _NW),
-                ("grad_ptrs", ctypes.c_void_p * _NW), ("timing", _Timing)]
+                ("grad_ptrs", ctypes.c_void_p * _NW), ("timing", _Timing), ("status", _Tensor)]
 
 
 class _Usage(ctypes.Structure):
     _fields_ = [(n, ctypes.c_uint64) for n in (
         "sessions", "arenas", "arena_bytes", "layers", "contexts", "context_bytes",
-        "results", "requests", "forwards", "backwards", "errors")]
+        "results", "requests", "forwards", "backwards", "errors", "gpu_bytes")]
 
 
 class _Stats(ctypes.Structure):
