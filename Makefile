@@ -212,11 +212,21 @@ bench-cpu: $(BENCH_BIN)
 # on the GPU machine; without a GPU (or without nvcc) they say so and pass
 gpu-check:
 ifeq ($(HAVE_CUDA),1)
-	@$(MAKE) --no-print-directory $(GPU_BIN) $(MOKD_BIN)
+	@$(MAKE) --no-print-directory $(GPU_BIN) $(MOKD_BIN) $(LIBMOK_SO)
 	CK_FORK=no MOKD_BIN=$(MOKD_BIN) $(GPU_BIN)
+	@if $(TORCH_PY) -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' \
+	    >/dev/null 2>&1; then \
+	  echo "MOKD_BIN=$(MOKD_BIN) MOK_LIB=$(LIBMOK_SO) PYTHONPATH=client/python $(TORCH_PY) -m pytest -q -s tests/python/test_torch.py"; \
+	  MOKD_BIN=$(MOKD_BIN) MOK_LIB=$(LIBMOK_SO) PYTHONPATH=client/python \
+	    $(TORCH_PY) -m pytest -q -s tests/python/test_torch.py; \
+	else \
+	  echo "gpu-check: no PyTorch with CUDA in $(TORCH_PY); the PyTorch client tests skipped"; \
+	fi
 else
 	@echo "gpu-check: nvcc not found at $(NVCC) (set CUDA_HOME); GPU tests skipped"
 endif
+
+TORCH_PY = $(or $(TORCH_PYTHON),python3)
 
 bench-gpu:
 ifeq ($(HAVE_CUDA),1)

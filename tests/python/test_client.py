@@ -122,7 +122,7 @@ class ClientTest(unittest.TestCase):
         T, H, I, E, K = 24, 32, 16, 6, 2
         rng = np.random.default_rng(seed)
         x, ids, tw, w, d_out = problem(rng, T, H, I, E, K, Is)
-        layer = mokd.MoELayer(self.c, H, I, E, K, shared_intermediate=Is, swiglu_limit=limit,
+        layer = mokd.Layer(self.c, H, I, E, K, shared_intermediate=Is, swiglu_limit=limit,
                               grad_mode=grad_mode)
         layer.set_weights(*w)
         out, ctx = layer.forward(x, ids, tw)
@@ -182,12 +182,12 @@ class ClientTest(unittest.TestCase):
         self.assertEqual(cm.exception.name, "MOK_EEXPERT")
         self.assertIn("token 3 k 1: expert id 6", str(cm.exception))
         with self.assertRaises(mokd.MokError) as cm:
-            mokd.MoELayer(self.c, 32, 16, 6, 7)
+            mokd.Layer(self.c, 32, 16, 6, 7)
         self.assertEqual(cm.exception.name, "MOK_ESHAPE")
 
     def test_stats_return_to_zero_after_close(self):
         other = mokd.Client(self.sock, name="short-lived")
-        layer = mokd.MoELayer(other, 32, 16, 4, 2)
+        layer = mokd.Layer(other, 32, 16, 4, 2)
         rng = np.random.default_rng(5)
         x, ids, tw, w, d_out = problem(rng, 8, 32, 16, 4, 2, 0)
         layer.set_weights(*w)

@@ -1,24 +1,31 @@
 """Python client of mokd, the MoE execution daemon.
 
-A ctypes binding to libmok. Arenas are shared memory that both this process
-and the daemon map; numpy arrays returned here are zero-copy views of them.
-bf16 tensors are numpy uint16 arrays holding the bf16 bit patterns; use
-`to_bf16` and `from_bf16` to convert.
+A ctypes binding to libmok, in two flavours:
+
+- `mokd.MoELayer`, a torch.nn.Module (in `mokd.nn`; needs PyTorch and a
+  daemon on the cuda backend): CUDA tensors in, zero-copy CUDA tensors out,
+  autograd included, ordered on the current stream.
+
+- `mokd.Layer` with numpy: arenas are shared memory that both this process
+  and the daemon map (cpu backend); arrays returned are zero-copy views of
+  them. bf16 tensors are numpy uint16 arrays holding the bf16 bit patterns;
+  `to_bf16` and `from_bf16` convert.
 
     import mokd
     c = mokd.Client()                       # $MOKD_SOCKET or the default path
-    layer = mokd.MoELayer(c, hidden=512, intermediate=1024, experts=16, top_k=4)
+    layer = mokd.Layer(c, hidden=512, intermediate=1024, experts=16, top_k=4)
     layer.set_weights(w_gate, w_up, w_down) # bf16 (uint16) arrays, copied once
     out, ctx = layer.forward(x, topk_ids, topk_weights)
     grads = layer.backward(ctx, d_out)
 """
 
 import ctypes
+import errno
 import os
 
 import numpy as np
 
-__all__ = ["Client", "Arena", "MoELayer", "MokError", "to_bf16", "from_bf16"]
+__all__ = ["Client", "Arena", "Layer", "MoELayer", "MokError", "to_bf16", "from_bf16"]
 
 BF16, F32, I32 = 1, 2, 3
 GRAD_BF16, GRAD_FP32_ACCUM = 0, 1
@@ -62,6 +69,14 @@ class _BwdResult(ctypes.Structure):
                 ("grad_ptrs", ctypes.c_void_p * _NW), ("timing", _Timing), ("status", _Tensor)]
 
 
+class _Welcome(ctypes.Structure):
+    _fields_ = [("protocol_version", ctypes.c_uint32), ("daemon_version", ctypes.c_char * 32),
+                ("backend", ctypes.c_char * 32), ("session_id", ctypes.c_uint64),
+                ("max_frame_bytes", ctypes.c_uint32), ("max_arena_bytes", ctypes.c_uint64),
+                ("session_quota_bytes", ctypes.c_uint64),
+                ("session_gpu_quota_bytes", ctypes.c_uint64), ("ndevices", ctypes.c_int)]
+
+
 class _Usage(ctypes.Structure):
     _fields_ = [(n, ctypes.c_uint64) for n in (
         "sessions", "arenas", "arena_bytes", "layers", "contexts", "context_bytes",
@@ -100,6 +115,8 @@ _lib.mok_strerror.argtypes = [ctypes.c_int]
 _lib.mok_strerror.restype = ctypes.c_char_p
 _lib.mok_err_name.argtypes = [ctypes.c_int]
 _lib.mok_err_name.restype = ctypes.c_char_p
+_lib.mok_server_info.argtypes = [ctypes.c_void_p]
+_lib.mok_server_info.restype = _P(_Welcome)
 _lib.mok_ping.argtypes = [ctypes.c_void_p, _P(ctypes.c_uint64)]
 _lib.mok_stats_get.argtypes = [ctypes.c_void_p, _P(_Stats)]
 _lib.mok_arena_create.argtypes = [ctypes.c_void_p, ctypes.c_size_t, _P(_ArenaInfo)]
@@ -114,6 +131,13 @@ _lib.mok_forward.argtypes = [ctypes.c_void_p, ctypes.c_uint64, _P(_Tensor), _P(_
 _lib.mok_backward.argtypes = [ctypes.c_void_p, ctypes.c_uint64, _P(_Tensor), _P(_Tensor),
                               ctypes.c_int, _P(_BwdResult)]
 _lib.mok_release.argtypes = [ctypes.c_void_p, _P(ctypes.c_uint64), ctypes.c_int]
+_lib.mok_arena_import_cuda.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                       _P(ctypes.c_uint64), _P(ctypes.c_uint64)]
+_lib.mok_set_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+_lib.mok_step_status.argtypes = [ctypes.c_void_p, _P(_Tensor)]
+
+
+EPROTO, ENOTSUP, EEXPERT = -errno.EPROTO, -errno.ENOTSUP, -4003
 
 
 class MokError(RuntimeError):
@@ -203,6 +227,12 @@ class Client:
         if rc != 0:
             raise MokError(rc, _lib.mok_last_error(self._h).decode())
 
+    def info(self):
+        """What the daemon said in Welcome."""
+        w = _lib.mok_server_info(self._h).contents
+        return {n: (getattr(w, n).decode() if isinstance(getattr(w, n), bytes) else getattr(w, n))
+                for n, _ in _Welcome._fields_}
+
     def ping(self):
         """Round trip in seconds."""
         ns = ctypes.c_uint64()
@@ -268,7 +298,7 @@ class Context:
             self.id = 0
 
 
-class MoELayer:
+class Layer:
     """A routed SwiGLU MoE layer (plus an optional shared expert) run by mokd.
 
     Weights are registered once and read in place each step: write new values
@@ -378,3 +408,11 @@ class MoELayer:
         for i in range(res.ngrads):
             out[names[i]] = _out_view(self.client, res.grads[i])
         return out
+
+
+def __getattr__(name):
+    # the torch front end loads PyTorch only when asked for
+    if name == "MoELayer":
+        from .nn import MoELayer
+        return MoELayer
+    raise AttributeError("module 'mokd' has no attribute %r" % name)

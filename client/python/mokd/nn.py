@@ -1,0 +1,275 @@
+"""PyTorch front end of mokd: an MoE layer whose forward and backward run in
+the daemon, on its GPU (cuda backend), with autograd.
+
+    import torch, mokd
+    moe = mokd.MoELayer(hidden=1024, intermediate=512, experts=32, top_k=4)
+    out = moe(x, topk_ids, topk_weights)     # x: bf16 [T, H] on the GPU
+    out.float().pow(2).mean().backward()     # fills x.grad, topk_weights.grad, moe.*.grad
+
+How the tensors travel:
+- The parameters (bf16) are registered with the daemon once and read in place
+  every step, so optimizer updates made in place are seen without a request;
+  a parameter whose storage is replaced is registered again.
+- Inputs are passed in place too: their allocations (from PyTorch's caching
+  allocator) are imported once and found again on later steps.
+- Outputs (out, d_x, d_topk_weights and the weight gradients) are zero-copy
+  views of daemon arenas, exposed through __cuda_array_interface__; the
+  daemon result behind them is released when the last view is gone.
+- Ordering is on the current CUDA stream: the daemon waits for an event
+  recorded there before it starts, and the stream waits for the daemon's done
+  event before anything queued after the call. Nothing waits on the host.
+
+Errors only the GPU can see (an expert id out of range, whose pairs are
+dropped) are reported when `check=True` (one host wait per step), or by
+`MoELayer.check()`.
+"""
+
+import ctypes
+import threading
+import weakref
+
+import torch
+
+from . import (BF16, EPROTO, ENOTSUP, F32, I32, GRAD_BF16, _BwdResult, _FwdResult, _LayerDesc,
+               _NW, _Tensor, _lib, Client, MokError)
+
+__all__ = ["MoELayer", "Session", "moe"]
+
+_DT = {torch.bfloat16: BF16, torch.float32: F32, torch.int32: I32}
+_TYPESTR = {BF16: "<i2", F32: "<f4", I32: "<i4"}
+_CU_STREAM_LEGACY = 1  # the driver's handle of the legacy default stream
+
+
+class _Owner:
+    """A daemon context or result, released once nothing refers to it."""
+
+    def __init__(self, session, rid, status):
+        self.session, self.id, self.status = session, rid, status
+
+    def __del__(self):
+        # runs wherever the last reference goes (any thread, during GC):
+        # only queue the id; the next call releases it under the lock
+        self.session._dead.append(self.id)
+
+
+class _View:
+    """What torch.as_tensor reads: a daemon output, kept alive by its owner."""
+
+    def __init__(self, ptr, shape, typestr, owner):
+        self.owner = owner
+        self.__cuda_array_interface__ = {
+            "data": (ptr, False), "shape": shape, "typestr": typestr, "version": 2}
+
+
+class Session:
+    """One connection to mokd shared by the layers of a process. Calls are
+    serialized by a lock, since autograd runs backward on its own thread."""
+
+    def __init__(self, socket=None, name="torch"):
+        self.client = Client(socket, name)
+        info = self.client.info()
+        if info["backend"] != "cuda":
+            self.client.close()
+            raise MokError(ENOTSUP, "mokd runs the %s backend; mokd.MoELayer needs the cuda "
+                           "backend (start it with --backend cuda)" % info["backend"])
+        self.lock = threading.RLock()
+        self._dead = []
+        self._stream = None
+
+    def _h(self):
+        return self.client._h
+
+    def _check(self, rc):
+        self.client._check(rc)
+
+    def _begin(self):
+        """Under the lock: release what died, follow the current stream."""
+        while self._dead:
+            ids = []
+            while self._dead:
+                ids.append(self._dead.pop())
+            self.client.release(*ids)
+        s = torch.cuda.current_stream().cuda_stream or _CU_STREAM_LEGACY
+        if s != self._stream:
+            self._check(_lib.mok_set_stream(self._h(), ctypes.c_void_p(s)))
+            self._stream = s
+
+    def tensor(self, t):
+        """The wire tensor of a contiguous CUDA tensor, imported in place."""
+        if not t.is_cuda or not t.is_contiguous() or t.dtype not in _DT:
+            raise TypeError("expected a contiguous CUDA tensor of bf16, float32 or int32, "
+                            "got %s %s on %s" % (t.dtype, tuple(t.shape), t.device))
+        arena, off = ctypes.c_uint64(), ctypes.c_uint64()
+        nbytes = max(t.numel() * t.element_size(), 1)
+        self._check(_lib.mok_arena_import_cuda(self._h(), ctypes.c_void_p(t.data_ptr()), nbytes,
+                                               ctypes.byref(arena), ctypes.byref(off)))
+        m = _Tensor(arena.value, off.value, _DT[t.dtype], t.dim())
+        for i, d in enumerate(t.shape):
+            m.shape[i] = d
+        return m
+
+    def view(self, m, owner):
+        """A torch tensor viewing an output of the daemon, zero-copy."""
+        ptr = _lib.mok_tensor_ptr(self._h(), ctypes.byref(m))
+        if not ptr:
+            raise MokError(EPROTO, "the daemon's output lies outside the arenas mapped here")
+        shape = tuple(m.shape[i] for i in range(m.ndim))
+        t = torch.as_tensor(_View(ptr, shape, _TYPESTR[m.dtype], owner), device="cuda")
+        return t.view(torch.bfloat16) if m.dtype == BF16 else t
+
+    def status(self, owner):
+        """Waits for the step of owner; raises what the GPU found."""
+        with self.lock:
+            self._check(_lib.mok_step_status(self._h(), ctypes.byref(owner.status)))
+
+
+_default = {}
+_default_lock = threading.Lock()
+
+
+def _session(socket):
+    with _default_lock:
+        s = _default.get(socket)
+        if s is None:
+            s = _default[socket] = Session(socket)
+        return s
+
+
+class _MoEFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, layer, x, topk_ids, topk_weights, *weights):
+        out, owner, keep = layer._run_forward(x, topk_ids, topk_weights, weights,
+                                              any(ctx.needs_input_grad))
+        ctx.layer, ctx.owner, ctx.keep = layer, owner, keep
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_out):
+        d_x, d_tw, grads = ctx.layer._run_backward(ctx.owner, d_out)
+        ctx.owner = ctx.keep = None
+        return (None, d_x, None, d_tw) + tuple(grads)
+
+
+class MoELayer(torch.nn.Module):
+    """A routed SwiGLU MoE layer, plus an optional shared expert, run by mokd.
+
+    Parameters (bf16, on the daemon's GPU): w_gate, w_up [E, I, H], w_down
+    [E, H, I]; with shared_intermediate > 0 also s_gate, s_up [I_s, H] and
+    s_down [H, I_s]. forward(x [T, H] bf16, topk_ids [T, K] integer,
+    topk_weights [T, K] float) returns out [T, H] bf16. H, I and I_s must be
+    multiples of 64 on the cuda backend.
+    """
+
+    def __init__(self, hidden, intermediate, experts, top_k, shared_intermediate=0,
+                 swiglu_limit=0.0, socket=None, device=None, check=False, session=None):
+        super().__init__()
+        self.hidden, self.intermediate, self.experts, self.top_k = \
+            hidden, intermediate, experts, top_k
+        self.shared_intermediate, self.swiglu_limit, self.check_each_step = \
+            shared_intermediate, swiglu_limit, check
+        self.session = session if session is not None else _session(socket)
+        dev = torch.device(device) if device is not None else torch.device("cuda")
+        shapes = self.weight_shapes()
+        names = ["w_gate", "w_up", "w_down", "s_gate", "s_up", "s_down"][:len(shapes)]
+        for n, shp in zip(names, shapes):
+            p = torch.empty(*shp, device=dev, dtype=torch.bfloat16)
+            with torch.no_grad():
+                p.normal_(0.0, shp[-1] ** -0.5)
+            self.register_parameter(n, torch.nn.Parameter(p))
+        self._names = names
+        d = _LayerDesc(hidden, intermediate, experts, top_k, shared_intermediate,
+                       swiglu_limit, 0, 1, 0, GRAD_BF16)
+        lid = ctypes.c_uint64()
+        with self.session.lock:
+            self.session._check(_lib.mok_layer_create(self.session._h(), ctypes.byref(d),
+                                                      ctypes.byref(lid)))
+        self.layer_id = lid.value
+        self._registered = None
+        self._last = None
+
+    def weight_shapes(self):
+        H, I, E, Is = self.hidden, self.intermediate, self.experts, self.shared_intermediate
+        shapes = [(E, I, H), (E, I, H), (E, H, I)]
+        if Is:
+            shapes += [(Is, H), (Is, H), (H, Is)]
+        return shapes
+
+    def weights(self):
+        return [getattr(self, n) for n in self._names]
+
+    def extra_repr(self):
+        return ("hidden=%d, intermediate=%d, experts=%d, top_k=%d, shared_intermediate=%d, "
+                "swiglu_limit=%g" % (self.hidden, self.intermediate, self.experts, self.top_k,
+                                     self.shared_intermediate, self.swiglu_limit))
+
+    def forward(self, x, topk_ids, topk_weights):
+        return _MoEFunction.apply(self, x, topk_ids, topk_weights, *self.weights())
+
+    def check(self):
+        """Waits for the latest step whose outputs are still alive and raises
+        what the GPU found in it."""
+        owner = self._last() if self._last is not None else None
+        if owner is not None:
+            self.session.status(owner)
+
+    # -- the daemon side, under the session lock ------------------------------
+
+    def _register(self, weights):
+        key = tuple((w.data_ptr(), w.dtype, tuple(w.shape)) for w in weights)
+        if key == self._registered:
+            return
+        for w, shp in zip(weights, self.weight_shapes()):
+            if w.dtype != torch.bfloat16 or tuple(w.shape) != shp or not w.is_contiguous():
+                raise TypeError("weights must be contiguous bf16 of shapes %s" %
+                                self.weight_shapes())
+        ts = (_Tensor * _NW)()
+        for i, w in enumerate(weights):
+            ts[i] = self.session.tensor(w.detach())
+        self.session._check(_lib.mok_layer_set_weights(self.session._h(), self.layer_id, ts))
+        self._registered = key
+
+    def _run_forward(self, x, topk_ids, topk_weights, weights, want_ctx):
+        s = self.session
+        x = x.detach().to(torch.bfloat16).contiguous()
+        ids = topk_ids.detach().to(torch.int32).contiguous()
+        tw = topk_weights.detach().to(torch.float32).contiguous()
+        with s.lock:
+            s._begin()
+            self._register(weights)
+            res = _FwdResult()
+            tx, ti, tt = s.tensor(x), s.tensor(ids), s.tensor(tw)
+            s._check(_lib.mok_forward(s._h(), self.layer_id, ctypes.byref(tx), ctypes.byref(ti),
+                                      ctypes.byref(tt), 0 if want_ctx else 1,
+                                      ctypes.byref(res)))
+            owner = _Owner(s, res.context, res.status)
+            out = s.view(res.out, owner)
+        self._last = weakref.ref(owner)  # check() must not keep outputs alive
+        if self.check_each_step:
+            s.status(owner)
+        # the daemon's saved state points into x (and reads the routing); keep
+        # them alive until the backward
+        return out, owner, (x, ids, tw) if want_ctx else None
+
+    def _run_backward(self, owner, d_out):
+        s = self.session
+        d_out = d_out.to(torch.bfloat16).contiguous()
+        with s.lock:
+            s._begin()
+            res = _BwdResult()
+            td = s.tensor(d_out)
+            s._check(_lib.mok_backward(s._h(), owner.id, ctypes.byref(td), None, 0,
+                                       ctypes.byref(res)))
+            result = _Owner(s, res.result, res.status)
+            d_x = s.view(res.d_x, result)
+            d_tw = s.view(res.d_topk_weights, result)
+            grads = [s.view(res.grads[i], result) for i in range(res.ngrads)]
+        self._last = weakref.ref(result)
+        if self.check_each_step:
+            s.status(result)
+        return d_x, d_tw, grads
+
+
+def moe(layer, x, topk_ids, topk_weights):
+    """Functional form: layer(x, topk_ids, topk_weights)."""
+    return layer(x, topk_ids, topk_weights)

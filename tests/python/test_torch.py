@@ -1,0 +1,226 @@
+"""mokd.MoELayer (PyTorch, daemon on the cuda backend) against pure PyTorch:
+forward and every gradient, zero-copy outputs, weights read in place,
+bitwise repeats, releases, GPU-found errors, and a short training run.
+Skipped where PyTorch or a GPU is missing.
+
+The reference is the same layer in plain PyTorch autograd, written with the
+engine's rounding points (bf16 operands, fp32 accumulation, h and each
+expert's output rounded to bf16; see reference_mixed). Tolerances, per tensor, |ours - ref| <= tol
+(|ref| + rms(ref)), are those of the CUDA backend against the CPU engine
+(tests/gpu/check_gpu.c): 2^-7 for out and d_topk_weights, 2^-5 for d_x and
+the weight gradients. For scale, the test also prints how far bf16 autograd
+(torch._grouped_mm, the benchmark's baseline) lands from the same
+reference."""
+
+import gc
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+try:
+    import torch
+    HAVE_GPU = torch.cuda.is_available()
+except ImportError:
+    HAVE_GPU = False
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "bench"))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "client", "python", "examples"))
+
+MOKD = os.environ.get("MOKD_BIN", "build/mokd")
+TOL_FWD, TOL_BWD = 2.0 ** -7, 2.0 ** -5
+
+
+def ratio(ref, got):
+    ref, got = ref.double(), got.double()
+    rms = ref.pow(2).mean().sqrt()
+    return ((got - ref).abs() / ((ref.abs() + rms) * 1.0)).max().item()
+
+
+def _expert(xe, wg, wu, wd):
+    g = xe.float() @ wg.float().t()
+    u = xe.float() @ wu.float().t()
+    h = (torch.nn.functional.silu(g) * u).to(torch.bfloat16)
+    return (h.float() @ wd.float().t()).to(torch.bfloat16)
+
+
+def reference_mixed(x, ids, tw, weights):
+    """The layer in PyTorch autograd with the engine's rounding points: bf16
+    operands, fp32 accumulation, g and u in fp32, h and each expert's output
+    rounded to bf16, the k terms and the shared expert summed in fp32.
+    Returns out and the leaves (bf16 x and weights, fp32 topk_weights)."""
+    xs = x.detach().clone().requires_grad_()
+    tws = tw.detach().float().clone().requires_grad_()
+    ws = [w.detach().clone().requires_grad_() for w in weights]
+    T, H = xs.shape
+    K = ids.shape[1]
+    acc = torch.zeros(T, K, H, device=x.device, dtype=torch.float32)
+    for e in range(ws[0].shape[0]):
+        t, k = torch.nonzero(ids == e, as_tuple=True)
+        if t.numel():
+            y = _expert(xs[t], ws[0][e], ws[1][e], ws[2][e])
+            acc = acc.index_put((t, k), y.float() * tws[t, k].unsqueeze(-1))
+    out = acc.sum(dim=1)
+    if len(ws) == 6:
+        out = out + _expert(xs, ws[3], ws[4], ws[5]).float()
+    return out.to(torch.bfloat16), xs, tws, ws
+
+
+@unittest.skipUnless(HAVE_GPU, "PyTorch with a CUDA GPU is needed")
+class TorchLayerTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        import mokd
+        cls.mokd = mokd
+        cls.dir = tempfile.mkdtemp(prefix="mokd-torch-")
+        cls.sock = os.path.join(cls.dir, "mokd.sock")
+        cls.log = open(os.path.join(cls.dir, "mokd.log"), "w")
+        cls.proc = subprocess.Popen([MOKD, "--socket", cls.sock, "--config", "/dev/null",
+                                     "--backend", "cuda"], stderr=cls.log)
+        for _ in range(500):
+            if os.path.exists(cls.sock) or cls.proc.poll() is not None:
+                break
+            time.sleep(0.01)
+        assert cls.proc.poll() is None, "mokd exited; see %s" % cls.log.name
+        os.environ["MOKD_SOCKET"] = cls.sock
+        from mokd.nn import Session
+        cls.session = Session(cls.sock)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.session.client.close()
+        cls.proc.terminate()
+        assert cls.proc.wait(30) == 0
+        cls.log.close()
+
+    def layer(self, H=256, I=128, E=16, K=4, Is=0, **kw):
+        return self.mokd.MoELayer(H, I, E, K, shared_intermediate=Is, session=self.session, **kw)
+
+    def inputs(self, T, H, E, K, seed):
+        g = torch.Generator(device="cuda")
+        g.manual_seed(seed)
+        x = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+        ids = torch.rand(T, E, device="cuda", generator=g).topk(K, dim=1).indices.to(torch.int32)
+        tw = torch.softmax(torch.randn(T, K, device="cuda", generator=g), -1).requires_grad_()
+        d_out = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
+        return x, ids, tw, d_out
+
+    def test_matches_torch_forward_and_gradients(self):
+        from torch_moe import reference_moe
+        for Is in (0, 128):
+            T, H, E, K = 300, 256, 16, 4
+            m = self.layer(Is=Is)
+            x, ids, tw, d_out = self.inputs(T, H, E, K, 1 + Is)
+            out = m(x, ids, tw)
+            out.backward(d_out)
+            ref, xs, tws, ws = reference_mixed(x, ids, tw, m.weights())
+            ref.backward(d_out)
+            # bf16 autograd, for scale only
+            wb = [w.detach().clone().requires_grad_() for w in m.weights()]
+            xb, twb = x.detach().clone().requires_grad_(), tw.detach().clone().requires_grad_()
+            outb = reference_moe(xb, ids, twb, wb[0], wb[1], wb[2], tuple(wb[3:]) if Is else None)
+            outb.backward(d_out)
+            got = {"out": (ref, out, outb, TOL_FWD), "d_x": (xs.grad, x.grad, xb.grad, TOL_BWD),
+                   "d_topk_weights": (tws.grad, tw.grad, twb.grad, TOL_FWD)}
+            for n, w, wr, wbb in zip(m._names, m.weights(), ws, wb):
+                got["d_" + n] = (wr.grad, w.grad, wbb.grad, TOL_BWD)
+            for name, (r, o, b, tol) in got.items():
+                self.assertEqual(o.shape, r.shape, name)
+                q, qb = ratio(r, o) / tol, ratio(r, b) / tol
+                print("I_s=%d %s: error/tolerance mokd %.3f, bf16 torch %.3f" % (Is, name, q, qb))
+                self.assertLessEqual(q, 1.0, "%s (I_s=%d)" % (name, Is))
+
+    def test_outputs_are_zero_copy_and_weights_read_in_place(self):
+        T, H, E, K = 256, 256, 16, 4
+        m = self.layer()
+        x, ids, tw, _ = self.inputs(T, H, E, K, 7)
+        with torch.no_grad():
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            out = m(x, ids, tw)
+            grew = torch.cuda.memory_allocated() - before
+        # out lives in a daemon arena, not in PyTorch's allocator
+        self.assertLess(grew, out.numel() * out.element_size())
+        key = m._registered
+        with torch.no_grad():
+            m.w_down.mul_(0.5)
+            out2 = m(x, ids, tw)
+            ref = reference_mixed(x, ids, tw, m.weights())[0]
+        self.assertEqual(m._registered, key)  # no new SetWeights: read in place
+        self.assertLessEqual(ratio(ref, out2) / TOL_FWD, 1.0)
+        # halving w_down halves every product exactly, so out halves bit for bit
+        self.assertTrue(torch.equal(out2, out * 0.5))
+
+    def test_bitwise_repeat(self):
+        T, H, E, K = 300, 256, 16, 4
+        m = self.layer(Is=64)
+        x, ids, tw, d_out = self.inputs(T, H, E, K, 3)
+        runs = []
+        for _ in range(3):
+            for p in [x, tw] + m.weights():
+                p.grad = None
+            out = m(x, ids, tw)
+            out.backward(d_out)
+            runs.append([out.clone(), x.grad.clone(), tw.grad.clone()] +
+                        [w.grad.clone() for w in m.weights()])
+        for r in runs[1:]:
+            for a, b in zip(runs[0], r):
+                self.assertTrue(torch.equal(a, b))
+
+    def test_results_released_when_dropped(self):
+        T, H, E, K = 128, 256, 16, 4
+        m = self.layer()
+        x, ids, tw, d_out = self.inputs(T, H, E, K, 5)
+        out = m(x, ids, tw)
+        out.backward(d_out)
+        st = self.session.client.stats()["session"]
+        self.assertGreaterEqual(st["contexts"] + st["results"], 1)
+        for p in [x, tw] + m.weights():
+            p.grad = None
+        del out
+        gc.collect()
+        with self.session.lock:
+            self.session._begin()
+        st = self.session.client.stats()["session"]
+        self.assertEqual(st["contexts"], 0)
+        self.assertEqual(st["results"], 0)
+
+    def test_expert_id_out_of_range_is_reported(self):
+        T, H, E, K = 64, 256, 16, 4
+        m = self.layer(check=True)
+        x, ids, tw, _ = self.inputs(T, H, E, K, 9)
+        ids[3, 1] = E
+        with self.assertRaises(self.mokd.MokError) as cm:
+            m(x, ids, tw)
+        self.assertEqual(cm.exception.code, self.mokd.EEXPERT)
+        m2 = self.layer()
+        out = m2(x, ids, tw)  # on the stream: the call itself cannot know yet
+        with self.assertRaises(self.mokd.MokError) as cm:
+            m2.check()
+        self.assertEqual(cm.exception.code, self.mokd.EEXPERT)
+        del out
+
+    def test_rejects_what_it_cannot_run(self):
+        m = self.layer()
+        x, ids, tw, _ = self.inputs(16, 256, 16, 4, 11)
+        with self.assertRaises(TypeError):
+            m(x.cpu(), ids.cpu(), tw.cpu())
+        with self.assertRaises(self.mokd.MokError):
+            self.mokd.MoELayer(96, 128, 16, 4, session=self.session)(
+                torch.zeros(4, 96, device="cuda", dtype=torch.bfloat16), ids[:4], tw[:4])
+
+    def test_training_matches_torch(self):
+        import train_moe
+        ours, ref = train_moe.train(steps=100, log=print, session=self.session)
+        worst = max(abs(a - b) / b for a, b in zip(ours, ref))
+        print("training: loss mokd %.4f -> %.4f, torch %.4f -> %.4f, largest relative "
+              "difference %.3e" % (ours[0], ours[-1], ref[0], ref[-1], worst))
+        self.assertLessEqual(ours[-1], 0.5 * ours[0])
+        self.assertLessEqual(worst, 0.05)
+
+
+if __name__ == "__main__":
+    unittest.main()
