@@ -145,6 +145,11 @@ int main(int argc, char **argv)
            w->max_frame_bytes, (unsigned long long)w->max_arena_bytes,
            (unsigned long long)w->session_quota_bytes,
            w->session_quota_bytes == 0 ? " (unlimited)" : "");
+    if (strcmp(w->backend, "cuda") == 0)
+      printf("GPU: session quota %llu bytes%s, %llu bytes held by all sessions\n",
+             (unsigned long long)w->session_gpu_quota_bytes,
+             w->session_gpu_quota_bytes == 0 ? " (unlimited)" : "",
+             (unsigned long long)st.daemon.gpu_bytes);
     printf("sessions %llu (this one is %llu)\n", (unsigned long long)st.daemon.sessions,
            (unsigned long long)w->session_id);
   } else if (!strcmp(cmd, "stats")) {

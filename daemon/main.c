@@ -89,6 +89,7 @@ int main(int argc, char **argv)
 
   uv_run(&loop, UV_RUN_DEFAULT);
 
+  mokd_retired_drain(&srv);
   rc = uv_loop_close(&loop);
   mokk_backend_destroy(srv.backend);
   if (rc != 0) {

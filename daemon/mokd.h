@@ -33,6 +33,7 @@ typedef struct mokd_arena {
   int device;        /* CUDA ordinal + 1 of a GPU arena; 0 = host memory */
   mokk_gpu_mem gpu;      /* daemon-made GPU arenas */
   mokk_gpu_import imp;   /* imported GPU memory (kind ARENA_IMPORTED, device > 0) */
+  void *fence;           /* once retired: the queued work it waits for */
   int users;         /* contexts and results pointing into it */
   mokd_span *free;   /* output arenas: free ranges, sorted by offset */
   size_t nfree, capfree, used;
@@ -163,6 +164,9 @@ struct mokd_server {
   int nsessions;
   uint64_t next_id;     /* ids of sessions, arenas, layers, results: one counter */
   mok_usage usage;
+  mokd_arena *retired;  /* freed GPU arenas waiting for their fence to pass */
+  uv_timer_t reaper;    /* polls the fences while any wait */
+  int reaper_on;
   uint64_t start_ns;
   int draining;
   int stopped;
@@ -185,7 +189,13 @@ int mokd_arena_import(mokd_session *s, int fd, size_t bytes, mokd_arena **out, c
 int mokd_arena_import_gpu(mokd_session *s, const void *ipc, int fd, size_t bytes,
                           mokd_arena **out, char *err);
 mokd_arena *mokd_arena_find(mokd_session *s, uint64_t id);
+/* GPU memory goes once the work queued before the call has run (the loop
+ * never waits for the GPU); host memory goes at once. */
 void mokd_arena_free(mokd_session *s, mokd_arena *a);
+/* Stops polling the retired arenas; mokd_retired_drain (after the loop has
+ * stopped) waits for the device and frees what is left. */
+void mokd_retired_stop(mokd_server *srv);
+void mokd_retired_drain(mokd_server *srv);
 /* A block of `len` bytes in an output arena; *created is a new arena to announce. */
 /* A block of len bytes in an output arena. A new output arena keeps its fd
  * open until the first reply that names it carries the fd to the client. */

@@ -239,7 +239,7 @@ int mokd_arena_import_gpu(mokd_session *s, const void *ipc, int fd, size_t bytes
   *out = a;
   return 0;
 #else
-  (void)ipc, (void)fd, (void)bytes, (void)out;
+  (void)s, (void)ipc, (void)fd, (void)bytes, (void)out;
   return mokk_fail(err, MOK_ENOTSUP, "this mokd was built without CUDA; it cannot import "
                    "GPU memory");
 #endif
@@ -253,6 +253,87 @@ mokd_arena *mokd_arena_find(mokd_session *s, uint64_t id)
   return NULL;
 }
 
+static void arena_release(mokd_arena *a)
+{
+#ifdef MOKD_HAVE_CUDA
+  if (a->device > 0 && a->kind == ARENA_IMPORTED)
+    mokk_gpu_import_free_now(&a->imp);
+  else if (a->device > 0)
+    mokk_gpu_mem_free_now(&a->gpu);
+  else
+#endif
+    munmap(a->base, a->bytes);
+  if (a->fd >= 0)
+    close(a->fd);
+  free(a->free);
+  free(a);
+}
+
+#ifdef MOKD_HAVE_CUDA
+static void on_reap(uv_timer_t *t)
+{
+  mokd_server *srv = t->data;
+  mokd_arena **pp = &srv->retired;
+  while (*pp != NULL) {
+    mokd_arena *a = *pp;
+    if (mokk_cuda_fence_passed(a->fence)) {
+      *pp = a->next;
+      mokk_cuda_fence_free(a->fence);
+      arena_release(a);
+    } else {
+      pp = &a->next;
+    }
+  }
+  if (srv->retired == NULL)
+    uv_timer_stop(t);
+}
+
+/* Hands a GPU arena to the reaper; 0, or -1 when it must go now. */
+static int retire(mokd_server *srv, mokd_arena *a)
+{
+  char err[MOK_ERRLEN];
+  if (mokk_cuda_fence(srv->backend, &a->fence, err) != 0) {
+    LOG_WARN(SESS, "%s; freeing arena %llu after a device wait", err,
+             (unsigned long long)a->id);
+    return -1;
+  }
+  a->next = srv->retired;
+  srv->retired = a;
+  if (!srv->stopped) {
+    if (!srv->reaper_on) {
+      uv_timer_init(srv->loop, &srv->reaper);
+      srv->reaper.data = srv;
+      srv->reaper_on = 1;
+    }
+    uv_timer_start(&srv->reaper, on_reap, 1, 1);
+  }
+  return 0;
+}
+#endif
+
+void mokd_retired_stop(mokd_server *srv)
+{
+  if (srv->reaper_on)
+    uv_close((uv_handle_t *)&srv->reaper, NULL);
+  srv->reaper_on = 0;
+}
+
+void mokd_retired_drain(mokd_server *srv)
+{
+#ifdef MOKD_HAVE_CUDA
+  if (srv->retired != NULL)
+    mokk_cuda_sync(srv->backend, (char[MOK_ERRLEN]){0});
+  while (srv->retired != NULL) {
+    mokd_arena *a = srv->retired;
+    srv->retired = a->next;
+    mokk_cuda_fence_free(a->fence);
+    arena_release(a);
+  }
+#else
+  (void)srv;
+#endif
+}
+
 void mokd_arena_free(mokd_session *s, mokd_arena *a)
 {
   mokd_arena **pp = &s->arenas;
@@ -264,34 +345,24 @@ void mokd_arena_free(mokd_session *s, mokd_arena *a)
   if (a->kind != ARENA_IMPORTED)
     mokd_quota_give(s, a->bytes, a->device > 0);
 #ifdef MOKD_HAVE_CUDA
-  if (a->device > 0 && a->kind == ARENA_IMPORTED)
-    mokk_gpu_import_free(&a->imp);
-  else if (a->device > 0)
-    mokk_gpu_mem_free(&a->gpu);
-  else
+  if (a->device > 0 && retire(s->srv, a) == 0)
+    return;
+  if (a->device > 0)
+    mokk_cuda_sync(s->srv->backend, (char[MOK_ERRLEN]){0});
 #endif
-    munmap(a->base, a->bytes);
-  if (a->fd >= 0)
-    close(a->fd);
-  free(a->free);
-  free(a);
+  arena_release(a);
 }
 
-static int span_take(mokd_arena *a, size_t len, mokd_span *out)
+/* len bytes from the front of free span i of a */
+static void span_take(mokd_arena *a, size_t i, size_t len, mokd_span *out)
 {
-  for (size_t i = 0; i < a->nfree; i++) {
-    if (a->free[i].len < len)
-      continue;
-    *out = (mokd_span){a->free[i].off, len};
-    a->free[i].off += len, a->free[i].len -= len;
-    if (a->free[i].len == 0) {
-      memmove(&a->free[i], &a->free[i + 1], (a->nfree - i - 1) * sizeof *a->free);
-      a->nfree--;
-    }
-    a->used += len;
-    return 0;
+  *out = (mokd_span){a->free[i].off, len};
+  a->free[i].off += len, a->free[i].len -= len;
+  if (a->free[i].len == 0) {
+    memmove(&a->free[i], &a->free[i + 1], (a->nfree - i - 1) * sizeof *a->free);
+    a->nfree--;
   }
-  return -1;
+  a->used += len;
 }
 
 int mokd_out_alloc(mokd_session *s, size_t len, mokd_arena **arena, mokd_span *span,
@@ -300,19 +371,27 @@ int mokd_out_alloc(mokd_session *s, size_t len, mokd_arena **arena, mokd_span *s
   mokd_arena *a;
   int rc;
 
+  mokd_arena *best = NULL;
+  size_t besti = 0;
+
   len = (len + OUT_ALIGN - 1) / OUT_ALIGN * OUT_ALIGN;
   if (len == 0)
     len = OUT_ALIGN;
+  /* best fit over every output arena: small outputs must not split the
+   * room that a large one (weight gradients) comes back to each step */
   for (a = s->arenas; a != NULL; a = a->next)
-    if (a->kind == ARENA_OUTPUT && span_take(a, len, span) == 0) {
-      *arena = a;
-      return 0;
-    }
-  if ((rc = mokd_arena_new(s, len > OUT_ARENA_MIN ? len : OUT_ARENA_MIN, ARENA_OUTPUT, &a,
-                           err)))
-    return rc;
-  span_take(a, len, span);
-  *arena = a;
+    if (a->kind == ARENA_OUTPUT)
+      for (size_t i = 0; i < a->nfree; i++)
+        if (a->free[i].len >= len && (best == NULL || a->free[i].len < best->free[besti].len))
+          best = a, besti = i;
+  if (best == NULL) {
+    if ((rc = mokd_arena_new(s, len > OUT_ARENA_MIN ? len : OUT_ARENA_MIN, ARENA_OUTPUT, &best,
+                             err)))
+      return rc;
+    besti = 0;
+  }
+  span_take(best, besti, len, span);
+  *arena = best;
   return 0;
 }
 

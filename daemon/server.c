@@ -297,5 +297,6 @@ void mokd_server_maybe_stop(mokd_server *srv)
   uv_close((uv_handle_t *)&srv->sig_hup, NULL);
   if (srv->watchdog_on)
     uv_close((uv_handle_t *)&srv->watchdog, NULL);
+  mokd_retired_stop(srv);
   mokd_executor_close(srv->exec);
 }

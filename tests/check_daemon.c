@@ -629,6 +629,34 @@ START_TEST(import_and_errors_through_libmok)
 }
 END_TEST
 
+/* Outputs of each step go back into the room the last one of their size
+ * left: a small forward output must not split the block the weight
+ * gradients come back to (else each backward needs a new arena). */
+START_TEST(outputs_reuse_their_room)
+{
+  mok_client *c = connect_ok();
+  mok_layer_desc d = {.hidden = 1024, .intermediate = 1024, .experts = 16, .top_k = 2};
+  mok_testbed tb;
+  mok_forward_result f1, f2;
+  mok_backward_result b1, b2;
+  mok_stats st0, st;
+
+  ck_assert_int_eq(mok_testbed_setup(c, &d, 4, 3, &tb), 0);
+  ck_assert_int_eq(mok_forward(c, tb.layer, &tb.x, &tb.ids, &tb.tw, 0, &f1), 0);
+  ck_assert_int_eq(mok_backward(c, f1.context, &tb.d_out, NULL, 0, &b1), 0);
+  ck_assert(b1.grads[0].arena != f1.out.arena); /* 96 MB of gradients: an arena of its own */
+  ck_assert_int_eq(mok_stats_get(c, &st0), 0);
+  ck_assert_int_eq(mok_release(c, &b1.result, 1), 0);
+  ck_assert_int_eq(mok_forward(c, tb.layer, &tb.x, &tb.ids, &tb.tw, 0, &f2), 0);
+  ck_assert_uint_eq(f2.out.arena, f1.out.arena);
+  ck_assert_int_eq(mok_backward(c, f2.context, &tb.d_out, NULL, 0, &b2), 0);
+  ck_assert_uint_eq(b2.grads[0].arena, b1.grads[0].arena);
+  ck_assert_int_eq(mok_stats_get(c, &st), 0);
+  ck_assert_uint_eq(st.session.arenas, st0.session.arenas);
+  mok_close(c);
+}
+END_TEST
+
 START_TEST(expert_id_out_of_range_through_daemon)
 {
   mok_client *c = connect_ok();
@@ -870,6 +898,7 @@ static Suite *daemon_suite(void)
   tcase_add_test(tc, eight_concurrent_clients);
   tcase_add_test(tc, killed_client_leaks_nothing);
   tcase_add_test(tc, expert_id_out_of_range_through_daemon);
+  tcase_add_test(tc, outputs_reuse_their_room);
   tcase_add_test(tc, import_and_errors_through_libmok);
   tcase_add_test(tc, sigterm_finishes_in_flight_work);
   tcase_add_test(tc, second_daemon_and_stale_socket);

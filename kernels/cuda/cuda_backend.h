@@ -64,6 +64,7 @@ int mokk_gpu_import_fd(int device, int fd, size_t bytes, mokk_gpu_import *m, cha
 /* Waits for the device, then closes or unmaps. */
 void mokk_gpu_import_free(mokk_gpu_import *m);
 
+
 /* A GPU arena: a cuMem allocation of `bytes` (rounded up to the device's
  * granularity) mapped at ptr and exportable as a POSIX fd. */
 typedef struct mokk_gpu_mem {
@@ -77,6 +78,15 @@ typedef struct mokk_gpu_mem {
 int mokk_gpu_mem_create(int device, size_t bytes, mokk_gpu_mem *m, int *fd, char *err);
 /* Waits for the device, then unmaps and releases. */
 void mokk_gpu_mem_free(mokk_gpu_mem *m);
+
+/* Freeing without a wait: a fence marks all work queued so far on b's
+ * stream; once it has passed, memory that work used can go at once. */
+int mokk_cuda_fence(mokk_backend *b, void **fence, char *err);
+/* 1 once passed (or broken: nothing will wait on it any more), 0 not yet. */
+int mokk_cuda_fence_passed(void *fence);
+void mokk_cuda_fence_free(void *fence);
+void mokk_gpu_mem_free_now(mokk_gpu_mem *m);
+void mokk_gpu_import_free_now(mokk_gpu_import *m);
 
 #ifdef __cplusplus
 }

@@ -110,9 +110,12 @@ extern "C" int mokk_gpu_mem_create(int device, size_t bytes, mokk_gpu_mem *m, in
       cudaMemPoolTrimTo(pool, 0);
     r = drv.create(&h, bytes, &prop, 0);
   }
-  if (r == CUDA_ERROR_OUT_OF_MEMORY)
+  if (r == CUDA_ERROR_OUT_OF_MEMORY) {
+    size_t avail = 0, total = 0;
+    cudaMemGetInfo(&avail, &total);
     return mokk_fail(err, MOK_ENOMEM, "out of GPU memory: cannot allocate a %zu-byte arena "
-                     "on device %d", bytes, device);
+                     "on device %d (%zu of %zu bytes free)", bytes, device, avail, total);
+  }
   if (r != CUDA_SUCCESS)
     return drv_fail(err, r, "cuMemCreate");
   if ((r = drv.reserve(&va, bytes, g, 0, 0)) != CUDA_SUCCESS) {
@@ -145,6 +148,13 @@ extern "C" void mokk_gpu_mem_free(mokk_gpu_mem *m)
   cudaSetDevice(m->device);
   /* the memory may still be read by queued work: let it finish first */
   cudaDeviceSynchronize();
+  mokk_gpu_mem_free_now(m);
+}
+
+extern "C" void mokk_gpu_mem_free_now(mokk_gpu_mem *m)
+{
+  if (m->ptr == NULL || !drv.ready)
+    return;
   drv.unmap((CUdeviceptr)m->ptr, m->bytes);
   drv.afree((CUdeviceptr)m->ptr, m->bytes);
   drv.release(m->handle);
@@ -245,6 +255,14 @@ extern "C" void mokk_gpu_import_free(mokk_gpu_import *m)
     return;
   cudaSetDevice(m->device);
   cudaDeviceSynchronize(); /* queued work may still read it */
+  mokk_gpu_import_free_now(m);
+}
+
+extern "C" void mokk_gpu_import_free_now(mokk_gpu_import *m)
+{
+  if (m->ptr == NULL)
+    return;
+  cudaSetDevice(m->device);
   if (m->legacy) {
     cudaIpcCloseMemHandle(m->ptr);
   } else if (drv.ready) {

@@ -114,3 +114,38 @@ int mokk_cuda_events_record(mokk_cuda_events *ev, cudaStream_t stream, void *han
   memcpy(handle, &ev->done_handle, sizeof ev->done_handle);
   return 0;
 }
+
+/* ---- fences --------------------------------------------------------------- */
+
+extern "C" int mokk_cuda_fence(mokk_backend *b, void **fence, char *err)
+{
+  cudaEvent_t ev;
+  cudaError_t e;
+
+  *fence = NULL;
+  if ((e = cudaSetDevice(mokk_cuda_device(b))) != cudaSuccess ||
+      (e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming)) != cudaSuccess)
+    return ipc_fail(err, e, "creating a fence");
+  if ((e = cudaEventRecord(ev, (cudaStream_t)mokk_cuda_stream(b))) != cudaSuccess) {
+    cudaEventDestroy(ev);
+    return ipc_fail(err, e, "recording a fence");
+  }
+  *fence = ev;
+  return 0;
+}
+
+extern "C" int mokk_cuda_fence_passed(void *fence)
+{
+  cudaError_t e = cudaEventQuery((cudaEvent_t)fence);
+  if (e == cudaErrorNotReady)
+    return 0;
+  if (e != cudaSuccess)
+    cudaGetLastError(); /* a broken device runs nothing more: the memory can go */
+  return 1;
+}
+
+extern "C" void mokk_cuda_fence_free(void *fence)
+{
+  if (fence != NULL)
+    cudaEventDestroy((cudaEvent_t)fence);
+}

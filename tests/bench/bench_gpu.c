@@ -361,8 +361,20 @@ static mok_tensor place(uint64_t arena, size_t *at, mok_dtype dt, int ndim, int6
     }                                                                           \
   } while (0)
 
-/* The shape through mokd: medians of the request round trips (the daemon
- * finishes a step before replying), then the sample check on its outputs. */
+/* BENCH_GPU_MEM=1: free device memory at each stage of the daemon runs. */
+static void mem_note(const char *what)
+{
+  size_t avail = 0, total = 0;
+  if (getenv("BENCH_GPU_MEM") == NULL)
+    return;
+  cudaMemGetInfo(&avail, &total);
+  fprintf(stderr, "bench_gpu: memory %s: %.3f of %.3f GB free\n", what, avail / 1e9,
+          total / 1e9);
+}
+
+/* The shape through mokd: medians of the request round trips (without a
+ * stream libmok returns once the step's done event has fired), then the
+ * sample check on its outputs. */
 static int run_daemon(const char *sock, const shape_def *d, int iters, int do_verify,
                       mokk_backend *cpu, double *fwd, double *bwd)
 {
@@ -386,6 +398,7 @@ static int run_daemon(const char *sock, const shape_def *d, int iters, int do_ve
             mok_server_info(c)->backend);
     exit(1);
   }
+  mem_note("before the daemon run");
   problem_route(&p, d);
   for (int pass = 0; pass < 2; pass++) {
     size_t at = 0;
@@ -410,7 +423,9 @@ static int run_daemon(const char *sock, const shape_def *d, int iters, int do_ve
   p.br.d_out = mok_tensor_ptr(c, &dout);
   for (int i = 0; i < (Is ? MOK_NWEIGHTS : MOK_S_GATE); i++)
     p.fr.w[i] = mok_tensor_ptr(c, &w[i]);
+  mem_note("with the input arena");
   problem_fill(&p); /* the arena is mapped here: fill it in place */
+  mem_note("after filling it");
 
   mok_layer_desc ld = {.hidden = H, .intermediate = I, .experts = E, .top_k = K,
                        .shared_intermediate = Is, .grad_mode = MOK_GRAD_BF16};
@@ -420,6 +435,8 @@ static int run_daemon(const char *sock, const shape_def *d, int iters, int do_ve
     double t0 = now_ms(), t1, t2;
     MOK_OK(c, mok_forward(c, layer, &x, &ids, &tw, 0, &fr));
     t1 = now_ms();
+    if (it == -2)
+      mem_note("after the first forward");
     MOK_OK(c, mok_backward(c, fr.context, &dout, NULL, 0, &br));
     t2 = now_ms();
     if (it >= 0)

@@ -615,6 +615,8 @@ START_TEST(stream_ordering)
   void *x_host;
   ck_assert_int_eq(cudaMallocHost(&x_host, nx), cudaSuccess);
   memcpy(x_host, cs.x, nx);
+  mok_arena_info junk;
+  ck_assert_msg(mok_arena_create(c, 4u << 20, &junk) == 0, "%s", mok_last_error(c));
   ck_assert_msg(mok_set_stream(c, st) == 0, "%s", mok_last_error(c));
   ck_assert_int_eq(gate_launch(st, gate_open, gate_state, 20.0), 0);
   ck_assert_int_eq(cudaMemcpyAsync(in_blk, x_host, nx, cudaMemcpyHostToDevice, st), cudaSuccess);
@@ -631,11 +633,14 @@ START_TEST(stream_ordering)
                    cudaSuccess);
   ck_assert_int_eq(cudaMemcpyAsync(out_blk + 2 * nx, br.d_topk_weights_ptr, nk,
                                    cudaMemcpyDeviceToDevice, st), cudaSuccess);
+  /* freeing GPU memory does not wait for the queued work either */
+  ck_assert_msg(mok_arena_destroy(c, junk.id) == 0, "%s", mok_last_error(c));
   uint64_t replies_ns = now_ns() - t0;
-  /* both replies are here and the gate is still shut: no step has run */
+  /* the replies are here and the gate is still shut: no step has run */
   ck_assert_msg(*(volatile int *)gate_state == 1, "gate state %d after the replies (%.3f ms)",
                 *(volatile int *)gate_state, replies_ns * 1e-6);
-  printf("stream_ordering: forward and backward replied in %.3f ms with the GPU held\n",
+  printf("stream_ordering: forward, backward and an arena's destruction replied in %.3f ms "
+         "with the GPU held\n",
          replies_ns * 1e-6);
   *(volatile int *)gate_open = 1;
   ck_assert_int_eq(cudaStreamSynchronize(st), cudaSuccess);
