@@ -275,6 +275,12 @@ static int call(mok_client *c, Mokd__Request *req, const int *fds, int nfds,
 
 int mok_connect(const char *path, const char *client_name, mok_client **out)
 {
+  return mok_connect_device(path, client_name, -1, out);
+}
+
+int mok_connect_device(const char *path, const char *client_name, int device,
+                       mok_client **out)
+{
   char def[108];
   struct sockaddr_un sa = {.sun_family = AF_UNIX};
   Mokd__Request req = MOKD__REQUEST__INIT;
@@ -307,6 +313,7 @@ int mok_connect(const char *path, const char *client_name, mok_client **out)
   }
   h.protocol_version = MOK_PROTOCOL_VERSION;
   h.client_name = (char *)(client_name != NULL ? client_name : "libmok");
+  h.device = device >= 0 ? device + 1 : 0;
   req.body_case = MOKD__REQUEST__BODY_HELLO;
   req.hello = &h;
   *out = c;
@@ -322,9 +329,10 @@ int mok_connect(const char *path, const char *client_name, mok_client **out)
   snprintf(c->info.backend, sizeof c->info.backend, "%s", r->welcome->backend);
   c->info.session_id = r->welcome->session_id;
   c->info.ndevices = (int)r->welcome->n_devices;
-  c->cuda_device = strcmp(c->info.backend, "cuda") == 0 && r->welcome->n_devices > 0
-                       ? (int)r->welcome->devices[0]->index
+  c->cuda_device = strcmp(c->info.backend, "cuda") == 0 && r->welcome->session_device > 0
+                       ? r->welcome->session_device - 1
                        : -1;
+  c->info.device = c->cuda_device;
   if (r->welcome->limits != NULL) {
     c->info.max_frame_bytes = r->welcome->limits->max_frame_bytes;
     c->info.max_arena_bytes = r->welcome->limits->max_arena_bytes;

@@ -37,8 +37,8 @@ static const opt options[] = {
      "compute backend: cuda, cpu, or auto (cuda when this build has it and a GPU is "
      "visible, else cpu)"},
     {"devices", STR(devices), "", 0, 0, "MOKD_DEVICES",
-     "CUDA device ordinal to run on (the first of a comma-separated list is used); "
-     "empty = 0"},
+     "CUDA devices to run on, a comma-separated list of ordinals (one executor thread "
+     "and stream each; a session runs on one of them); empty = every visible device"},
     {"cpu_threads", NUM(T_INT, cpu_threads), "0", 0, 1024, "MOKD_CPU_THREADS",
      "CPU backend worker threads; 0 = one per online CPU"},
     {"executor_threads", NUM(T_INT, executor_threads), "2", 1, 64, "MOKD_EXECUTOR_THREADS",

@@ -11,18 +11,63 @@
 
 static mokd_server srv;
 
+static void destroy_backends(mokd_server *s)
+{
+  for (int i = 0; i < s->ngpus; i++)
+    mokk_backend_destroy(s->gpus[i].backend);
+  if (s->ngpus == 0)
+    mokk_backend_destroy(s->backend);
+  s->ngpus = 0;
+  s->backend = NULL;
+}
+
+#ifdef MOKD_HAVE_CUDA
+/* One backend per GPU named in --devices (every visible one when empty). */
+static int open_gpus(mokd_server *s, int visible, char *err)
+{
+  int ords[MOKD_MAX_GPUS], n = 0, rc;
+  if (s->cfg.devices[0] == 0) {
+    for (int i = 0; i < visible && i < MOKD_MAX_GPUS; i++)
+      ords[n++] = i;
+  } else {
+    for (const char *p = s->cfg.devices; *p != 0;) {
+      int d = atoi(p);
+      if (n == MOKD_MAX_GPUS)
+        return mokk_fail(err, MOK_EINVAL, "devices: at most %d GPUs", MOKD_MAX_GPUS);
+      if (d >= visible)
+        return mokk_fail(err, MOK_EDEVICE, "devices: CUDA device %d does not exist (%d "
+                         "visible)", d, visible);
+      for (int i = 0; i < n; i++)
+        if (ords[i] == d)
+          return mokk_fail(err, MOK_EINVAL, "devices: %d is named twice", d);
+      ords[n++] = d;
+      p += strcspn(p, ",");
+      p += *p == ',';
+    }
+  }
+  for (int i = 0; i < n; i++) {
+    if ((rc = mokk_cuda_create(ords[i], &s->gpus[i].backend, err)) != 0) {
+      destroy_backends(s);
+      return rc;
+    }
+    s->gpus[i].ordinal = ords[i];
+    s->ngpus = i + 1;
+  }
+  s->backend = s->gpus[0].backend;
+  s->cuda_device = ords[0] + 1;
+  return 0;
+}
+#endif
+
 static int open_backend(mokd_server *s, char *err)
 {
 #ifdef MOKD_HAVE_CUDA
   int want = strcmp(s->cfg.backend, "cuda") == 0;
   if (want || strcmp(s->cfg.backend, "auto") == 0) {
     char why[MOK_ERRLEN] = "none is visible";
-    int n = mokk_cuda_devices(why), dev = atoi(s->cfg.devices), rc;
-    if (n > 0) {
-      if ((rc = mokk_cuda_create(dev, &s->backend, err)) == 0)
-        s->cuda_device = dev + 1;
-      return rc;
-    }
+    int n = mokk_cuda_devices(why);
+    if (n > 0)
+      return open_gpus(s, n, err);
     if (want)
       return mokk_fail(err, MOK_EDEVICE, "no usable CUDA device: %s", why);
     LOG_INFO(INIT, "backend auto: no usable CUDA device (%s); using cpu", why);
@@ -54,32 +99,48 @@ int main(int argc, char **argv)
   }
   if (uv_loop_init(&loop) != 0) {
     LOG_ERROR(INIT, "cannot create the event loop");
-    mokk_backend_destroy(srv.backend);
+    destroy_backends(&srv);
     return 1;
   }
   srv.loop = &loop;
   srv.start_ns = mokd_now_ns();
   /* one executor thread per GPU: it owns the device's stream */
-  if (srv.cuda_device > 0)
+  if (srv.ngpus > 0)
     srv.cfg.executor_threads = 1;
-  if ((rc = mokd_executor_create(&loop, (int)srv.cfg.executor_threads, mokd_session_job_done,
-                                 &srv.exec)) != 0) {
+  for (int i = 0; i < (srv.ngpus > 0 ? srv.ngpus : 1) && rc == 0; i++)
+    rc = mokd_executor_create(&loop, (int)srv.cfg.executor_threads, mokd_session_job_done,
+                              srv.ngpus > 0 ? &srv.gpus[i].exec : &srv.exec);
+  if (rc != 0) {
     LOG_ERROR(INIT, "executor: %s", mok_strerror(rc));
+    if (srv.exec != NULL)
+      mokd_executor_close(srv.exec);
+    for (int i = 0; i < srv.ngpus; i++)
+      if (srv.gpus[i].exec != NULL)
+        mokd_executor_close(srv.gpus[i].exec);
+    uv_run(&loop, UV_RUN_DEFAULT);
     uv_loop_close(&loop);
-    mokk_backend_destroy(srv.backend);
+    destroy_backends(&srv);
     return 1;
   }
   if ((rc = mokd_server_start(&srv, err, sizeof err)) != 0) {
     LOG_ERROR(INIT, "%s", err);
-    mokd_executor_close(srv.exec);
+    if (srv.exec != NULL)
+      mokd_executor_close(srv.exec);
+    for (int i = 0; i < srv.ngpus; i++)
+      mokd_executor_close(srv.gpus[i].exec);
     uv_run(&loop, UV_RUN_DEFAULT);
     uv_loop_close(&loop);
-    mokk_backend_destroy(srv.backend);
+    destroy_backends(&srv);
     return 1;
   }
-  if (srv.cuda_device > 0)
-    snprintf(status, sizeof status, "READY=1\nSTATUS=serving on %s, backend cuda (device %d)",
-             srv.cfg.socket, srv.cuda_device - 1);
+  if (srv.ngpus > 0) {
+    char list[96] = "";
+    for (int i = 0; i < srv.ngpus; i++)
+      snprintf(list + strlen(list), sizeof list - strlen(list), "%s%d", i ? "," : "",
+               srv.gpus[i].ordinal);
+    snprintf(status, sizeof status, "READY=1\nSTATUS=serving on %s, backend cuda (device%s %s)",
+             srv.cfg.socket, srv.ngpus > 1 ? "s" : "", list);
+  }
   else
     snprintf(status, sizeof status, "READY=1\nSTATUS=serving on %s, backend %s (%d threads)",
              srv.cfg.socket, mokk_backend_name(srv.backend), mokk_cpu_threads(srv.backend));
@@ -91,7 +152,7 @@ int main(int argc, char **argv)
 
   mokd_retired_drain(&srv);
   rc = uv_loop_close(&loop);
-  mokk_backend_destroy(srv.backend);
+  destroy_backends(&srv);
   if (rc != 0) {
     LOG_ERROR(INIT, "event loop closed with handles still open (%s)", uv_err_name(rc));
     return 1;

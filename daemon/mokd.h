@@ -18,6 +18,16 @@
 typedef struct mokd_server mokd_server;
 typedef struct mokd_session mokd_session;
 
+#define MOKD_MAX_GPUS 16
+
+/* One GPU of the daemon: its backend (stream) and its executor thread. */
+typedef struct mokd_gpu {
+  int ordinal;
+  mokk_backend *backend;
+  struct mokd_executor *exec;
+  int sessions;         /* sessions placed on it */
+} mokd_gpu;
+
 typedef enum { ARENA_DAEMON, ARENA_IMPORTED, ARENA_OUTPUT } mokd_arena_kind;
 
 typedef struct mokd_span {
@@ -93,6 +103,12 @@ struct mokd_session {
   mokd_server *srv;
   uint64_t id;
   int fd;
+  /* where the session computes: the CPU backend, or one of the GPUs (placed
+   * at Hello); its arenas live there */
+  mokk_backend *backend;
+  struct mokd_executor *exec;
+  int cuda_device;      /* ordinal + 1; 0 = the CPU backend */
+  mokd_gpu *gpu;
   uv_poll_t poll;
   int poll_events;
   int closing;          /* socket gone or being closed */
@@ -152,8 +168,10 @@ struct mokd_job {
 struct mokd_server {
   uv_loop_t *loop;
   mokd_config cfg;
-  mokk_backend *backend;
-  int cuda_device;      /* ordinal + 1 when the backend is CUDA: arenas live there */
+  mokk_backend *backend;  /* the CPU backend, or the first GPU's */
+  int cuda_device;      /* first GPU's ordinal + 1 when the backend is CUDA; 0 = cpu */
+  mokd_gpu gpus[MOKD_MAX_GPUS];
+  int ngpus;
   uv_pipe_t listener;
   int listening;
   uv_signal_t sig_term, sig_int, sig_hup;

@@ -124,7 +124,7 @@ static int arena_new_gpu(mokd_session *s, size_t bytes, mokd_arena_kind kind,
                      "(%lld)", bytes, (long long)s->srv->cfg.max_arena_bytes);
   if ((a = calloc(1, sizeof *a)) == NULL)
     return mokk_fail(err, MOK_ENOMEM, "out of memory");
-  if ((rc = mokk_gpu_mem_create(s->srv->cuda_device - 1, bytes, &a->gpu, &fd, err))) {
+  if ((rc = mokk_gpu_mem_create(s->cuda_device - 1, bytes, &a->gpu, &fd, err))) {
     free(a);
     return rc;
   }
@@ -137,7 +137,7 @@ static int arena_new_gpu(mokd_session *s, size_t bytes, mokd_arena_kind kind,
   }
   a->base = a->gpu.ptr;
   a->bytes = a->gpu.bytes;
-  a->device = s->srv->cuda_device;
+  a->device = s->cuda_device;
   a->fd = fd;
   a->kind = kind;
   if (kind == ARENA_OUTPUT) {
@@ -161,7 +161,7 @@ int mokd_arena_new(mokd_session *s, size_t bytes, mokd_arena_kind kind, mokd_are
                    char *err)
 {
 #ifdef MOKD_HAVE_CUDA
-  if (s->srv->cuda_device > 0)
+  if (s->cuda_device > 0)
     return arena_new_gpu(s, bytes, kind, out, err);
 #endif
   return mokd_arena_new_memfd(s, bytes, kind, out, err);
@@ -214,9 +214,9 @@ int mokd_arena_import_gpu(mokd_session *s, const void *ipc, int fd, size_t bytes
   mokd_arena *a;
   int rc;
 
-  if (s->srv->cuda_device <= 0)
+  if (s->cuda_device <= 0)
     return mokk_fail(err, MOK_ENOTSUP, "this daemon runs the %s backend; it imports GPU "
-                     "memory only on the cuda backend", mokk_backend_name(s->srv->backend));
+                     "memory only on the cuda backend", mokk_backend_name(s->backend));
   if (bytes == 0)
     return mokk_fail(err, MOK_EZEROSIZE, "imported buffer size is 0");
   if (bytes > (uint64_t)s->srv->cfg.max_arena_bytes)
@@ -224,8 +224,8 @@ int mokd_arena_import_gpu(mokd_session *s, const void *ipc, int fd, size_t bytes
                      bytes);
   if ((a = calloc(1, sizeof *a)) == NULL)
     return mokk_fail(err, MOK_ENOMEM, "out of memory");
-  rc = ipc != NULL ? mokk_gpu_import_ipc(s->srv->cuda_device - 1, ipc, bytes, &a->imp, err)
-                   : mokk_gpu_import_fd(s->srv->cuda_device - 1, fd, bytes, &a->imp, err);
+  rc = ipc != NULL ? mokk_gpu_import_ipc(s->cuda_device - 1, ipc, bytes, &a->imp, err)
+                   : mokk_gpu_import_fd(s->cuda_device - 1, fd, bytes, &a->imp, err);
   if (rc) {
     free(a);
     return rc;
@@ -234,7 +234,7 @@ int mokd_arena_import_gpu(mokd_session *s, const void *ipc, int fd, size_t bytes
   a->fd = -1;
   a->base = a->imp.ptr;
   a->bytes = bytes;
-  a->device = s->srv->cuda_device;
+  a->device = s->cuda_device;
   link_arena(s, a);
   *out = a;
   return 0;
@@ -289,10 +289,10 @@ static void on_reap(uv_timer_t *t)
 }
 
 /* Hands a GPU arena to the reaper; 0, or -1 when it must go now. */
-static int retire(mokd_server *srv, mokd_arena *a)
+static int retire(mokd_server *srv, mokk_backend *b, mokd_arena *a)
 {
   char err[MOK_ERRLEN];
-  if (mokk_cuda_fence(srv->backend, &a->fence, err) != 0) {
+  if (mokk_cuda_fence(b, &a->fence, err) != 0) {
     LOG_WARN(SESS, "%s; freeing arena %llu after a device wait", err,
              (unsigned long long)a->id);
     return -1;
@@ -321,8 +321,8 @@ void mokd_retired_stop(mokd_server *srv)
 void mokd_retired_drain(mokd_server *srv)
 {
 #ifdef MOKD_HAVE_CUDA
-  if (srv->retired != NULL)
-    mokk_cuda_sync(srv->backend, (char[MOK_ERRLEN]){0});
+  for (int i = 0; srv->retired != NULL && i < srv->ngpus; i++)
+    mokk_cuda_sync(srv->gpus[i].backend, (char[MOK_ERRLEN]){0});
   while (srv->retired != NULL) {
     mokd_arena *a = srv->retired;
     srv->retired = a->next;
@@ -345,10 +345,10 @@ void mokd_arena_free(mokd_session *s, mokd_arena *a)
   if (a->kind != ARENA_IMPORTED)
     mokd_quota_give(s, a->bytes, a->device > 0);
 #ifdef MOKD_HAVE_CUDA
-  if (a->device > 0 && retire(s->srv, a) == 0)
+  if (a->device > 0 && retire(s->srv, s->backend, a) == 0)
     return;
   if (a->device > 0)
-    mokk_cuda_sync(s->srv->backend, (char[MOK_ERRLEN]){0});
+    mokk_cuda_sync(s->backend, (char[MOK_ERRLEN]){0});
 #endif
   arena_release(a);
 }
@@ -461,7 +461,7 @@ int mokd_ref_resolve(mokd_session *s, const char *what, const Mokd__TensorRef *r
   if ((a = mokd_arena_find(s, r->arena)) == NULL)
     return mokk_fail(err, MOK_ENOENT, "%s: arena %llu is not an arena of this session",
                      what, (unsigned long long)r->arena);
-  if (s->srv->cuda_device > 0 && a->device == 0)
+  if (s->cuda_device > 0 && a->device == 0)
     return mokk_fail(err, MOK_EDEVICE, "%s: arena %llu is host memory; the cuda backend "
                      "reads tensors in GPU arenas (CreateArena on this daemon)", what,
                      (unsigned long long)r->arena);

@@ -298,5 +298,8 @@ void mokd_server_maybe_stop(mokd_server *srv)
   if (srv->watchdog_on)
     uv_close((uv_handle_t *)&srv->watchdog, NULL);
   mokd_retired_stop(srv);
-  mokd_executor_close(srv->exec);
+  if (srv->exec != NULL)
+    mokd_executor_close(srv->exec);
+  for (int i = 0; i < srv->ngpus; i++)
+    mokd_executor_close(srv->gpus[i].exec);
 }

@@ -140,10 +140,10 @@ static void mokd_result_free(mokd_session *s, mokd_result *r)
   if (*pp == r)
     *pp = r->next;
   if (r->ctx != NULL)
-    mokk_ctx_free(s->srv->backend, r->ctx);
+    mokk_ctx_free(s->backend, r->ctx);
   for (int i = 0; i < r->npinned; i++)
     r->pinned[i]->users--;
-  mokd_quota_give(s, r->ctx_bytes, s->srv->cuda_device > 0);
+  mokd_quota_give(s, r->ctx_bytes, s->cuda_device > 0);
   if (r->is_context) {
     s->usage.contexts--, s->srv->usage.contexts--;
     s->usage.context_bytes -= r->ctx_bytes, s->srv->usage.context_bytes -= r->ctx_bytes;
@@ -208,6 +208,8 @@ static void session_destroy(mokd_session *s)
 #ifdef MOKD_HAVE_CUDA
   mokk_cuda_events_free(s->events);
 #endif
+  if (s->gpu != NULL)
+    s->gpu->sessions--;
   if (s->prev != NULL)
     s->prev->next = s->next;
   else
@@ -255,6 +257,8 @@ mokd_session *mokd_session_new(mokd_server *srv, int fd)
   s->srv = srv;
   s->fd = fd;
   s->id = ++srv->next_id;
+  s->backend = srv->backend; /* the CPU backend, or placed on a GPU at Hello */
+  s->exec = srv->exec;
   if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &len) == 0)
     s->pid = cr.pid, s->uid = cr.uid, s->gid = cr.gid;
   mokw_framer_init(&s->rx, (size_t)srv->cfg.max_frame_bytes);
@@ -492,6 +496,30 @@ static int h_hello(mokd_session *s, const Mokd__Request *q, char *err)
   if (h->protocol_version != MOKW_PROTOCOL_VERSION)
     return mokk_fail(err, MOK_EPROTO, "client speaks protocol %u; this daemon speaks %d",
                      h->protocol_version, MOKW_PROTOCOL_VERSION);
+  if (srv->ngpus > 0) {
+    /* the GPU the client asks for (ordinal + 1), else the least used */
+    mokd_gpu *g = NULL;
+    for (int i = 0; i < srv->ngpus; i++)
+      if (h->device > 0 ? srv->gpus[i].ordinal == h->device - 1
+                        : g == NULL || srv->gpus[i].sessions < g->sessions)
+        g = &srv->gpus[i];
+    if (g == NULL) {
+      char list[128] = "";
+      for (int i = 0; i < srv->ngpus; i++)
+        snprintf(list + strlen(list), sizeof list - strlen(list), "%s%d", i ? "," : "",
+                 srv->gpus[i].ordinal);
+      return mokk_fail(err, MOK_EDEVICE, "CUDA device %d is not one of this daemon's (%s)",
+                       h->device - 1, list);
+    }
+    s->gpu = g;
+    g->sessions++;
+    s->backend = g->backend;
+    s->exec = g->exec;
+    s->cuda_device = g->ordinal + 1;
+  } else if (h->device > 0) {
+    return mokk_fail(err, MOK_EDEVICE, "this daemon runs the %s backend; it has no CUDA "
+                     "device %d", mokk_backend_name(srv->backend), h->device - 1);
+  }
   snprintf(s->name, sizeof s->name, "%s", h->client_name != NULL ? h->client_name : "");
   s->hello_done = 1;
   LOG_INFO(SESS, "session %llu: hello from \"%s\" (pid %d uid %u gid %u)",
@@ -507,13 +535,16 @@ static int h_hello(mokd_session *s, const Mokd__Request *q, char *err)
   w.backend = (char *)mokk_backend_name(srv->backend);
   w.limits = &lim;
   w.session_id = s->id;
-  Mokd__Device dev = MOKD__DEVICE__INIT, *devp = &dev;
-  if (srv->cuda_device > 0) { /* the GPU this daemon's arenas live on */
-    dev.index = (uint32_t)(srv->cuda_device - 1);
-    dev.name = (char *)"cuda";
-    w.n_devices = 1;
-    w.devices = &devp;
+  Mokd__Device dev[MOKD_MAX_GPUS], *devp[MOKD_MAX_GPUS];
+  for (int i = 0; i < srv->ngpus; i++) {
+    mokd__device__init(&dev[i]);
+    dev[i].index = (uint32_t)srv->gpus[i].ordinal;
+    dev[i].name = (char *)"cuda";
+    devp[i] = &dev[i];
   }
+  w.n_devices = (size_t)srv->ngpus;
+  w.devices = devp;
+  w.session_device = s->cuda_device;
   r.id = q->id;
   r.body_case = MOKD__RESPONSE__BODY_WELCOME;
   r.welcome = &w;
@@ -749,8 +780,8 @@ static mokd_job *job_new(mokd_session *s, uint64_t id)
   if (j != NULL) {
     j->sess = s;
     j->req_id = id;
-    j->backend = s->srv->backend;
-    if (s->srv->cuda_device > 0)
+    j->backend = s->backend;
+    if (s->cuda_device > 0)
       j->events = &s->events;
   }
   return j;
@@ -760,9 +791,9 @@ static int check_ready(mokd_session *s, const ProtobufCBinaryData *ev, char *err
 {
   if (ev->len == 0)
     return 0;
-  if (s->srv->cuda_device <= 0)
+  if (s->cuda_device <= 0)
     return mokk_fail(err, MOK_EINVAL, "ready_event is a CUDA event; this daemon runs the %s "
-                     "backend", mokk_backend_name(s->srv->backend));
+                     "backend", mokk_backend_name(s->backend));
   if (ev->len != MOKK_CUDA_IPC_BYTES)
     return mokk_fail(err, MOK_EINVAL, "ready_event holds %zu bytes; a cudaIpcEventHandle_t "
                      "has %d", ev->len, MOKK_CUDA_IPC_BYTES);
@@ -782,7 +813,7 @@ static void set_ready(mokd_job *j, const ProtobufCBinaryData *ev)
 static int status_slot(mokd_session *s, mokd_job *j, mokd_result *r, size_t off, char *err)
 {
   static const int64_t one[1] = {1};
-  if (s->srv->cuda_device <= 0)
+  if (s->cuda_device <= 0)
     return 0;
   j->status = (int32_t *)((char *)r->out_arena->base + off);
   if ((j->status_ref = mokd_ref_new(r->out_arena->id, off, MOKD__DTYPE__DTYPE_I32, 1, one)) ==
@@ -861,7 +892,7 @@ static int h_forward(mokd_session *s, const Mokd__Request *q, char *err)
     goto fail;
   bytes[0] = (size_t)(j->T * l->shape.H) * 2;
   bytes[1] = sizeof(int32_t);
-  if ((rc = alloc_outputs(s, r, s->srv->cuda_device > 0 ? 2 : 1, bytes, off, err)))
+  if ((rc = alloc_outputs(s, r, s->cuda_device > 0 ? 2 : 1, bytes, off, err)))
     goto fail;
   j->fr.out = (uint16_t *)((char *)r->out_arena->base + off[0]);
   j->refs[j->nrefs++] = mokd_ref_new(r->out_arena->id, off[0], MOKD__DTYPE__DTYPE_BF16, 2, dx);
@@ -878,7 +909,7 @@ static int h_forward(mokd_session *s, const Mokd__Request *q, char *err)
       warenas[i]->users++;
     }
   s->busy = j;
-  mokd_executor_submit(s->srv->exec, j);
+  mokd_executor_submit(s->exec, j);
   return 0;
 
 fail:
@@ -951,7 +982,7 @@ static int h_backward(mokd_session *s, const Mokd__Request *q, char *err)
       bytes[nout++] = (size_t)mokk_weight_elems(sh, i) * 2;
     }
   bytes[nout] = sizeof(int32_t);
-  if ((rc = alloc_outputs(s, r, nout + (s->srv->cuda_device > 0), bytes, offs, err)))
+  if ((rc = alloc_outputs(s, r, nout + (s->cuda_device > 0), bytes, offs, err)))
     goto fail;
   if ((rc = status_slot(s, j, r, offs[nout], err)))
     goto fail;
@@ -972,7 +1003,7 @@ static int h_backward(mokd_session *s, const Mokd__Request *q, char *err)
       goto fail;
     }
   s->busy = j;
-  mokd_executor_submit(s->srv->exec, j);
+  mokd_executor_submit(s->exec, j);
   return 0;
 
 fail:
@@ -1036,7 +1067,7 @@ static int h_stats(mokd_session *s, const Mokd__Request *q)
   st.daemon = &d;
   st.session = &m;
   st.uptime_ns = mokd_now_ns() - s->srv->start_ns;
-  st.backend = (char *)mokk_backend_name(s->srv->backend);
+  st.backend = (char *)mokk_backend_name(s->backend);
   r.id = q->id;
   r.body_case = MOKD__RESPONSE__BODY_STATS;
   r.stats = &st;
@@ -1133,8 +1164,8 @@ void mokd_session_job_done(mokd_job *j)
   s->busy = NULL;
   if (rc == 0 && !j->backward && j->ctx != NULL) {
     r->ctx = j->ctx;
-    r->ctx_bytes = mokk_ctx_bytes(s->srv->backend, j->ctx);
-    rc = mokd_quota_take(s, r->ctx_bytes, s->srv->cuda_device > 0, j->err);
+    r->ctx_bytes = mokk_ctx_bytes(s->backend, j->ctx);
+    rc = mokd_quota_take(s, r->ctx_bytes, s->cuda_device > 0, j->err);
     if (rc != 0)
       r->ctx_bytes = 0;
     else

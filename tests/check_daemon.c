@@ -657,6 +657,20 @@ START_TEST(outputs_reuse_their_room)
 }
 END_TEST
 
+/* a GPU asked for from a daemon on the cpu backend is a clear error */
+START_TEST(device_on_cpu_backend_is_refused)
+{
+  mok_client *c = NULL;
+  ck_assert_int_eq(mok_connect_device(sock, "check_daemon", 0, &c), MOK_EDEVICE);
+  ck_assert_msg(strstr(mok_last_error(c), "has no CUDA device 0") != NULL, "%s",
+                mok_last_error(c));
+  mok_close(c);
+  c = connect_ok();
+  ck_assert_int_eq(mok_server_info(c)->device, -1);
+  mok_close(c);
+}
+END_TEST
+
 START_TEST(expert_id_out_of_range_through_daemon)
 {
   mok_client *c = connect_ok();
@@ -899,6 +913,7 @@ static Suite *daemon_suite(void)
   tcase_add_test(tc, killed_client_leaks_nothing);
   tcase_add_test(tc, expert_id_out_of_range_through_daemon);
   tcase_add_test(tc, outputs_reuse_their_room);
+  tcase_add_test(tc, device_on_cpu_backend_is_refused);
   tcase_add_test(tc, import_and_errors_through_libmok);
   tcase_add_test(tc, sigterm_finishes_in_flight_work);
   tcase_add_test(tc, second_daemon_and_stale_socket);

@@ -108,7 +108,8 @@ typedef struct mok_welcome {
   uint64_t max_arena_bytes;
   uint64_t session_quota_bytes;
   uint64_t session_gpu_quota_bytes;
-  int ndevices;
+  int ndevices;        /* GPUs the daemon runs on */
+  int device;          /* the one this session runs on (CUDA ordinal); -1 = cpu backend */
 } mok_welcome;
 
 /* Where the daemon listens by default: $MOKD_SOCKET, else /run/mokd/mokd.sock
@@ -119,6 +120,11 @@ void mok_default_socket(char *buf, size_t n);
  * failure *out may still be set, so that mok_last_error() can say why; pass it
  * to mok_close() either way. */
 int mok_connect(const char *path, const char *client_name, mok_client **out);
+/* The same, on the daemon's CUDA device `device` (an ordinal; -1 = the daemon
+ * picks its least used GPU). A session computes on one GPU, and its arenas
+ * live there; mok_server_info(c)->device says which. */
+int mok_connect_device(const char *path, const char *client_name, int device,
+                       mok_client **out);
 void mok_close(mok_client *c);
 const char *mok_last_error(const mok_client *c);
 const mok_welcome *mok_server_info(const mok_client *c);

@@ -378,7 +378,8 @@ static mok_client *daemon_start(daemon_run *d, const char *extra_flag, const cha
   }
   ck_assert_msg(up, "mokd did not come up on %s", d->sock);
   ck_assert_str_eq(mok_server_info(c)->backend, "cuda");
-  ck_assert_int_eq(mok_server_info(c)->ndevices, 1);
+  ck_assert_int_ge(mok_server_info(c)->ndevices, 1);
+  ck_assert_int_ge(mok_server_info(c)->device, 0);
   return c;
 }
 
@@ -409,25 +410,26 @@ static void daemon_stop(daemon_run *d)
   unlink(d->log);
 }
 
-/* A layer forward and backward through libmok with every tensor in a GPU
- * arena, against the CPU engine. */
-START_TEST(through_daemon)
+/* What daemon_layer leaves for more requests. */
+typedef struct daemon_step {
+  uint64_t layer;
+  mok_tensor x, ids, tw;
+} daemon_step;
+
+/* A layer forward and backward through libmok on c with every tensor in a
+ * GPU arena (on device), the outputs read back into og. */
+static void daemon_layer(mok_client *c, const moe_case *cs, int device, moe_out *og,
+                         daemon_step *st)
 {
-  mokk_shape s = {.H = 256, .I = 128, .E = 16, .K = 4, .I_s = 128, .swiglu_limit = 0.8f, .P = 1};
-  char err[2 * MOK_ERRLEN] = "";
-  int64_t T = 300, H = s.H, K = s.K;
+  const mokk_shape s = cs->s;
+  int64_t T = cs->T, H = s.H, K = s.K;
   mok_tensor x, ids, tw, dout, w[MOK_NWEIGHTS];
-  mok_arena_info ar;
+  mok_arena_info ar = {0};
   mok_forward_result fr;
   mok_backward_result br;
-  daemon_run dr;
-  mok_client *c = daemon_start(&dr, NULL, NULL);
-  moe_case cs;
-  moe_out oc, og;
   uint64_t layer;
   size_t at = 0;
 
-  case_make(&cs, &s, T, 21, ROUTE_RANDOM);
   for (int pass = 0; pass < 2; pass++) {
     uint64_t id = pass ? ar.id : 0;
     at = 0;
@@ -444,13 +446,13 @@ START_TEST(through_daemon)
     if (pass == 0)
       ck_assert_msg(mok_arena_create(c, at, &ar) == 0, "%s", mok_last_error(c));
   }
-  ck_assert_int_eq(ar.device, 0); /* a GPU arena on device 0 */
-  ck_assert(mok_tensor_write(c, &x, cs.x) == 0);
-  ck_assert(mok_tensor_write(c, &dout, cs.d_out) == 0);
-  ck_assert(mok_tensor_write(c, &ids, cs.ids) == 0);
-  ck_assert(mok_tensor_write(c, &tw, cs.tw) == 0);
+  ck_assert_int_eq(ar.device, device); /* a GPU arena on the session's device */
+  ck_assert(mok_tensor_write(c, &x, cs->x) == 0);
+  ck_assert(mok_tensor_write(c, &dout, cs->d_out) == 0);
+  ck_assert(mok_tensor_write(c, &ids, cs->ids) == 0);
+  ck_assert(mok_tensor_write(c, &tw, cs->tw) == 0);
   for (int i = 0; i < MOK_NWEIGHTS; i++)
-    ck_assert(mok_tensor_write(c, &w[i], cs.w[i]) == 0);
+    ck_assert(mok_tensor_write(c, &w[i], cs->w[i]) == 0);
 
   mok_layer_desc d = {.hidden = H, .intermediate = s.I, .experts = s.E, .top_k = K,
                       .shared_intermediate = s.I_s, .swiglu_limit = s.swiglu_limit,
@@ -461,24 +463,48 @@ START_TEST(through_daemon)
   ck_assert_msg(mok_backward(c, fr.context, &dout, NULL, 0, &br) == 0, "%s",
                 mok_last_error(c));
 
-  memset(&og, 0, sizeof og);
-  og.out = xcalloc(T * H, 2);
-  og.d_x = xcalloc(T * H, 2);
-  og.d_tw = xcalloc(T * K, 4);
-  ck_assert(mok_tensor_read(c, &fr.out, og.out) == 0);
-  ck_assert(mok_tensor_read(c, &br.d_x, og.d_x) == 0);
-  ck_assert(mok_tensor_read(c, &br.d_topk_weights, og.d_tw) == 0);
+  memset(og, 0, sizeof *og);
+  og->out = xcalloc(T * H, 2);
+  og->d_x = xcalloc(T * H, 2);
+  og->d_tw = xcalloc(T * K, 4);
+  ck_assert(mok_tensor_read(c, &fr.out, og->out) == 0);
+  ck_assert(mok_tensor_read(c, &br.d_x, og->d_x) == 0);
+  ck_assert(mok_tensor_read(c, &br.d_topk_weights, og->d_tw) == 0);
   ck_assert_int_eq(br.ngrads, MOK_NWEIGHTS);
+  for (int i = 0; i < MOK_NWEIGHTS; i++) {
+    og->g_bf16[i] = xcalloc(case_weight_elems(cs, i), 2);
+    ck_assert(mok_tensor_read(c, &br.grads[i], og->g_bf16[i]) == 0);
+  }
+  *st = (daemon_step){layer, x, ids, tw};
+}
+
+static const mokk_shape daemon_shape = {.H = 256, .I = 128, .E = 16, .K = 4, .I_s = 128,
+                                        .swiglu_limit = 0.8f, .P = 1};
+
+/* The layer through the daemon against the CPU engine. */
+START_TEST(through_daemon)
+{
+  mokk_shape s = daemon_shape;
+  char err[2 * MOK_ERRLEN] = "";
+  int64_t T = 300, H = s.H, K = s.K;
+  mok_forward_result fr;
+  daemon_run dr;
+  mok_client *c = daemon_start(&dr, NULL, NULL);
+  daemon_step st;
+  moe_case cs;
+  moe_out oc, og;
+
+  case_make(&cs, &s, T, 21, ROUTE_RANDOM);
+  daemon_layer(c, &cs, mok_server_info(c)->device, &og, &st);
   ck_assert_msg(case_run(cpu, &cs, 1, 1, MOKK_GRAD_BF16, 0, &oc, err) == 0, "%s", err);
   expect_close_bf16(oc.out, og.out, T * H, TOL_FWD, "daemon out");
   expect_close_bf16(oc.d_x, og.d_x, T * H, TOL_BWD, "daemon d_x");
   expect_close_f32(oc.d_tw, og.d_tw, T * K, TOL_FWD, "daemon d_topk_weights");
-  for (int i = 0; i < MOK_NWEIGHTS; i++) {
-    int64_t n = case_weight_elems(&cs, i);
-    og.g_bf16[i] = xcalloc(n, 2);
-    ck_assert(mok_tensor_read(c, &br.grads[i], og.g_bf16[i]) == 0);
-    expect_close_bf16(oc.g_bf16[i], og.g_bf16[i], n, TOL_BWD, wname[i]);
-  }
+  for (int i = 0; i < MOK_NWEIGHTS; i++)
+    expect_close_bf16(oc.g_bf16[i], og.g_bf16[i], case_weight_elems(&cs, i), TOL_BWD,
+                      wname[i]);
+  uint64_t layer = st.layer;
+  mok_tensor x = st.x, ids = st.ids, tw = st.tw;
 
   /* a host tensor is refused with its reason */
   {
@@ -750,6 +776,49 @@ START_TEST(stream_ordering)
 }
 END_TEST
 
+/* --devices 0,1: a session runs on the GPU it asks for (or the least used),
+ * its arenas live there, and the two GPUs give the same bits. Needs two
+ * GPUs; with one it says so and checks nothing. */
+START_TEST(two_gpus)
+{
+  char err[MOK_ERRLEN];
+  if (mokk_cuda_devices(err) < 2) {
+    printf("two_gpus: fewer than two GPUs visible; skipped\n");
+    return;
+  }
+  mokk_shape s = daemon_shape;
+  int64_t T = 300;
+  daemon_run dr;
+  mok_client *c0 = daemon_start(&dr, "--devices", "0,1"), *c1 = NULL, *c2 = NULL;
+  daemon_step st;
+  moe_case cs;
+  moe_out o0, o1;
+
+  mok_close(c0);
+  ck_assert_msg(mok_connect_device(dr.sock, "gpu0", 0, &c0) == 0, "%s", mok_last_error(c0));
+  ck_assert_msg(mok_connect_device(dr.sock, "gpu1", 1, &c1) == 0, "%s", mok_last_error(c1));
+  ck_assert_int_eq(mok_server_info(c0)->ndevices, 2);
+  ck_assert_int_eq(mok_server_info(c0)->device, 0);
+  ck_assert_int_eq(mok_server_info(c1)->device, 1);
+  ck_assert_int_eq(mok_connect_device(dr.sock, "gpu5", 5, &c2), MOK_EDEVICE);
+  ck_assert_msg(strstr(mok_last_error(c2), "not one of this daemon's (0,1)") != NULL, "%s",
+                mok_last_error(c2));
+  mok_close(c2);
+  case_make(&cs, &s, T, 23, ROUTE_RANDOM);
+  daemon_layer(c0, &cs, 0, &o0, &st);
+  daemon_layer(c1, &cs, 1, &o1, &st);
+  ck_assert(memcmp(o0.out, o1.out, (size_t)(T * s.H) * 2) == 0);
+  ck_assert(memcmp(o0.d_x, o1.d_x, (size_t)(T * s.H) * 2) == 0);
+  ck_assert(memcmp(o0.d_tw, o1.d_tw, (size_t)(T * s.K) * 4) == 0);
+  for (int i = 0; i < MOK_NWEIGHTS; i++)
+    ck_assert(memcmp(o0.g_bf16[i], o1.g_bf16[i], (size_t)case_weight_elems(&cs, i) * 2) == 0);
+  printf("two_gpus: devices 0 and 1 gave the same bits for forward and backward\n");
+  mok_close(c0), mok_close(c1);
+  daemon_stop(&dr);
+  out_free(&o0), out_free(&o1), case_free(&cs);
+}
+END_TEST
+
 /* session_gpu_quota_bytes bounds what the daemon allocates on the GPU for a
  * session; the client's own imported memory is not counted. */
 START_TEST(gpu_quota)
@@ -809,6 +878,7 @@ static Suite *gpu_suite(void)
   tcase_add_test(tc, through_daemon);
   tcase_add_test(tc, stream_ordering);
   tcase_add_test(tc, gpu_quota);
+  tcase_add_test(tc, two_gpus);
   suite_add_tcase(su, tc);
   return su;
 }

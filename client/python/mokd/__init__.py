@@ -74,7 +74,8 @@ class _Welcome(ctypes.Structure):
                 ("backend", ctypes.c_char * 32), ("session_id", ctypes.c_uint64),
                 ("max_frame_bytes", ctypes.c_uint32), ("max_arena_bytes", ctypes.c_uint64),
                 ("session_quota_bytes", ctypes.c_uint64),
-                ("session_gpu_quota_bytes", ctypes.c_uint64), ("ndevices", ctypes.c_int)]
+                ("session_gpu_quota_bytes", ctypes.c_uint64), ("ndevices", ctypes.c_int),
+                ("device", ctypes.c_int)]
 
 
 class _Usage(ctypes.Structure):
@@ -108,6 +109,8 @@ def _find_lib():
 _lib = _find_lib()
 _P = ctypes.POINTER
 _lib.mok_connect.argtypes = [ctypes.c_char_p, ctypes.c_char_p, _P(ctypes.c_void_p)]
+_lib.mok_connect_device.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int,
+                                    _P(ctypes.c_void_p)]
 _lib.mok_close.argtypes = [ctypes.c_void_p]
 _lib.mok_last_error.argtypes = [ctypes.c_void_p]
 _lib.mok_last_error.restype = ctypes.c_char_p
@@ -196,12 +199,13 @@ class Arena:
 
 
 class Client:
-    """One connection to mokd. Not thread-safe: use one per thread."""
+    """One connection to mokd. Not thread-safe: use one per thread. device: the
+    daemon GPU (CUDA ordinal) to run on; None lets a cuda daemon pick."""
 
-    def __init__(self, socket=None, name="python"):
+    def __init__(self, socket=None, name="python", device=None):
         h = ctypes.c_void_p()
-        rc = _lib.mok_connect(socket.encode() if socket else None, name.encode(),
-                              ctypes.byref(h))
+        rc = _lib.mok_connect_device(socket.encode() if socket else None, name.encode(),
+                                     -1 if device is None else int(device), ctypes.byref(h))
         self._h = h
         if rc != 0:
             msg = _lib.mok_last_error(h).decode() if h else _lib.mok_strerror(rc).decode()

@@ -62,11 +62,16 @@ class _View:
 
 
 class Session:
-    """One connection to mokd shared by the layers of a process. Calls are
-    serialized by a lock, since autograd runs backward on its own thread."""
+    """One connection to mokd shared by the layers on one GPU of a process,
+    computing on that GPU (default: the current one). Calls are serialized by a
+    lock, since autograd runs backward on its own thread."""
 
-    def __init__(self, socket=None, name="torch"):
-        self.client = Client(socket, name)
+    def __init__(self, socket=None, name="torch", device=None):
+        if device is None:
+            device = torch.cuda.current_device()
+        self.device = torch.device("cuda", device if isinstance(device, int)
+                                   else torch.device(device).index or 0)
+        self.client = Client(socket, name, self.device.index)
         info = self.client.info()
         if info["backend"] != "cuda":
             self.client.close()
@@ -127,11 +132,11 @@ _default = {}
 _default_lock = threading.Lock()
 
 
-def _session(socket):
+def _session(socket, device):
     with _default_lock:
-        s = _default.get(socket)
+        s = _default.get((socket, device.index))
         if s is None:
-            s = _default[socket] = Session(socket)
+            s = _default[(socket, device.index)] = Session(socket, device=device.index)
         return s
 
 
@@ -168,8 +173,12 @@ class MoELayer(torch.nn.Module):
             hidden, intermediate, experts, top_k
         self.shared_intermediate, self.swiglu_limit, self.check_each_step = \
             shared_intermediate, swiglu_limit, check
-        self.session = session if session is not None else _session(socket)
-        dev = torch.device(device) if device is not None else torch.device("cuda")
+        dev = torch.device(device) if device is not None else \
+            torch.device("cuda", torch.cuda.current_device())
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        self.session = session if session is not None else _session(socket, dev)
+        dev = self.session.device
         shapes = self.weight_shapes()
         names = ["w_gate", "w_up", "w_down", "s_gate", "s_up", "s_down"][:len(shapes)]
         for n, shp in zip(names, shapes):
