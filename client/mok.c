@@ -83,18 +83,26 @@ static uint64_t now_ns(void)
   return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+/* Room for one more element in a growing array. */
+static int grow(mok_client *c, void **arr, int n, int *cap, size_t size)
+{
+  if (n < *cap)
+    return 0;
+  int nc = *cap ? 2 * *cap : 8;
+  void *p = realloc(*arr, (size_t)nc * size);
+  if (p == NULL)
+    return fail(c, MOK_ENOMEM, "out of memory");
+  *arr = p, *cap = nc;
+  return 0;
+}
+
 static int add_map(mok_client *c, uint64_t id, int fd, size_t bytes, int device)
 {
   unsigned long long handle = 0;
   char why[200];
   void *p;
-  if (c->nmaps == c->capmaps) {
-    int cap = c->capmaps ? 2 * c->capmaps : 8;
-    mapped *m = realloc(c->maps, (size_t)cap * sizeof *m);
-    if (m == NULL)
-      return fail(c, MOK_ENOMEM, "out of memory");
-    c->maps = m, c->capmaps = cap;
-  }
+  if (grow(c, (void **)&c->maps, c->nmaps, &c->capmaps, sizeof *c->maps) != 0)
+    return MOK_ENOMEM;
   if (device > 0) {
     if (mok_cuda_map(fd, bytes, device - 1, &p, &handle, why, sizeof why) != 0)
       return fail(c, MOK_EDEVICE, "cannot map GPU arena %llu (%zu bytes): %s",
@@ -504,13 +512,8 @@ static int import_alloc(mok_client *c, const mok_cuda_alloc *al, uint64_t *arena
     return rc;
   *arena = r->buffer_imported->arena;
   mokd__response__free_unpacked(r, NULL);
-  if (c->nmaps == c->capmaps) {
-    int cap = c->capmaps ? 2 * c->capmaps : 8;
-    mapped *m = realloc(c->maps, (size_t)cap * sizeof *m);
-    if (m == NULL)
-      return fail(c, MOK_ENOMEM, "out of memory");
-    c->maps = m, c->capmaps = cap;
-  }
+  if (grow(c, (void **)&c->maps, c->nmaps, &c->capmaps, sizeof *c->maps) != 0)
+    return MOK_ENOMEM;
   c->maps[c->nmaps++] = (mapped){*arena, (void *)al->base, al->bytes, al->device + 1, 0, 1};
   return 0;
 }
@@ -550,13 +553,8 @@ int mok_arena_import_cuda(mok_client *c, const void *ptr, size_t bytes, uint64_t
   }
   if (hit == NULL) {
     uint64_t id = 0;
-    if (c->nimps == c->capimps) {
-      int cap = c->capimps ? 2 * c->capimps : 8;
-      imported *m = realloc(c->imps, (size_t)cap * sizeof *m);
-      if (m == NULL)
-        return fail(c, MOK_ENOMEM, "out of memory");
-      c->imps = m, c->capimps = cap;
-    }
+    if (grow(c, (void **)&c->imps, c->nimps, &c->capimps, sizeof *c->imps) != 0)
+      return MOK_ENOMEM;
     if ((rc = import_alloc(c, &al, &id)) != 0)
       return rc;
     hit = &c->imps[c->nimps++];

@@ -70,6 +70,22 @@ static int load(char *err)
   return 0;
 }
 
+/* Maps h at va read-write for device; nothing stays mapped on failure. */
+static CUresult map_rw(CUdeviceptr va, size_t bytes, CUmemGenericAllocationHandle h, int device)
+{
+  CUmemAccessDesc acc;
+  CUresult r;
+  memset(&acc, 0, sizeof acc);
+  acc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  acc.location.id = device;
+  acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  if ((r = drv.map(va, bytes, 0, h, 0)) != CUDA_SUCCESS)
+    return r;
+  if ((r = drv.access(va, bytes, &acc, 1)) != CUDA_SUCCESS)
+    drv.unmap(va, bytes);
+  return r;
+}
+
 static int drv_fail(char *err, CUresult r, const char *what)
 {
   return mokk_fail(err, r == CUDA_ERROR_OUT_OF_MEMORY ? MOK_ENOMEM : MOK_EDEVICE,
@@ -79,7 +95,6 @@ static int drv_fail(char *err, CUresult r, const char *what)
 extern "C" int mokk_gpu_mem_create(int device, size_t bytes, mokk_gpu_mem *m, int *fd, char *err)
 {
   CUmemAllocationProp prop;
-  CUmemAccessDesc acc;
   CUmemGenericAllocationHandle h = 0;
   CUdeviceptr va = 0;
   size_t g = 0;
@@ -122,16 +137,16 @@ extern "C" int mokk_gpu_mem_create(int device, size_t bytes, mokk_gpu_mem *m, in
     drv.release(h);
     return drv_fail(err, r, "cuMemAddressReserve");
   }
-  memset(&acc, 0, sizeof acc);
-  acc.location = prop.location;
-  acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  if ((r = drv.map(va, bytes, 0, h, 0)) != CUDA_SUCCESS ||
-      (r = drv.access(va, bytes, &acc, 1)) != CUDA_SUCCESS ||
-      (r = drv.exportfd(&out, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)) != CUDA_SUCCESS) {
+  if ((r = map_rw(va, bytes, h, device)) != CUDA_SUCCESS) {
+    drv.afree(va, bytes);
+    drv.release(h);
+    return drv_fail(err, r, "mapping a GPU arena");
+  }
+  if ((r = drv.exportfd(&out, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)) != CUDA_SUCCESS) {
     drv.unmap(va, bytes);
     drv.afree(va, bytes);
     drv.release(h);
-    return drv_fail(err, r, "mapping or exporting a GPU arena");
+    return drv_fail(err, r, "exporting a GPU arena");
   }
   m->ptr = (void *)va;
   m->bytes = bytes;
@@ -205,7 +220,6 @@ extern "C" int mokk_gpu_import_ipc(int device, const void *ipc_handle, size_t by
 extern "C" int mokk_gpu_import_fd(int device, int fd, size_t bytes, mokk_gpu_import *m,
                                   char *err)
 {
-  CUmemAccessDesc acc;
   CUmemGenericAllocationHandle h = 0;
   CUdeviceptr va = 0;
   CUresult r;
@@ -224,23 +238,13 @@ extern "C" int mokk_gpu_import_fd(int device, int fd, size_t bytes, mokk_gpu_imp
     drv.release(h);
     return drv_fail(err, r, "cuMemAddressReserve");
   }
-  memset(&acc, 0, sizeof acc);
-  acc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  acc.location.id = device;
-  acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
   /* mapping more than the allocation holds fails here, not later on a fault */
-  if ((r = drv.map(va, bytes, 0, h, 0)) != CUDA_SUCCESS) {
+  if ((r = map_rw(va, bytes, h, device)) != CUDA_SUCCESS) {
     drv.afree(va, bytes);
     drv.release(h);
     return mokk_fail(err, MOK_ERANGE, "cannot map %zu bytes of the imported cuMem allocation "
                      "(CUresult %d): is it smaller, or not a multiple of the granularity?",
                      bytes, (int)r);
-  }
-  if ((r = drv.access(va, bytes, &acc, 1)) != CUDA_SUCCESS) {
-    drv.unmap(va, bytes);
-    drv.afree(va, bytes);
-    drv.release(h);
-    return drv_fail(err, r, "cuMemSetAccess");
   }
   m->ptr = (void *)va;
   m->bytes = bytes;
