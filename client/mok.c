@@ -539,17 +539,21 @@ int mok_arena_import_cuda(mok_client *c, const void *ptr, size_t bytes, uint64_t
   if ((uintptr_t)ptr + bytes > al.base + al.bytes)
     return fail(c, MOK_ERANGE, "%zu bytes at %p run past the end of their allocation "
                 "(%zu bytes at %#lx)", bytes, ptr, al.bytes, (unsigned long)al.base);
-  for (int i = 0; i < c->nimps; i++)
-    if (c->imps[i].base == al.base)
-      hit = &c->imps[i];
-  if (hit != NULL && (hit->buffer_id != al.buffer_id || hit->bytes != al.bytes)) {
-    /* freed and allocated again at the same address: the daemon's mapping is
-     * of memory that is gone */
-    uint64_t old = hit->arena;
-    *hit = c->imps[--c->nimps];
-    hit = NULL;
-    if ((rc = mok_arena_destroy(c, old)) != 0)
-      return rc;
+  for (int i = 0; i < c->nimps;) {
+    imported *m = &c->imps[i];
+    if (m->base == al.base && m->buffer_id == al.buffer_id && m->bytes == al.bytes) {
+      hit = m;
+      break;
+    }
+    if (m->base < al.base + al.bytes && al.base < m->base + m->bytes) {
+      /* it overlaps a live allocation, so its own was freed: the daemon's
+       * mapping of it would keep that memory from going back */
+      uint64_t old = m->arena;
+      if ((rc = mok_arena_destroy(c, old)) != 0) /* drops it from imps too */
+        return rc;
+      continue;
+    }
+    i++;
   }
   if (hit == NULL) {
     uint64_t id = 0;

@@ -493,6 +493,8 @@ static int h_hello(mokd_session *s, const Mokd__Request *q, char *err)
   Mokd__Welcome w = MOKD__WELCOME__INIT;
   Mokd__Limits lim = MOKD__LIMITS__INIT;
 
+  if (s->hello_done)
+    return mokk_fail(err, MOK_EPROTO, "this session has said Hello already");
   if (h->protocol_version != MOKW_PROTOCOL_VERSION)
     return mokk_fail(err, MOK_EPROTO, "client speaks protocol %u; this daemon speaks %d",
                      h->protocol_version, MOKW_PROTOCOL_VERSION);

@@ -455,6 +455,13 @@ START_TEST(hello_comes_first)
   raw_request(fd, &req, -1);
   expect_status(fd, MOK_EPROTO, "client speaks protocol 99");
   close(fd);
+  /* one Hello per session: a second could move it off the GPU its arenas are on */
+  fd = raw_connect();
+  hello(fd);
+  h.protocol_version = MOK_PROTOCOL_VERSION;
+  raw_request(fd, &req, -1);
+  expect_status(fd, MOK_EPROTO, "said Hello already");
+  close(fd);
 }
 END_TEST
 
