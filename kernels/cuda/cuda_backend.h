@@ -61,9 +61,6 @@ typedef struct mokk_gpu_import {
 int mokk_gpu_import_ipc(int device, const void *ipc_handle, size_t bytes, mokk_gpu_import *m,
                         char *err);
 int mokk_gpu_import_fd(int device, int fd, size_t bytes, mokk_gpu_import *m, char *err);
-/* Waits for the device, then closes or unmaps. */
-void mokk_gpu_import_free(mokk_gpu_import *m);
-
 
 /* A GPU arena: a cuMem allocation of `bytes` (rounded up to the device's
  * granularity) mapped at ptr and exportable as a POSIX fd. */
@@ -86,6 +83,7 @@ int mokk_cuda_fence(mokk_backend *b, void **fence, char *err);
 int mokk_cuda_fence_passed(void *fence);
 void mokk_cuda_fence_free(void *fence);
 void mokk_gpu_mem_free_now(mokk_gpu_mem *m);
+/* Closes or unmaps an import; the caller has made sure no queued work reads it. */
 void mokk_gpu_import_free_now(mokk_gpu_import *m);
 
 #ifdef __cplusplus

@@ -253,15 +253,6 @@ extern "C" int mokk_gpu_import_fd(int device, int fd, size_t bytes, mokk_gpu_imp
   return 0;
 }
 
-extern "C" void mokk_gpu_import_free(mokk_gpu_import *m)
-{
-  if (m->ptr == NULL)
-    return;
-  cudaSetDevice(m->device);
-  cudaDeviceSynchronize(); /* queued work may still read it */
-  mokk_gpu_import_free_now(m);
-}
-
 extern "C" void mokk_gpu_import_free_now(mokk_gpu_import *m)
 {
   if (m->ptr == NULL)
