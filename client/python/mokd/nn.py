@@ -119,7 +119,7 @@ class Session:
         if not ptr:
             raise MokError(EPROTO, "the daemon's output lies outside the arenas mapped here")
         shape = tuple(m.shape[i] for i in range(m.ndim))
-        t = torch.as_tensor(_View(ptr, shape, _TYPESTR[m.dtype], owner), device="cuda")
+        t = torch.as_tensor(_View(ptr, shape, _TYPESTR[m.dtype], owner), device=self.device)
         return t.view(torch.bfloat16) if m.dtype == BF16 else t
 
     def status(self, owner):
