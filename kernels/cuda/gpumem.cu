@@ -86,6 +86,14 @@ static CUresult map_rw(CUdeviceptr va, size_t bytes, CUmemGenericAllocationHandl
   return r;
 }
 
+/* Undoes a mapping of h at va and drops this process's reference to h. */
+static void unmap_release(CUdeviceptr va, size_t bytes, CUmemGenericAllocationHandle h)
+{
+  drv.unmap(va, bytes);
+  drv.afree(va, bytes);
+  drv.release(h);
+}
+
 static int drv_fail(char *err, CUresult r, const char *what)
 {
   return mokk_fail(err, r == CUDA_ERROR_OUT_OF_MEMORY ? MOK_ENOMEM : MOK_EDEVICE,
@@ -143,9 +151,7 @@ extern "C" int mokk_gpu_mem_create(int device, size_t bytes, mokk_gpu_mem *m, in
     return drv_fail(err, r, "mapping a GPU arena");
   }
   if ((r = drv.exportfd(&out, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)) != CUDA_SUCCESS) {
-    drv.unmap(va, bytes);
-    drv.afree(va, bytes);
-    drv.release(h);
+    unmap_release(va, bytes, h);
     return drv_fail(err, r, "exporting a GPU arena");
   }
   m->ptr = (void *)va;
@@ -170,9 +176,7 @@ extern "C" void mokk_gpu_mem_free_now(mokk_gpu_mem *m)
 {
   if (m->ptr == NULL || !drv.ready)
     return;
-  drv.unmap((CUdeviceptr)m->ptr, m->bytes);
-  drv.afree((CUdeviceptr)m->ptr, m->bytes);
-  drv.release(m->handle);
+  unmap_release((CUdeviceptr)m->ptr, m->bytes, m->handle);
   memset(m, 0, sizeof *m);
 }
 
@@ -261,9 +265,7 @@ extern "C" void mokk_gpu_import_free_now(mokk_gpu_import *m)
   if (m->legacy) {
     cudaIpcCloseMemHandle(m->ptr);
   } else if (drv.ready) {
-    drv.unmap((CUdeviceptr)m->ptr, m->bytes);
-    drv.afree((CUdeviceptr)m->ptr, m->bytes);
-    drv.release(m->handle);
+    unmap_release((CUdeviceptr)m->ptr, m->bytes, m->handle);
   }
   memset(m, 0, sizeof *m);
 }
