@@ -58,7 +58,8 @@ UNIT_SRC   := tests/check_main.c tests/ref.c tests/check_bf16.c \
 UNIT_DAEMON := daemon/config.c daemon/log.c
 INTEG_SRC  := tests/check_daemon.c tests/ref.c
 BENCH_SRC  := tests/bench/bench_cpu.c
-CUDA_SRC   := kernels/cuda/cuda_moe.cu kernels/cuda/gpumem.cu kernels/cuda/ipc.cu
+CUDA_SRC   := kernels/cuda/cuda_moe.cu kernels/cuda/gpumem.cu kernels/cuda/ipc.cu \
+              kernels/cuda/sm90/tma.cu
 
 obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))
 
@@ -86,8 +87,9 @@ PC_FILE    := $(BUILD)/mok.pc
 LIBMOKK_CUDA := $(BUILD)/libmokk_cuda.a
 GPU_BIN    := $(BUILD)/tests/check_gpu
 GPU_BENCH  := $(BUILD)/bench_gpu
+GEMM_BENCH := $(BUILD)/bench_gemm
 ifeq ($(HAVE_CUDA),1)
-CUDA_TARGETS := $(LIBMOKK_CUDA) $(GPU_BIN) $(GPU_BENCH)
+CUDA_TARGETS := $(LIBMOKK_CUDA) $(GPU_BIN) $(GPU_BENCH) $(GEMM_BENCH)
 endif
 
 PROTOBUF_LIBS := $(shell pkg-config --libs libprotobuf-c 2>/dev/null || echo -lprotobuf-c)
@@ -104,7 +106,7 @@ endif
 PREFIX ?= /usr/local
 
 .PHONY: all deps check check-run check-c check-python asan bench-cpu bench bench-gpu clean \
-        demo demo-run install gpu-check
+        demo demo-run install gpu-check bench-gemm
 .DEFAULT_GOAL := all
 
 all: $(MOKD_BIN) $(MOKCTL_BIN) $(DEMO_BIN) $(LIBMOK_A) $(LIBMOK_SO) $(PC_FILE) \
@@ -128,7 +130,7 @@ $(BUILD)/obj/proto/mokd.pb-c.o: $(PROTO_C)
 
 $(call obj,$(UNIT_SRC) $(INTEG_SRC)): CFLAGS += $(CHECK_CFLAGS) -Itests
 
-$(BUILD)/obj/%.o: %.cu $(wildcard kernels/cuda/*.cuh) kernels/cuda/cuda_backend.h kernels/layer.h \
+$(BUILD)/obj/%.o: %.cu $(wildcard kernels/cuda/*.cuh kernels/cuda/sm90/*) kernels/cuda/cuda_backend.h kernels/layer.h \
                    kernels/backend.h client/include/mok_errno.h
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVFLAGS) -c $< -o $@
@@ -136,15 +138,20 @@ $(BUILD)/obj/%.o: %.cu $(wildcard kernels/cuda/*.cuh) kernels/cuda/cuda_backend.
 $(call obj,tests/gpu/check_gpu.c tests/bench/bench_gpu.c): CFLAGS += $(CHECK_CFLAGS) -Itests \
 	-isystem $(CUDA_HOME)/include
 
+$(BUILD)/obj/tests/gpu/gemm_core.o: NVFLAGS += -Ikernels/cuda
+
 $(LIBMOKK_CUDA): $(CUDA_OBJ)
 	$(AR) rcs $@ $^
-$(GPU_BIN): $(call obj,tests/gpu/check_gpu.c tests/ref.c) $(BUILD)/obj/tests/gpu/gate.o $(LIBMOK_A) $(LIBMOKK_CUDA) $(LIBMOKK) \
-            $(LIBCOMMON)
+$(GPU_BIN): $(call obj,tests/gpu/check_gpu.c tests/ref.c) $(BUILD)/obj/tests/gpu/gate.o \
+            $(BUILD)/obj/tests/gpu/gemm_core.o $(LIBMOK_A) $(LIBMOKK_CUDA) $(LIBMOKK) $(LIBCOMMON)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDSAN) -o $@ $^ $(CHECK_STATIC) -l:libprotobuf-c.a $(CUDA_LIBS) $(LDLIBS)
 $(GPU_BENCH): $(call obj,tests/bench/bench_gpu.c) $(BUILD)/obj/tests/bench/gpu_fill.o \
               $(LIBMOK_A) $(LIBMOKK_CUDA) $(LIBMOKK) $(LIBCOMMON)
 	$(CC) $(LDSAN) -o $@ $^ -l:libprotobuf-c.a $(CUDA_LIBS) $(LDLIBS)
+$(GEMM_BENCH): $(call obj,tests/bench/bench_gemm.c) $(BUILD)/obj/tests/gpu/gemm_core.o \
+               $(LIBMOKK_CUDA) $(LIBMOKK)
+	$(CC) $(LDSAN) -o $@ $^ $(CUDA_LIBS) $(LDLIBS)
 
 $(LIBCOMMON): $(COMMON_OBJ)
 	$(AR) rcs $@ $^
@@ -231,9 +238,19 @@ TORCH_PY = $(or $(TORCH_PYTHON),python3)
 bench-gpu:
 ifeq ($(HAVE_CUDA),1)
 	@$(MAKE) --no-print-directory $(GPU_BENCH)
-	$(GPU_BENCH) --verify --torch "$(or $(TORCH_PYTHON),python3) tests/bench/torch_moe.py"
+	$(GPU_BENCH) --verify --torch "$(TORCH_PY) tests/bench/torch_moe.py" \
+	  --ceiling "$(TORCH_PY) tests/bench/torch_matmul.py" --csv $(BUILD)/bench_gpu.csv
+	$(TORCH_PY) tests/bench/plot_bench.py $(BUILD)/bench_gpu.csv $(BUILD)/bench_gpu.png
 else
 	@echo "bench-gpu: nvcc not found at $(NVCC) (set CUDA_HOME); nothing to measure"
+endif
+
+bench-gemm:
+ifeq ($(HAVE_CUDA),1)
+	@$(MAKE) --no-print-directory $(GEMM_BENCH)
+	$(GEMM_BENCH) --torch "$(TORCH_PY) tests/bench/torch_matmul.py"
+else
+	@echo "bench-gemm: nvcc not found at $(NVCC) (set CUDA_HOME); nothing to measure"
 endif
 
 bench: bench-cpu bench-gpu

@@ -11,12 +11,14 @@
 
 #include "cuda_backend.h"
 #include "gemm.cuh"
+#include "gemm_sm90.cuh"
 
 #define SCHED_THREADS 256
 
 typedef struct cuda_backend {
   mokk_backend base;
   int device, sms, max_blocks;
+  int arch;      /* compute capability major.minor as 10 * major + minor; 0 until asked */
   cudaStream_t stream;
   int *status;   /* device: bit 0 = an expert id out of range */
 } cuda_backend;
@@ -231,12 +233,29 @@ static int64_t gemm_tiles(const gemm_args *a, int layout)
   return mtn * ntn;
 }
 
+/* One GEMM of the layer: the Hopper core (gemm_sm90.cuh) on sm_90, the
+ * portable tensor-core kernel elsewhere. a_rows: rows of A in memory (and of
+ * B in TN), which the Hopper core's tensor maps need. */
 template <int LAYOUT, int EPI>
-static int gemm(cuda_backend *cb, const gemm_args *a, char *err, const char *what)
+static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
+                const char *what)
 {
+  cudaError_t e;
+  if (cb->arch == 0) {
+    int major = 0, minor = 0;
+    if ((e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, cb->device)) !=
+            cudaSuccess ||
+        (e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, cb->device)) !=
+            cudaSuccess)
+      return cuda_fail(err, e, what);
+    cb->arch = 10 * major + minor;
+  }
+  if (cb->arch == 90)
+    return sm90::gemm<LAYOUT, EPI, 128>(a, a_rows, grid_for(cb, gemm_tiles(a, LAYOUT), 1),
+                                        cb->stream, err);
   /* the opt-in belongs to the current device and is a host-side call: ask every time */
-  cudaError_t e = cudaFuncSetAttribute(k_gemm<LAYOUT, EPI>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, G_SMEM_BYTES);
+  e = cudaFuncSetAttribute(k_gemm<LAYOUT, EPI>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           G_SMEM_BYTES);
   if (e != cudaSuccess)
     return cuda_fail(err, e, what);
   /* 256 threads and 66 KiB each: three blocks fit on an SM */
@@ -280,6 +299,7 @@ static gemm_args dense(const cuda_ctx *c, int64_t T)
  * shared one, a single dense group of T rows. */
 typedef struct mlp {
   gemm_args base;          /* routed() or dense() */
+  int64_t rows;            /* rows of the activations in memory: T K or T */
   const bf16 *wg, *wu, *wd;
   int64_t Ie, stride;      /* intermediate size; elements per expert of each weight */
   float *g, *u;            /* gate and up saved by the forward */
@@ -289,7 +309,7 @@ typedef struct mlp {
 static mlp mlp_routed(const cuda_ctx *c, int64_t TK)
 {
   const mokk_shape *s = &c->hdr.shape;
-  mlp m = {routed(c, TK), c->w[MOKK_W_GATE], c->w[MOKK_W_UP], c->w[MOKK_W_DOWN],
+  mlp m = {routed(c, TK), TK, c->w[MOKK_W_GATE], c->w[MOKK_W_UP], c->w[MOKK_W_DOWN],
            s->I, s->I * s->H, c->g, c->u, c->h};
   return m;
 }
@@ -297,7 +317,7 @@ static mlp mlp_routed(const cuda_ctx *c, int64_t TK)
 static mlp mlp_shared(const cuda_ctx *c, int64_t T)
 {
   const mokk_shape *s = &c->hdr.shape;
-  mlp m = {dense(c, T), c->w[MOKK_S_GATE], c->w[MOKK_S_UP], c->w[MOKK_S_DOWN],
+  mlp m = {dense(c, T), T, c->w[MOKK_S_GATE], c->w[MOKK_S_UP], c->w[MOKK_S_DOWN],
            s->I_s, 0, c->gs, c->us, c->hs};
   return m;
 }
@@ -314,14 +334,14 @@ static int mlp_forward(cuda_backend *cb, const mlp *m, const bf16 *x, int64_t H,
   a.N = (int)(2 * m->Ie), a.K = (int)H;
   a.C = m->h, a.ldc = m->Ie;
   a.sg = m->g, a.su = m->u, a.lds = m->Ie;
-  if ((rc = gemm<L_NT, E_GATEUP>(cb, &a, err, "gate/up GEMM")))
+  if ((rc = gemm<L_NT, E_GATEUP>(cb, &a, m->rows, err, "gate/up GEMM")))
     return rc;
   a = m->base;
   a.A = m->h, a.lda = m->Ie;
   a.B = m->wd, a.ldb = m->Ie, a.b_stride = m->stride;
   a.N = (int)H, a.K = (int)m->Ie;
   a.C = y, a.ldc = H;
-  return gemm<L_NT, E_BF16>(cb, &a, err, "down GEMM");
+  return gemm<L_NT, E_BF16>(cb, &a, m->rows, err, "down GEMM");
 }
 
 /* d_h = scale (d_out W_down) -> d_g | d_u (bf16, [rows, 2 Ie]), then
@@ -338,14 +358,14 @@ static int mlp_backward(cuda_backend *cb, const mlp *m, const bf16 *d_out, const
   a.C = dgu, a.ldc = 2 * m->Ie;
   a.sg = m->g, a.su = m->u, a.lds = m->Ie;
   a.scale = scale;
-  if ((rc = gemm<L_NN, E_DH>(cb, &a, err, "d_h GEMM")))
+  if ((rc = gemm<L_NN, E_DH>(cb, &a, m->rows, err, "d_h GEMM")))
     return rc;
   a = m->base;
   a.A = dgu, a.lda = 2 * m->Ie;
   a.B = m->wg, a.B2 = m->wu, a.split = m->Ie, a.ldb = H, a.b_stride = m->stride;
   a.N = (int)H, a.K = (int)(2 * m->Ie);
   a.C = dx, a.ldc = H;
-  return gemm<L_NN, E_F32>(cb, &a, err, "d_x GEMM");
+  return gemm<L_NN, E_F32>(cb, &a, m->rows, err, "d_x GEMM");
 }
 
 /* ---- forward ------------------------------------------------------------- */
@@ -592,7 +612,7 @@ static int cuda_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
       a.ldc = H;
       a.c_stride = Ie * H;
     }
-    if ((rc = gemm<L_TN, E_WGRAD>(cb, &a, err, "weight-gradient GEMM")))
+    if ((rc = gemm<L_TN, E_WGRAD>(cb, &a, shared ? T : TK, err, "weight-gradient GEMM")))
       goto out;
   }
 out:

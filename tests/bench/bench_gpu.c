@@ -85,6 +85,7 @@ typedef struct problem {
   float *tw;
   mokk_fwd_rank fr; /* device */
   mokk_bwd_rank br;
+  double bytes;     /* device memory of the tensors above */
 } problem;
 
 /* Shape and routing (on the host): K distinct experts per token. */
@@ -140,6 +141,10 @@ static void problem_make(problem *p, const shape_def *d)
   int64_t T = d->T, K = d->K;
 
   problem_route(p, d);
+  /* x, out, d_out, d_x; ids, weights, d_topk_weights; weights and gradients */
+  p->bytes = 4.0 * T * d->H * 2 + 3.0 * T * K * 4;
+  for (int w = 0; w < MOKK_NWEIGHTS; w++)
+    p->bytes += 2.0 * mokk_weight_elems(&p->s, w) * 2;
   p->fr.x = dmalloc(T * d->H * 2);
   p->fr.topk_ids = dmalloc(T * K * 4);
   p->fr.topk_weights = dmalloc(T * K * 4);
@@ -469,7 +474,7 @@ static int run_daemon(const char *sock, const shape_def *d, int iters, int do_ve
 }
 
 static int torch_baseline(const char *cmd, const char *name, int iters, double *fwd,
-                          double *bwd)
+                          double *bwd, double *peak_gb)
 {
   char line[1024], buf[1200];
   FILE *f;
@@ -480,9 +485,11 @@ static int torch_baseline(const char *cmd, const char *name, int iters, double *
     return 0;
   while (fgets(line, sizeof line, f) != NULL) {
     char *a = strstr(line, "fwd_ms="), *b = strstr(line, "bwd_ms=");
+    char *m = strstr(line, "peak_gb=");
     fputs(line, stdout);
     if (strncmp(line, "torch ", 6) == 0 && a && b) {
       *fwd = atof(a + 7), *bwd = atof(b + 7);
+      *peak_gb = m != NULL ? atof(m + 8) : 0;
       found = 1;
     }
   }
@@ -490,12 +497,87 @@ static int torch_baseline(const char *cmd, const char *name, int iters, double *
   return found;
 }
 
+/* TFLOP/s of torch.matmul on 8192^3 bf16, from CMD (torch_matmul.py); 0 if none */
+static double dense_ceiling(const char *cmd, int iters)
+{
+  char buf[1024], line[512];
+  double tf = 0;
+  FILE *f;
+
+  snprintf(buf, sizeof buf, "%s --iters %d 8192,8192,8192", cmd, iters);
+  if ((f = popen(buf, "r")) == NULL)
+    return 0;
+  while (fgets(line, sizeof line, f) != NULL) {
+    char *t = strstr(line, "tflops=");
+    fputs(line, stdout);
+    if (t != NULL)
+      tf = atof(t + 7);
+  }
+  pclose(f);
+  return tf;
+}
+
+typedef struct result {
+  const shape_def *d;
+  double f, b, peak;          /* in-process medians (ms), peak GB */
+  double df, db;              /* through mokd, 0 when not run */
+  double tf, tb, tpeak;       /* torch, 0 when not run */
+} result;
+
+static double flops_fwd(const shape_def *d)
+{
+  return 6.0 * (double)d->T * d->H * ((double)d->K * d->I + d->Is);
+}
+
+/* The table the issue asks for, and the same figures as CSV. */
+static void report(const result *r, int n, double ceil_tf, const char *csv)
+{
+  FILE *f = csv != NULL ? fopen(csv, "w") : NULL;
+
+  if (csv != NULL && f == NULL)
+    fprintf(stderr, "bench_gpu: cannot write %s\n", csv);
+  printf("\ndense ceiling (torch.matmul 8192^3 bf16, same run): %.1f TFLOP/s\n", ceil_tf);
+  printf("%-10s %-24s %-24s %-17s %-17s %-15s %-13s\n", "shape", "mokd fwd ms (TF/s, %ceil)",
+         "mokd bwd ms (TF/s, %ceil)", "via mokd fwd/bwd", "torch fwd/bwd", "ratio fwd/bwd",
+         "peak GB m/t");
+  if (f != NULL)
+    fprintf(f, "shape,T,H,I,E,K,shared,fwd_ms,bwd_ms,fwd_tflops,bwd_tflops,fwd_pct_ceiling,"
+               "bwd_pct_ceiling,daemon_fwd_ms,daemon_bwd_ms,torch_fwd_ms,torch_bwd_ms,"
+               "ratio_fwd,ratio_bwd,peak_gb,torch_peak_gb,ceiling_tflops\n");
+  for (int i = 0; i < n; i++) {
+    const shape_def *d = r[i].d;
+    double ff = flops_fwd(d) / r[i].f / 1e9, fb = 2 * flops_fwd(d) / r[i].b / 1e9;
+    double pf = ceil_tf > 0 ? 100 * ff / ceil_tf : 0, pb = ceil_tf > 0 ? 100 * fb / ceil_tf : 0;
+    double rf = r[i].tf > 0 ? r[i].tf / r[i].f : 0, rb = r[i].tb > 0 ? r[i].tb / r[i].b : 0;
+    char c1[32], c2[32], c3[32], c4[32], c5[32], c6[32];
+    snprintf(c1, sizeof c1, "%.3f (%.0f, %.0f%%)", r[i].f, ff, pf);
+    snprintf(c2, sizeof c2, "%.3f (%.0f, %.0f%%)", r[i].b, fb, pb);
+    snprintf(c3, sizeof c3, "%.3f/%.3f", r[i].df, r[i].db);
+    snprintf(c4, sizeof c4, "%.3f/%.3f", r[i].tf, r[i].tb);
+    snprintf(c5, sizeof c5, "%.3fx/%.3fx", rf, rb);
+    snprintf(c6, sizeof c6, "%.1f/%.1f", r[i].peak, r[i].tpeak);
+    printf("%-10s %-24s %-24s %-17s %-17s %-15s %-13s\n", d->name, c1, c2,
+           r[i].df > 0 ? c3 : "-", r[i].tf > 0 ? c4 : "-", r[i].tf > 0 ? c5 : "-", c6);
+    if (f != NULL)
+      fprintf(f, "%s,%lld,%lld,%lld,%lld,%lld,%d,%.4f,%.4f,%.1f,%.1f,%.1f,%.1f,%.4f,%.4f,%.4f,"
+                 "%.4f,%.4f,%.4f,%.3f,%.3f,%.1f\n",
+              d->name, (long long)d->T, (long long)d->H, (long long)d->I, (long long)d->E,
+              (long long)d->K, d->Is > 0, r[i].f, r[i].b, ff, fb, pf, pb, r[i].df, r[i].db,
+              r[i].tf, r[i].tb, rf, rb, r[i].peak, r[i].tpeak, ceil_tf);
+  }
+  if (f != NULL)
+    fclose(f);
+}
+
 int main(int argc, char **argv)
 {
   const char *want = "dsv3,mid,qwen3_4k,qwen3_32k,mok", *torch = NULL, *sock = NULL;
-  int iters = 10, do_verify = 0, bad = 0;
+  const char *csv = NULL, *ceil_cmd = NULL;
+  int iters = 20, do_verify = 0, bad = 0, nres = 0;
   char err[MOK_ERRLEN];
   mokk_backend *gpu = NULL, *cpu = NULL;
+  result res[sizeof shapes / sizeof shapes[0]];
+  double ceil_tf = 0;
 
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--shapes") && i + 1 < argc)
@@ -504,22 +586,32 @@ int main(int argc, char **argv)
       iters = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--torch") && i + 1 < argc)
       torch = argv[++i];
+    else if (!strcmp(argv[i], "--ceiling") && i + 1 < argc)
+      ceil_cmd = argv[++i];
+    else if (!strcmp(argv[i], "--csv") && i + 1 < argc)
+      csv = argv[++i];
     else if (!strcmp(argv[i], "--verify"))
       do_verify = 1;
     else if (!strcmp(argv[i], "--daemon") && i + 1 < argc)
       sock = argv[++i];
     else {
       fprintf(stderr, "usage: bench_gpu [--shapes a,b] [--iters n] [--torch CMD] [--verify]\n"
-                      "                 [--daemon SOCK]\n"
+                      "                 [--daemon SOCK] [--ceiling CMD] [--csv FILE]\n"
                       "  shapes: dsv3 mid qwen3_4k qwen3_32k mok (DESIGN §6)\n"
+                      "  --iters N    timed iterations after 2 warm-ups; medians (default 20)\n"
                       "  --torch CMD  run 'CMD --shapes NAME --iters N' for the baseline\n"
                       "  --verify     check dsv3 against the CPU engine on samples\n"
-                      "  --daemon SOCK  also run each shape through mokd (cuda) at SOCK\n");
+                      "  --daemon SOCK  also run each shape through mokd (cuda) at SOCK\n"
+                      "  --ceiling CMD  run 'CMD --iters N 8192,8192,8192' (torch_matmul.py)\n"
+                      "               for the dense ceiling in the same run\n"
+                      "  --csv FILE   write the summary table as CSV\n");
       return 2;
     }
   }
-  if (iters < 1)
-    iters = 1;
+  if (iters < 1) {
+    fprintf(stderr, "bench_gpu: --iters wants a positive count\n");
+    return 2;
+  }
   if (mokk_cuda_devices(err) <= 0) {
     printf("bench_gpu: no CUDA device; nothing to measure\n");
     return 0;
@@ -528,11 +620,15 @@ int main(int argc, char **argv)
     fprintf(stderr, "bench_gpu: %s\n", err);
     return 1;
   }
+  if (ceil_cmd != NULL)
+    ceil_tf = dense_ceiling(ceil_cmd, iters);
   cudaStream_t st = (cudaStream_t)mokk_cuda_stream(gpu);
   cudaEvent_t e0, e1, e2;
+  cudaMemPool_t pool;
   CUDA_OK(cudaEventCreate(&e0));
   CUDA_OK(cudaEventCreate(&e1));
   CUDA_OK(cudaEventCreate(&e2));
+  CUDA_OK(cudaDeviceGetDefaultMemPool(&pool, mokk_cuda_device(gpu)));
 
   for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
     const shape_def *d = &shapes[si];
@@ -542,8 +638,13 @@ int main(int argc, char **argv)
     snprintf(list, sizeof list, ",%s,", want);
     if (strstr(list, pat) == NULL)
       continue;
+    result *r = &res[nres++];
+    memset(r, 0, sizeof *r);
+    r->d = d;
     problem p;
     problem_make(&p, d);
+    uint64_t zero = 0, high = 0;
+    CUDA_OK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero));
     float *fms = xmalloc(iters * 4), *bms = xmalloc(iters * 4);
     for (int it = -2; it < iters; it++) {
       mokk_ctx *ctx = NULL;
@@ -568,39 +669,38 @@ int main(int argc, char **argv)
         CUDA_OK(cudaEventElapsedTime(&bms[it], e1, e2));
       }
     }
+    CUDA_OK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high));
+    r->peak = (p.bytes + (double)high) / 1e9;
     qsort(fms, iters, 4, cmp_float);
     qsort(bms, iters, 4, cmp_float);
     double f = fms[iters / 2], b = bms[iters / 2];
-    double flop = 6.0 * (double)d->T * d->H * ((double)d->K * d->I + d->Is);
+    double flop = flops_fwd(d);
+    r->f = f, r->b = b;
     printf("mokd %s T=%lld H=%lld I=%lld E=%lld K=%lld shared=%d fwd_ms=%.3f fwd_tflops=%.1f "
-           "bwd_ms=%.3f bwd_tflops=%.1f\n",
+           "bwd_ms=%.3f bwd_tflops=%.1f peak_gb=%.3f\n",
            d->name, (long long)d->T, (long long)d->H, (long long)d->I, (long long)d->E,
-           (long long)d->K, d->Is > 0, f, flop / f / 1e9, b, 2 * flop / b / 1e9);
+           (long long)d->K, d->Is > 0, f, flop / f / 1e9, b, 2 * flop / b / 1e9, r->peak);
     fflush(stdout);
     if (do_verify && !strcmp(d->name, "dsv3"))
       bad |= verify(&p, cpu);
     problem_free(&p);
     free(fms), free(bms);
-    { /* give the step memory cached in this process back before the next run */
-      cudaMemPool_t pool;
-      CUDA_OK(cudaDeviceSynchronize());
-      CUDA_OK(cudaDeviceGetDefaultMemPool(&pool, mokk_cuda_device(gpu)));
-      CUDA_OK(cudaMemPoolTrimTo(pool, 0));
-    }
-    if (sock != NULL) {
-      double df, db;
-      bad |= run_daemon(sock, d, iters, do_verify && !strcmp(d->name, "dsv3"), cpu, &df, &db);
-    }
+    /* give the step memory cached in this process back before the next run */
+    CUDA_OK(cudaDeviceSynchronize());
+    CUDA_OK(cudaMemPoolTrimTo(pool, 0));
+    if (sock != NULL)
+      bad |= run_daemon(sock, d, iters, do_verify && !strcmp(d->name, "dsv3"), cpu, &r->df,
+                        &r->db);
     if (torch != NULL) {
-      double tf, tb;
-      if (torch_baseline(torch, d->name, iters, &tf, &tb))
+      if (torch_baseline(torch, d->name, iters, &r->tf, &r->tb, &r->tpeak))
         printf("ratio %s: fwd %.3fx bwd %.3fx of torch._grouped_mm (>1 = mokd faster)\n",
-               d->name, tf / f, tb / b);
+               d->name, r->tf / f, r->tb / b);
       else
         printf("ratio %s: no torch baseline\n", d->name);
       fflush(stdout);
     }
   }
+  report(res, nres, ceil_tf, csv);
   mokk_backend_destroy(gpu);
   mokk_backend_destroy(cpu);
   return bad;

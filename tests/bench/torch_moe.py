@@ -1,5 +1,6 @@
 """PyTorch baseline for the MoE benchmark: a BF16 MoE layer built from
-torch._grouped_mm, forward and backward timed separately with CUDA events.
+torch._grouped_mm, forward and backward timed separately with CUDA events,
+and the peak memory of one training step (torch.cuda.max_memory_allocated).
 
 Routing: the (token, k) pairs are sorted by expert id (argsort), gathered,
 run through grouped gate/up GEMMs, SwiGLU, a grouped down GEMM, then
@@ -139,12 +140,24 @@ def run_shape(name, warmup, iters):
     bwd_ms = time_ms(bwd, warmup, iters)
     clear_grads()
 
+    # Peak memory of one training step: inputs, weights, their gradients and
+    # everything autograd keeps in between.
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    out = reference_moe(*args)
+    out.backward(d_out)
+    del out
+    torch.cuda.synchronize()
+    peak_gb = torch.cuda.max_memory_allocated() / 1e9
+    clear_grads()
+
     fwd_flops = 6 * T * K * H * I + (6 * T * H * I if shared else 0)
     bwd_flops = 2 * fwd_flops
     print(
         f"torch {name} T={T} H={H} I={I} E={E} K={K} shared={int(shared)} "
         f"fwd_ms={fwd_ms:.3f} fwd_tflops={fwd_flops / fwd_ms / 1e9:.1f} "
-        f"bwd_ms={bwd_ms:.3f} bwd_tflops={bwd_flops / bwd_ms / 1e9:.1f}",
+        f"bwd_ms={bwd_ms:.3f} bwd_tflops={bwd_flops / bwd_ms / 1e9:.1f} "
+        f"peak_gb={peak_gb:.3f}",
         flush=True,
     )
 

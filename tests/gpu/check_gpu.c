@@ -37,6 +37,10 @@
 
 static mokk_backend *gpu, *cpu;
 
+/* tests/gpu/gemm_core.cu */
+int gemm_core_available(void);
+int gemm_core_check(int bn, int grid, char *msg, size_t msglen, double *worst);
+
 static void *dev_copy(const void *h, size_t n)
 {
   void *d = NULL;
@@ -234,6 +238,27 @@ static void expect_same(const moe_out *a, const moe_out *b, const moe_case *c, c
                   wname[w]);
   }
 }
+
+/* The Hopper GEMM core, layout by layout, against an fp32 reference: both
+ * tile widths, on every SM and on three blocks (each walks many tiles). */
+START_TEST(gemm_core_layouts)
+{
+  static const int grids[] = {0, 3};
+  char msg[2048];
+  double worst = 0;
+
+  if (!gemm_core_available()) {
+    printf("gemm_core_layouts: not an sm_90 GPU; the Hopper core is not used here\n");
+    return;
+  }
+  for (int bn = 128; bn <= 256; bn *= 2)
+    for (size_t i = 0; i < sizeof grids / sizeof grids[0]; i++) {
+      int f = gemm_core_check(bn, grids[i], msg, sizeof msg, &worst);
+      printf("gemm_core_layouts BN=%d grid=%d: %s\n", bn, grids[i], msg);
+      ck_assert_msg(f == 0, "BN=%d grid=%d: %d case(s) failed: %s", bn, grids[i], f, msg);
+    }
+}
+END_TEST
 
 START_TEST(repeat_20_bitwise)
 {
@@ -855,7 +880,11 @@ END_TEST
 static Suite *gpu_suite(void)
 {
   Suite *su = suite_create("cuda");
-  TCase *tc = tcase_create("vs_cpu");
+  TCase *tc = tcase_create("gemm_core");
+  tcase_set_timeout(tc, 120);
+  tcase_add_test(tc, gemm_core_layouts);
+  suite_add_tcase(su, tc);
+  tc = tcase_create("vs_cpu");
   tcase_set_timeout(tc, 600);
   tcase_add_test(tc, small_routed);
   tcase_add_test(tc, shared_and_clamp);

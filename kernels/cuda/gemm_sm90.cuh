@@ -1,0 +1,438 @@
+/* gemm_sm90.cuh - the grouped bf16 GEMM core on Hopper: TMA loads into a
+ * ring of shared-memory stages, wgmma on two consumer warpgroups, one
+ * persistent block per SM. It computes the same three layouts as the
+ * portable kernel (gemm.cuh: NT forward, NN data gradients, TN weight
+ * gradients) with the same epilogues, from the same gemm_args.
+ *
+ * Why it is shaped this way:
+ * - Warp specialisation: one thread of the producer warpgroup issues every
+ *   copy; 256 consumer threads only wait, multiply and store. The producer
+ *   gives its registers to the consumers (setmaxnreg).
+ * - A stage is a 128 x 64 A tile and a BN x 64 B tile, filled by the copy
+ *   engine with the 128-byte swizzle that wgmma reads directly (sm90/ptx.cuh).
+ *   full[s] completes when its bytes have landed, empty[s] when all eight
+ *   consumer warps are done with it: the producer runs up to STAGES k-blocks
+ *   ahead, across tile boundaries, so the next tile's loads hide this tile's
+ *   epilogue.
+ * - Operands stay where they are: K-major operands (x, h, the forward's
+ *   weights) and MN-major ones (the backward's weights, the weight gradients'
+ *   rows) are both read by the copy engine as they lie in memory; wgmma's
+ *   transpose bits take care of the rest. Gate and up weights fill the two
+ *   halves of one B tile, so the SwiGLU runs on registers in the epilogue.
+ * - Tile order: an expert's tiles run together, m-tiles fastest, so the
+ *   blocks that share a weight slab read it at the same time and HBM sees it
+ *   about once (the L2 serves the rest); dense GEMMs walk bands of 16 m-tiles.
+ * - Determinism: a tile is owned by one block that sums k in order, and the
+ *   tile a block gets never changes any tile's bits, so results are the same
+ *   for any grid (DESIGN §2). Weight gradients sum an expert's rows in blocks
+ *   of 64 from the start of its segment; rows past the segment in the last
+ *   block are zeroed in shared memory before they reach the tensor cores. */
+#ifndef MOKK_CUDA_GEMM_SM90_CUH
+#define MOKK_CUDA_GEMM_SM90_CUH
+
+#include <cuda_runtime.h>
+#include <string.h>
+
+#include "epilogue.cuh"
+#include "gemm.cuh"
+#include "layer.h"
+#include "sm90/ptx.cuh"
+#include "sm90/tma.h"
+
+namespace sm90 {
+
+constexpr int BM = 128;     /* rows of a tile: 64 per consumer warpgroup */
+constexpr int BK = 64;      /* k per stage: one 128-byte swizzle row of bf16 */
+constexpr int THREADS = 384;
+constexpr int CHUNK = 64 * BK * 2; /* one MN-major 64-wide chunk of a stage */
+constexpr int RASTER_M = 16;       /* dense GEMMs: m-tiles per band */
+static_assert(BM == G_BM, "the schedule counts m-tiles of G_BM rows");
+
+template <int BN>
+struct cfg {
+  static constexpr int STAGES = BN == 128 ? 6 : 4;
+  static constexpr int A_BYTES = BM * BK * 2;
+  static constexpr int B_BYTES = BN * BK * 2;
+  /* + 1024 to align the ring by hand */
+  static constexpr int SMEM = STAGES * (A_BYTES + B_BYTES) + 2 * STAGES * 8 + 1024;
+};
+
+typedef struct params { /* 64-byte aligned, as CUtensorMap is */
+  CUtensorMap a, b, b2; /* b2: the up weights (gate/up), or B's rows k >= split (NN) */
+  gemm_args g;
+} params;
+
+typedef struct tile {
+  int g, mt, nt;
+  int rows;   /* NT, NN: valid rows of the group; TN: the group's reduction length */
+  int64_t rb; /* first row of the group */
+} tile;
+
+template <int LAYOUT, int BN>
+__device__ __forceinline__ int64_t tile_count(const gemm_args &a)
+{
+  int64_t ntn = (a.N + BN - 1) / BN, mtn = (a.M + BM - 1) / BM;
+  if (LAYOUT == L_TN)
+    return a.groups * mtn * ntn;
+  if (a.count != NULL)
+    return a.tile_off[a.groups] * ntn;
+  return mtn * ntn;
+}
+
+template <int LAYOUT, int BN>
+__device__ __forceinline__ tile tile_at(const gemm_args &a, int64_t t)
+{
+  tile x;
+  int ntn = (a.N + BN - 1) / BN, mtn = (a.M + BM - 1) / BM;
+
+  if (LAYOUT == L_TN) {
+    int64_t per = (int64_t)mtn * ntn;
+    x.g = (int)(t / per);
+    int local = (int)(t % per);
+    x.mt = local / ntn;
+    x.nt = local % ntn;
+    x.rows = a.count != NULL ? a.count[x.g] : a.K;
+    x.rb = a.row_start != NULL ? a.row_start[x.g] : 0;
+  } else if (a.count != NULL) {
+    int key = (int)(t / ntn), lo = 0, hi = a.groups - 1;
+    while (lo < hi) { /* the last group whose first m-tile is <= key */
+      int mid = (lo + hi + 1) >> 1;
+      if (a.tile_off[mid] <= key)
+        lo = mid;
+      else
+        hi = mid - 1;
+    }
+    int first = a.tile_off[lo], mtg = a.tile_off[lo + 1] - first;
+    int local = (int)(t - (int64_t)first * ntn);
+    x.g = lo;
+    x.nt = local / mtg;
+    x.mt = local % mtg;
+    x.rows = a.count[lo];
+    x.rb = a.row_start[lo];
+  } else {
+    int64_t band = t / ((int64_t)RASTER_M * ntn);
+    int m0 = (int)band * RASTER_M, mb = min(RASTER_M, mtn - m0);
+    int local = (int)(t - band * RASTER_M * ntn);
+    x.g = 0;
+    x.nt = local / mb;
+    x.mt = m0 + local % mb;
+    x.rows = a.M;
+    x.rb = 0;
+  }
+  return x;
+}
+
+template <int LAYOUT>
+__device__ __forceinline__ int k_blocks(const gemm_args &a, const tile &x)
+{
+  return LAYOUT == L_TN ? (x.rows + BK - 1) / BK : a.K / BK;
+}
+
+/* The producer's copies for k-block kb of tile x into stage (sa, sb). */
+template <int LAYOUT, int EPI, int BN>
+__device__ __forceinline__ void load_stage(const params &p, const tile &x, int kb,
+                                           unsigned char *sa, unsigned char *sb, uint64_t *bar)
+{
+  const gemm_args &a = p.g;
+  int k = kb * BK;
+
+  if (LAYOUT == L_TN) { /* A [rows, M] and B [rows, N], both MN-major */
+    int r = (int)x.rb + k;
+#pragma unroll
+    for (int c = 0; c < BM / 64; c++)
+      tma_load(sa + c * CHUNK, &p.a, x.mt * BM + c * 64, r, 0, bar);
+#pragma unroll
+    for (int c = 0; c < BN / 64; c++)
+      tma_load(sb + c * CHUNK, &p.b, x.nt * BN + c * 64, r, 0, bar);
+    return;
+  }
+  /* A [rows, K], K-major */
+  tma_load(sa, &p.a, k, (int)x.rb + x.mt * BM, 0, bar);
+  if (LAYOUT == L_NT) { /* B [groups, N, K], K-major */
+    if (EPI == E_GATEUP) {
+      tma_load(sb, &p.b, k, x.nt * (BN / 2), x.g, bar);
+      tma_load(sb + BN / 2 * 128, &p.b2, k, x.nt * (BN / 2), x.g, bar);
+    } else {
+      tma_load(sb, &p.b, k, x.nt * BN, x.g, bar);
+    }
+  } else {              /* B [groups, K, N], MN-major, rows >= split from b2 */
+    const CUtensorMap *m = &p.b;
+    if (a.B2 != NULL && k >= a.split) {
+      m = &p.b2;
+      k -= (int)a.split;
+    }
+#pragma unroll
+    for (int c = 0; c < BN / 64; c++)
+      tma_load(sb + c * CHUNK, m, x.nt * BN + c * 64, k, x.g, bar);
+  }
+}
+
+/* TN: the last k-block of a segment holds `kv` rows; the rest of the rows
+ * belong to the next expert and must not reach the sum. */
+template <int BN>
+__device__ __forceinline__ void zero_rows(unsigned char *sa, unsigned char *sb, int kv, int ct)
+{
+  const int per = (BK - kv) * 8; /* 16-byte units per chunk */
+  const uint4 z = make_uint4(0, 0, 0, 0);
+  for (int i = ct; i < (BM / 64 + BN / 64) * per; i += 256) {
+    int c = i / per, o = i % per;
+    unsigned char *base = c < BM / 64 ? sa + c * CHUNK : sb + (c - BM / 64) * CHUNK;
+    *(uint4 *)(base + kv * 128 + o * 16) = z;
+  }
+  fence_async_shared();
+  named_sync(1, 256);
+}
+
+template <int TA, int TB, int BN>
+__device__ __forceinline__ void mma_stage(float (&acc)[BN / 2], uint32_t sa, uint32_t sb, int cw)
+{
+#pragma unroll
+  for (int kk = 0; kk < BK / 16; kk++) {
+    uint64_t da = TA ? wgmma_desc(sa + cw * CHUNK + kk * 2048, CHUNK, 1024)
+                     : wgmma_desc(sa + cw * 64 * 128 + kk * 32, 16, 1024);
+    uint64_t db = TB ? wgmma_desc(sb + kk * 2048, CHUNK, 1024)
+                     : wgmma_desc(sb + kk * 32, 16, 1024);
+    if constexpr (BN == 128)
+      wgmma_128<TA, TB>(acc, da, db, 1);
+    else
+      wgmma_256<TA, TB>(acc, da, db, 1);
+  }
+}
+
+/* Registers to global memory. Thread (warp w of consumer warpgroup cw, lane
+ * l) holds tile rows cw 64 + 16 w + l / 4 + {0, 8} and columns 8 j + 2 (l % 4)
+ * + {0, 1}: acc[4 j + 2 r + c]. */
+template <int LAYOUT, int EPI, int BN>
+__device__ __forceinline__ void epilogue(const gemm_args &a, const tile &x, float (&acc)[BN / 2],
+                                         int cw, int warp, int lane)
+{
+  const int r0 = cw * 64 + warp * 16 + lane / 4, c0 = 2 * (lane % 4);
+
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    if constexpr (LAYOUT == L_TN) {
+      int m = x.mt * BM + r0 + 8 * r;
+      if (m >= a.M)
+        continue;
+      void *base = a.C;
+      int64_t mm = m;
+      if (a.C2 != NULL && mm >= a.split) {
+        base = a.C2;
+        mm -= a.split;
+      }
+      int64_t off = (int64_t)x.g * a.c_stride + mm * a.ldc;
+#pragma unroll
+      for (int j = 0; j < BN / 8; j++) {
+        int n = x.nt * BN + 8 * j + c0;
+        if (n >= a.N)
+          continue;
+        float v0 = acc[4 * j + 2 * r], v1 = acc[4 * j + 2 * r + 1];
+        if (a.accum) {
+          float2 *q = (float2 *)((float *)base + off + n), o = *q;
+          o.x = __fadd_rn(o.x, v0);
+          o.y = __fadd_rn(o.y, v1);
+          *q = o;
+        } else {
+          *(__nv_bfloat162 *)((bf16 *)base + off + n) = __floats2bfloat162_rn(v0, v1);
+        }
+      }
+    } else {
+      int ml = x.mt * BM + r0 + 8 * r;
+      if (ml >= x.rows)
+        continue;
+      int64_t row = x.rb + ml;
+      if constexpr (EPI == E_GATEUP) {
+        const int ie = a.N / 2;
+#pragma unroll
+        for (int j = 0; j < BN / 16; j++) {
+          int i = x.nt * (BN / 2) + 8 * j + c0;
+          if (i >= ie)
+            continue;
+          float g0 = acc[4 * j + 2 * r], g1 = acc[4 * j + 2 * r + 1];
+          float u0 = acc[4 * (j + BN / 16) + 2 * r], u1 = acc[4 * (j + BN / 16) + 2 * r + 1];
+          if (a.sg != NULL) {
+            *(float2 *)(a.sg + row * a.lds + i) = make_float2(g0, g1);
+            *(float2 *)(a.su + row * a.lds + i) = make_float2(u0, u1);
+          }
+          *(__nv_bfloat162 *)((bf16 *)a.C + row * a.ldc + i) =
+              __floats2bfloat162_rn(epi_swiglu(g0, u0, a.limit), epi_swiglu(g1, u1, a.limit));
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < BN / 8; j++) {
+          int n = x.nt * BN + 8 * j + c0;
+          if (n >= a.N)
+            continue;
+          float v0 = acc[4 * j + 2 * r], v1 = acc[4 * j + 2 * r + 1];
+          if constexpr (EPI == E_BF16) {
+            *(__nv_bfloat162 *)((bf16 *)a.C + row * a.ldc + n) = __floats2bfloat162_rn(v0, v1);
+          } else if constexpr (EPI == E_F32) {
+            *(float2 *)((float *)a.C + row * a.ldc + n) = make_float2(v0, v1);
+          } else { /* E_DH */
+            if (a.scale != NULL) {
+              v0 = __fmul_rn(a.scale[row], v0);
+              v1 = __fmul_rn(a.scale[row], v1);
+            }
+            float2 gr = *(const float2 *)(a.sg + row * a.lds + n);
+            float2 ur = *(const float2 *)(a.su + row * a.lds + n);
+            float dg0, du0, dg1, du1;
+            epi_dswiglu(v0, gr.x, ur.x, a.limit, &dg0, &du0);
+            epi_dswiglu(v1, gr.y, ur.y, a.limit, &dg1, &du1);
+            bf16 *d = (bf16 *)a.C + row * a.ldc;
+            *(__nv_bfloat162 *)(d + n) = __floats2bfloat162_rn(dg0, dg1);
+            *(__nv_bfloat162 *)(d + a.lds + n) = __floats2bfloat162_rn(du0, du1);
+          }
+        }
+      }
+    }
+  }
+}
+
+template <int LAYOUT, int EPI, int BN>
+__global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ params p)
+{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int TA = LAYOUT == L_TN, TB = LAYOUT != L_NT;
+  constexpr int STAGES = cfg<BN>::STAGES, A_BYTES = cfg<BN>::A_BYTES, B_BYTES = cfg<BN>::B_BYTES;
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char *sa = (unsigned char *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+  unsigned char *sb = sa + STAGES * A_BYTES;
+  uint64_t *full = (uint64_t *)(sb + STAGES * B_BYTES), *empty = full + STAGES;
+  const gemm_args &a = p.g;
+  const int wg = threadIdx.x / 128;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; s++) {
+      bar_init(&full[s], 1);
+      bar_init(&empty[s], 8); /* one arrival per consumer warp */
+    }
+    bar_init_fence();
+  }
+  __syncthreads();
+  const int64_t tiles = tile_count<LAYOUT, BN>(a);
+
+  if (wg == 0) {
+    regs_release<56>();
+    if (threadIdx.x != 0)
+      return;
+    tma_prefetch_map(&p.a);
+    tma_prefetch_map(&p.b);
+    int s = 0;
+    uint32_t ph = 0;
+    for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+      tile x = tile_at<LAYOUT, BN>(a, t);
+      int nk = k_blocks<LAYOUT>(a, x);
+      for (int kb = 0; kb < nk; kb++) {
+        bar_wait(&empty[s], ph ^ 1);
+        bar_expect(&full[s], A_BYTES + B_BYTES);
+        load_stage<LAYOUT, EPI, BN>(p, x, kb, sa + s * A_BYTES, sb + s * B_BYTES, &full[s]);
+        if (++s == STAGES) {
+          s = 0;
+          ph ^= 1;
+        }
+      }
+    }
+    return;
+  }
+
+  regs_claim<224>();
+  const int cw = wg - 1, ct = threadIdx.x - 128, warp = (threadIdx.x / 32) % 4,
+            lane = threadIdx.x % 32;
+  const uint32_t sa0 = smem_addr(sa), sb0 = smem_addr(sb);
+  int s = 0;
+  uint32_t ph = 0;
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    tile x = tile_at<LAYOUT, BN>(a, t);
+    int nk = k_blocks<LAYOUT>(a, x);
+    /* a group's last m-tile often has no rows for the second warpgroup: it
+     * then only keeps the pipeline going and leaves the tensor cores to the
+     * first */
+    const bool active = LAYOUT == L_TN || x.mt * BM + cw * 64 < x.rows;
+    float acc[BN / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; i++)
+      acc[i] = 0.0f;
+    for (int kb = 0; kb < nk; kb++) {
+      bar_wait(&full[s], ph);
+      if (LAYOUT == L_TN && kb == nk - 1 && x.rows % BK != 0)
+        zero_rows<BN>(sa + s * A_BYTES, sb + s * B_BYTES, x.rows % BK, ct);
+      if (active) {
+        acc_fence(acc);
+        wgmma_fence();
+        mma_stage<TA, TB, BN>(acc, sa0 + s * A_BYTES, sb0 + s * B_BYTES, cw);
+        wgmma_commit();
+        wgmma_wait<0>();
+        acc_fence(acc);
+      }
+      if (lane == 0)
+        bar_arrive(&empty[s]);
+      if (++s == STAGES) {
+        s = 0;
+        ph ^= 1;
+      }
+    }
+    epilogue<LAYOUT, EPI, BN>(a, x, acc, cw, warp, lane);
+  }
+#else
+  __trap(); /* launched only on sm_90 devices */
+#endif
+}
+
+/* Tensor maps for the layout, from the same gemm_args as the portable
+ * kernel; a_rows: the rows of A (and of B in TN) in memory. */
+template <int LAYOUT, int EPI, int BN>
+static int make_params(params *p, const gemm_args *a, int64_t a_rows, char *err)
+{
+  int rc;
+  memset(p, 0, sizeof *p);
+  p->g = *a;
+  if (LAYOUT == L_TN) {
+    if ((rc = mokk_tmap_bf16(&p->a, a->A, a->M, a_rows, 1, a->lda, 0, BK, err)))
+      return rc;
+    return mokk_tmap_bf16(&p->b, a->B, a->N, a_rows, 1, a->ldb, 0, BK, err);
+  }
+  if ((rc = mokk_tmap_bf16(&p->a, a->A, a->K, a_rows, 1, a->lda, 0, BM, err)))
+    return rc;
+  if (LAYOUT == L_NT) {
+    if (EPI == E_GATEUP) {
+      if ((rc = mokk_tmap_bf16(&p->b, a->B, a->K, a->N / 2, a->groups, a->ldb, a->b_stride,
+                               BN / 2, err)))
+        return rc;
+      return mokk_tmap_bf16(&p->b2, a->B2, a->K, a->N / 2, a->groups, a->ldb, a->b_stride,
+                            BN / 2, err);
+    }
+    return mokk_tmap_bf16(&p->b, a->B, a->K, a->N, a->groups, a->ldb, a->b_stride, BN, err);
+  }
+  int64_t kb = a->B2 != NULL ? a->split : a->K;
+  if ((rc = mokk_tmap_bf16(&p->b, a->B, a->N, kb, a->groups, a->ldb, a->b_stride, BK, err)))
+    return rc;
+  if (a->B2 != NULL)
+    return mokk_tmap_bf16(&p->b2, a->B2, a->N, a->K - kb, a->groups, a->ldb, a->b_stride, BK,
+                          err);
+  return 0;
+}
+
+/* Queues one GEMM on stream with `grid` persistent blocks. */
+template <int LAYOUT, int EPI, int BN>
+static int gemm(const gemm_args *a, int64_t a_rows, int grid, cudaStream_t stream, char *err)
+{
+  params p;
+  int rc = make_params<LAYOUT, EPI, BN>(&p, a, a_rows, err);
+  if (rc)
+    return rc;
+  cudaError_t e = cudaFuncSetAttribute(k_gemm90<LAYOUT, EPI, BN>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       cfg<BN>::SMEM);
+  if (e == cudaSuccess) {
+    k_gemm90<LAYOUT, EPI, BN><<<grid, THREADS, cfg<BN>::SMEM, stream>>>(p);
+    e = cudaGetLastError();
+  }
+  if (e != cudaSuccess)
+    return mokk_fail(err, MOK_EDEVICE, "GEMM (sm90) launch: %s (%s)", cudaGetErrorString(e),
+                     cudaGetErrorName(e));
+  return 0;
+}
+
+} /* namespace sm90 */
+
+#endif

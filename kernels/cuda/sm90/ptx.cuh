@@ -1,0 +1,195 @@
+/* ptx.cuh - the Hopper (sm_90a) primitives the GEMM core is built from:
+ * mbarriers and bulk tensor copies through CCCL's cuda::ptx, and what CCCL
+ * does not wrap as inline PTX: wgmma, its shared-memory descriptors and
+ * fences, setmaxnreg and named barriers.
+ *
+ * Every operand tile in shared memory uses the 128-byte swizzle, in one of
+ * two shapes (PTX ISA, "Shared Memory Matrix Layout"):
+ *   K-major:  rows of 64 bf16 (128 B) along K, one row per M (or N) index;
+ *             8-row groups 1024 B apart (SBO); a k16 step is +32 B.
+ *   MN-major: chunks of 64 M (or N) indices (128 B) by the tile's 64 k rows;
+ *             8-k groups 1024 B apart (SBO), chunks 8 KiB apart (LBO); a
+ *             k16 step is +2048 B.
+ * Both are what one TMA box of {64, rows} with CU_TENSOR_MAP_SWIZZLE_128B
+ * writes, so the copy engine and the tensor cores agree on the layout without
+ * any code in between. Tile bases are 1024-byte aligned. */
+#ifndef MOKK_CUDA_SM90_PTX_CUH
+#define MOKK_CUDA_SM90_PTX_CUH
+
+#include <cuda.h>
+#include <cuda/ptx>
+#include <stdint.h>
+
+namespace sm90 {
+
+__device__ __forceinline__ uint32_t smem_addr(const void *p)
+{
+  return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+/* ---- mbarriers ------------------------------------------------------------ */
+
+__device__ __forceinline__ void bar_init(uint64_t *bar, uint32_t count)
+{
+  cuda::ptx::mbarrier_init(bar, count);
+}
+
+/* Makes the initialised barriers visible to the copy engine. */
+__device__ __forceinline__ void bar_init_fence()
+{
+  cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
+}
+
+/* Waits until the phase of the given parity has completed. */
+__device__ __forceinline__ void bar_wait(uint64_t *bar, uint32_t parity)
+{
+  while (!cuda::ptx::mbarrier_try_wait_parity(bar, parity))
+    ;
+}
+
+__device__ __forceinline__ void bar_arrive(uint64_t *bar)
+{
+  (void)cuda::ptx::mbarrier_arrive(bar);
+}
+
+/* One arrival that also announces `bytes` of copies completing on bar. */
+__device__ __forceinline__ void bar_expect(uint64_t *bar, uint32_t bytes)
+{
+  (void)cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta,
+                                             cuda::ptx::space_shared, bar, bytes);
+}
+
+/* ---- bulk tensor copies --------------------------------------------------- */
+
+/* A box of a 3-D tensor map into shared memory, completing on bar. */
+__device__ __forceinline__ void tma_load(void *dst, const CUtensorMap *map, int c0, int c1, int c2,
+                                         uint64_t *bar)
+{
+  const int32_t coords[3] = {c0, c1, c2};
+  cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_cluster, cuda::ptx::space_global, dst, map,
+                                  coords, bar);
+}
+
+__device__ __forceinline__ void tma_prefetch_map(const CUtensorMap *map)
+{
+  asm volatile("prefetch.tensormap [%0];" ::"l"(map) : "memory");
+}
+
+/* Ordinary shared-memory stores become visible to the tensor cores and the
+ * copy engine. */
+__device__ __forceinline__ void fence_async_shared()
+{
+  cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
+}
+
+/* ---- warpgroups ----------------------------------------------------------- */
+
+template <uint32_t REGS>
+__device__ __forceinline__ void regs_release()
+{
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(REGS));
+}
+
+template <uint32_t REGS>
+__device__ __forceinline__ void regs_claim()
+{
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(REGS));
+}
+
+/* bar.sync on a named barrier (0 is __syncthreads) for `threads` threads. */
+__device__ __forceinline__ void named_sync(uint32_t id, uint32_t threads)
+{
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+/* ---- wgmma ---------------------------------------------------------------- */
+
+/* A shared-memory matrix descriptor with the 128-byte swizzle. */
+__device__ __forceinline__ uint64_t wgmma_desc(uint32_t addr, uint32_t lbo, uint32_t sbo)
+{
+  return (uint64_t)((addr & 0x3ffff) >> 4) | (uint64_t)((lbo >> 4) & 0x3fff) << 16 |
+         (uint64_t)((sbo >> 4) & 0x3fff) << 32 | 1ull << 62;
+}
+
+__device__ __forceinline__ void wgmma_fence()
+{
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ void wgmma_commit()
+{
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void wgmma_wait()
+{
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+/* Keeps the compiler from moving accumulator reads or writes across the
+ * asynchronous MMAs. */
+template <int N>
+__device__ __forceinline__ void acc_fence(float (&d)[N])
+{
+#pragma unroll
+  for (int i = 0; i < N; i++)
+    asm volatile("" : "+f"(d[i])::"memory");
+}
+
+#define MOKK_W8(b) "+f"(d[b + 0]), "+f"(d[b + 1]), "+f"(d[b + 2]), "+f"(d[b + 3]), \
+                   "+f"(d[b + 4]), "+f"(d[b + 5]), "+f"(d[b + 6]), "+f"(d[b + 7])
+
+/* D[64 x N] += A[64 x 16] B[16 x N], bf16 in, fp32 accumulate. TA / TB: the
+ * operand is MN-major (1) or K-major (0). Thread t of the warpgroup holds
+ * rows 16 (t / 32) + (t % 32) / 4 + {0, 8}, columns 8 j + 2 (t % 4) + {0, 1}:
+ * d[4 j + 2 r + c] is (row + 8 r, column + c). acc = 0 ignores what D held. */
+template <int TA, int TB>
+__device__ __forceinline__ void wgmma_128(float (&d)[64], uint64_t a, uint64_t b, int acc)
+{
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %68, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1, %66, %67;\n"
+      "}\n"
+      : MOKK_W8(0), MOKK_W8(8), MOKK_W8(16), MOKK_W8(24), MOKK_W8(32), MOKK_W8(40),
+        MOKK_W8(48), MOKK_W8(56)
+      : "l"(a), "l"(b), "n"(TA), "n"(TB), "r"(acc));
+}
+
+template <int TA, int TB>
+__device__ __forceinline__ void wgmma_256(float (&d)[128], uint64_t a, uint64_t b, int acc)
+{
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %132, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, "
+      "%110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, "
+      "%124, %125, %126, %127}, "
+      "%128, %129, p, 1, 1, %130, %131;\n"
+      "}\n"
+      : MOKK_W8(0), MOKK_W8(8), MOKK_W8(16), MOKK_W8(24), MOKK_W8(32), MOKK_W8(40),
+        MOKK_W8(48), MOKK_W8(56), MOKK_W8(64), MOKK_W8(72), MOKK_W8(80), MOKK_W8(88),
+        MOKK_W8(96), MOKK_W8(104), MOKK_W8(112), MOKK_W8(120)
+      : "l"(a), "l"(b), "n"(TA), "n"(TB), "r"(acc));
+}
+
+#undef MOKK_W8
+
+} /* namespace sm90 */
+
+#endif

@@ -1,0 +1,101 @@
+/* bench_gemm.c - the Hopper GEMM core alone, on dense bf16 GEMMs next to
+ * torch.matmul in the same run (--torch CMD), after its layout-by-layout
+ * check against an fp32 reference. A benchmark: it measures and prints; it
+ * fails only when the check or a sampled result is wrong. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+int gemm_core_available(void);
+int gemm_core_check(int bn, int grid, char *msg, size_t msglen, double *worst);
+double gemm_core_time(int M, int N, int K, int bn, int iters, double *worst);
+
+static const int SHAPES[][3] = {{8192, 4096, 7168}, {8192, 7168, 2048}, {8192, 8192, 8192}};
+#define NSHAPES (int)(sizeof SHAPES / sizeof SHAPES[0])
+
+/* ms of torch.matmul per shape, from CMD's lines; 0 where it gave none */
+static void torch_times(const char *cmd, int iters, double *ms)
+{
+  char buf[1024], line[512];
+  size_t n = (size_t)snprintf(buf, sizeof buf, "%s --iters %d", cmd, iters);
+  FILE *f;
+
+  for (int i = 0; i < NSHAPES; i++) {
+    ms[i] = 0;
+    n += (size_t)snprintf(buf + n, sizeof buf - n, " %d,%d,%d", SHAPES[i][0], SHAPES[i][1],
+                          SHAPES[i][2]);
+  }
+  if ((f = popen(buf, "r")) == NULL)
+    return;
+  while (fgets(line, sizeof line, f) != NULL) {
+    int M, N, K;
+    double t;
+    fputs(line, stdout);
+    if (sscanf(line, "torch_matmul M=%d N=%d K=%d ms=%lf", &M, &N, &K, &t) == 4)
+      for (int i = 0; i < NSHAPES; i++)
+        if (SHAPES[i][0] == M && SHAPES[i][1] == N && SHAPES[i][2] == K)
+          ms[i] = t;
+  }
+  pclose(f);
+}
+
+int main(int argc, char **argv)
+{
+  const char *torch = NULL;
+  int iters = 20, bad = 0;
+  double tms[NSHAPES];
+  char msg[2048];
+
+  for (int i = 1; i < argc; i++) {
+    if (!strcmp(argv[i], "--torch") && i + 1 < argc) {
+      torch = argv[++i];
+    } else if (!strcmp(argv[i], "--iters") && i + 1 < argc) {
+      iters = atoi(argv[++i]);
+      if (iters < 1) {
+        fprintf(stderr, "bench_gemm: --iters wants a positive count, not '%s'\n", argv[i]);
+        return 2;
+      }
+    } else {
+      fprintf(stderr, "usage: bench_gemm [--iters N] [--torch CMD]\n"
+                      "  the Hopper GEMM core checked against an fp32 reference, then timed on\n"
+                      "  dense bf16 GEMMs; --torch CMD runs 'CMD --iters N M,N,K...' for the\n"
+                      "  torch.matmul baseline in the same run\n");
+      return 2;
+    }
+  }
+  if (!gemm_core_available()) {
+    printf("bench_gemm: no sm_90 GPU; the Hopper core does not run here\n");
+    return 0;
+  }
+  for (int bn = 128; bn <= 256; bn *= 2) {
+    double worst = 0;
+    int f = gemm_core_check(bn, 0, msg, sizeof msg, &worst);
+    printf("check BN=%d: %s(%d failing, worst %.3f of tolerance)\n", bn, msg, f, worst);
+    bad += f != 0;
+  }
+  for (int i = 0; i < NSHAPES; i++)
+    tms[i] = 0;
+  if (torch != NULL)
+    torch_times(torch, iters, tms);
+  printf("\n%-18s %5s %9s %9s %9s %9s\n", "M,N,K", "BN", "ms", "TFLOP/s", "torch ms", "ratio");
+  for (int i = 0; i < NSHAPES; i++) {
+    int M = SHAPES[i][0], N = SHAPES[i][1], K = SHAPES[i][2];
+    double flops = 2.0 * M * N * K;
+    for (int bn = 128; bn <= 256; bn *= 2) {
+      double worst = 0, ms = gemm_core_time(M, N, K, bn, iters, &worst);
+      char shape[32];
+      snprintf(shape, sizeof shape, "%d,%d,%d", M, N, K);
+      if (ms <= 0 || !(worst <= 1.0)) {
+        printf("%-18s %5d  failed (sample error %.3f of tolerance)\n", shape, bn, worst);
+        bad++;
+        continue;
+      }
+      printf("%-18s %5d %9.3f %9.1f", shape, bn, ms, flops / ms / 1e9);
+      if (tms[i] > 0)
+        printf(" %9.3f %8.3fx\n", tms[i], tms[i] / ms);
+      else
+        printf(" %9s %9s\n", "-", "-");
+    }
+  }
+  return bad ? 1 : 0;
+}

@@ -1,0 +1,395 @@
+/* gemm_core.cu - the Hopper GEMM core (kernels/cuda/gemm_sm90.cuh) checked
+ * layout by layout against a plain fp32 reference on the device, and timed on
+ * dense problems. Used by check_gpu (which asserts) and bench_gemm (which
+ * measures). Each case is a small grouped problem shaped like one GEMM of the
+ * layer, with groups of 0, 1, 130, 300 and 64 rows, so tiles are partial in
+ * every direction and the weight-gradient sums end inside a k-block.
+ *
+ * Tolerance, |got - ref| <= tol (|ref| + rms(ref)): fp32 outputs differ from
+ * the reference only by the order of the fp32 sums (tol 2^-12); bf16 outputs
+ * add one rounding of the result (tol 2^-7). */
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gemm_sm90.cuh"
+
+#define CORE_OK(call)                                                       \
+  do {                                                                      \
+    cudaError_t e_ = (call);                                                \
+    if (e_ != cudaSuccess) {                                                \
+      snprintf(msg, msglen, "%s: %s", #call, cudaGetErrorString(e_));       \
+      return -1;                                                            \
+    }                                                                       \
+  } while (0)
+
+static __global__ void k_hash_fill(bf16 *p, int64_t n, uint64_t seed)
+{
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+       i += (int64_t)gridDim.x * blockDim.x) {
+    uint64_t z = seed + (uint64_t)i * 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    p[i] = __float2bfloat16_rn(2.0f * ((float)(z >> 40) / 16777216.0f - 0.5f));
+  }
+}
+
+/* C[i, j] (+)= sum_k A[i sai + k sak] B[j sbj + k sbk], fp32, k ascending */
+static __global__ void k_ref(const bf16 *A, int64_t sai, int64_t sak, const bf16 *B, int64_t sbj,
+                             int64_t sbk, int rows, int cols, int klen, float *C, int64_t ldc,
+                             int add)
+{
+  int64_t idx = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+  if (idx >= (int64_t)rows * cols)
+    return;
+  int i = (int)(idx / cols), j = (int)(idx % cols);
+  float s = add ? C[i * ldc + j] : 0.0f;
+  for (int k = 0; k < klen; k++)
+    s += __bfloat162float(A[i * sai + k * sak]) * __bfloat162float(B[j * sbj + k * sbk]);
+  C[i * ldc + j] = s;
+}
+
+static void ref(const bf16 *A, int64_t sai, int64_t sak, const bf16 *B, int64_t sbj, int64_t sbk,
+                int rows, int cols, int klen, float *C, int64_t ldc, int add)
+{
+  int64_t n = (int64_t)rows * cols;
+  if (n > 0)
+    k_ref<<<(unsigned)((n + 255) / 256), 256>>>(A, sai, sak, B, sbj, sbk, rows, cols, klen, C,
+                                                 ldc, add);
+}
+
+static bf16 *rand_bf16(int64_t n, uint64_t seed)
+{
+  bf16 *p = NULL;
+  if (cudaMalloc(&p, (n > 0 ? n : 1) * 2) != cudaSuccess)
+    return NULL;
+  k_hash_fill<<<256, 256>>>(p, n, seed);
+  return p;
+}
+
+static void *zeros(int64_t bytes)
+{
+  void *p = NULL;
+  if (cudaMalloc(&p, bytes > 0 ? bytes : 16) != cudaSuccess)
+    return NULL;
+  cudaMemset(p, 0, bytes > 0 ? bytes : 16);
+  return p;
+}
+
+typedef struct grouping {
+  int groups, rows;
+  int count[8], row_start[8], tile_off[9];
+  int *d_count, *d_row_start, *d_tile_off;
+} grouping;
+
+static const int GROUP_ROWS[] = {0, 1, 130, 300, 64};
+
+static void grouping_make(grouping *gp)
+{
+  memset(gp, 0, sizeof *gp);
+  gp->groups = 5;
+  for (int g = 0; g < gp->groups; g++) {
+    gp->count[g] = GROUP_ROWS[g];
+    gp->row_start[g] = gp->rows;
+    gp->tile_off[g + 1] = gp->tile_off[g] + (GROUP_ROWS[g] + G_BM - 1) / G_BM;
+    gp->rows += GROUP_ROWS[g];
+  }
+  cudaMalloc(&gp->d_count, sizeof gp->count);
+  cudaMalloc(&gp->d_row_start, sizeof gp->row_start);
+  cudaMalloc(&gp->d_tile_off, sizeof gp->tile_off);
+  cudaMemcpy(gp->d_count, gp->count, sizeof gp->count, cudaMemcpyHostToDevice);
+  cudaMemcpy(gp->d_row_start, gp->row_start, sizeof gp->row_start, cudaMemcpyHostToDevice);
+  cudaMemcpy(gp->d_tile_off, gp->tile_off, sizeof gp->tile_off, cudaMemcpyHostToDevice);
+}
+
+static void grouping_free(grouping *gp)
+{
+  cudaFree(gp->d_count), cudaFree(gp->d_row_start), cudaFree(gp->d_tile_off);
+}
+
+static gemm_args grouped_args(const grouping *gp)
+{
+  gemm_args a;
+  memset(&a, 0, sizeof a);
+  a.groups = gp->groups;
+  a.count = gp->d_count;
+  a.row_start = gp->d_row_start;
+  a.tile_off = gp->d_tile_off;
+  return a;
+}
+
+/* Worst error / tolerance over n values; the reference is fp32. */
+static double compare(const void *got_d, int got_bf16, const float *ref_d, int64_t n, double tol)
+{
+  float *ref_h = (float *)malloc(n * 4), *got_h = (float *)malloc(n * 4);
+  unsigned short *b = got_bf16 ? (unsigned short *)malloc(n * 2) : NULL;
+  double rms = 0, worst = 0;
+
+  cudaMemcpy(ref_h, ref_d, n * 4, cudaMemcpyDeviceToHost);
+  if (got_bf16) {
+    cudaMemcpy(b, got_d, n * 2, cudaMemcpyDeviceToHost);
+    for (int64_t i = 0; i < n; i++) {
+      unsigned int u = (unsigned int)b[i] << 16;
+      memcpy(&got_h[i], &u, 4);
+    }
+  } else {
+    cudaMemcpy(got_h, got_d, n * 4, cudaMemcpyDeviceToHost);
+  }
+  for (int64_t i = 0; i < n; i++)
+    rms += (double)ref_h[i] * ref_h[i];
+  rms = sqrt(rms / (n > 0 ? n : 1));
+  for (int64_t i = 0; i < n; i++) {
+    double d = fabs((double)got_h[i] - ref_h[i]) / (tol * (fabs(ref_h[i]) + rms) + 1e-30);
+    if (!(d <= worst)) /* NaN counts as the worst */
+      worst = isnan(d) ? INFINITY : d;
+  }
+  free(ref_h), free(got_h), free(b);
+  return worst;
+}
+
+#define TOL_F32 (1.0 / 4096)
+#define TOL_BF16 (1.0 / 128)
+
+static int sms(void)
+{
+  int n = 0;
+  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, 0);
+  return n;
+}
+
+/* NT, plain and gate/up, grouped and dense; NN with and without the k split;
+ * TN bf16 and fp32-accumulate with the C/C2 split, grouped and dense. Each
+ * line of the report names a case and its error / tolerance. */
+template <int BN>
+static int run_cases(int grid, char *msg, size_t msglen, double *worst_out)
+{
+  grouping gp;
+  char err[256];
+  int rc, fails = 0;
+  double worst_all = 0;
+  size_t used = 0;
+  const int K = 192, N = 320, IE = 192, R = 495; /* R = sum of GROUP_ROWS */
+
+  grouping_make(&gp);
+  if (gp.rows != R) {
+    snprintf(msg, msglen, "grouping has %d rows", gp.rows);
+    return -1;
+  }
+#define REPORT(name, w)                                                              \
+  do {                                                                               \
+    double w_ = (w);                                                                 \
+    used += snprintf(msg + used, used < msglen ? msglen - used : 0, "%s %.3f; ",     \
+                     name, w_);                                                      \
+    if (!(w_ <= 1.0))                                                                \
+      fails++;                                                                       \
+    if (!(w_ <= worst_all))                                                          \
+      worst_all = w_;                                                                \
+  } while (0)
+#define RUN(call)                                                                    \
+  do {                                                                               \
+    if ((rc = (call)) != 0) {                                                        \
+      snprintf(msg, msglen, "%s: %s", #call, err);                                   \
+      return -1;                                                                     \
+    }                                                                                \
+  } while (0)
+
+  bf16 *A = rand_bf16((int64_t)R * 2 * IE, 1), *B = rand_bf16(5LL * N * 2 * IE, 2),
+       *B2 = rand_bf16(5LL * N * 2 * IE, 3), *Bt = rand_bf16((int64_t)R * N, 4);
+  float *refc = (float *)zeros((int64_t)R * 2 * IE * 4 * 5);
+  float *ref2 = (float *)zeros((int64_t)R * 2 * IE * 4 * 5);
+  void *C = zeros((int64_t)R * 2 * IE * 4 * 5), *C2 = zeros((int64_t)R * 2 * IE * 4 * 5);
+  float *sg = (float *)zeros((int64_t)R * IE * 4), *su = (float *)zeros((int64_t)R * IE * 4);
+
+  /* NT bf16, grouped: C[r, n] = A[r, :K] . B[g][n, :K] */
+  {
+    gemm_args a = grouped_args(&gp);
+    a.A = A, a.lda = K, a.B = B, a.ldb = K, a.b_stride = (int64_t)N * K;
+    a.N = N, a.K = K, a.C = C, a.ldc = N;
+    RUN((sm90::gemm<L_NT, E_BF16, BN>(&a, R, grid, 0, err)));
+    for (int g = 0; g < gp.groups; g++)
+      ref(A + (int64_t)gp.row_start[g] * K, K, 1, B + (int64_t)g * N * K, K, 1, gp.count[g], N,
+          K, refc + (int64_t)gp.row_start[g] * N, N, 0);
+    CORE_OK(cudaDeviceSynchronize());
+    REPORT("nt_bf16", compare(C, 1, refc, (int64_t)R * N, TOL_BF16));
+  }
+  /* NT gate/up: g = A . Bg^T, u = A . Bu^T saved, h = swiglu(g, u) */
+  {
+    gemm_args a = grouped_args(&gp);
+    a.A = A, a.lda = K, a.B = B, a.B2 = B2, a.ldb = K, a.b_stride = (int64_t)IE * K;
+    a.N = 2 * IE, a.K = K, a.C = C, a.ldc = IE, a.sg = sg, a.su = su, a.lds = IE;
+    RUN((sm90::gemm<L_NT, E_GATEUP, BN>(&a, R, grid, 0, err)));
+    for (int g = 0; g < gp.groups; g++) {
+      int64_t rs = gp.row_start[g];
+      ref(A + rs * K, K, 1, B + (int64_t)g * IE * K, K, 1, gp.count[g], IE, K, refc + rs * IE,
+          IE, 0);
+      ref(A + rs * K, K, 1, B2 + (int64_t)g * IE * K, K, 1, gp.count[g], IE, K, ref2 + rs * IE,
+          IE, 0);
+    }
+    CORE_OK(cudaDeviceSynchronize());
+    REPORT("nt_gate", compare(sg, 0, refc, (int64_t)R * IE, TOL_F32));
+    REPORT("nt_up", compare(su, 0, ref2, (int64_t)R * IE, TOL_F32));
+  }
+  /* NT bf16, dense (the shared expert): 300 rows */
+  {
+    gemm_args a;
+    memset(&a, 0, sizeof a);
+    a.groups = 1, a.M = 300;
+    a.A = A, a.lda = K, a.B = B, a.ldb = K, a.N = N, a.K = K, a.C = C, a.ldc = N;
+    RUN((sm90::gemm<L_NT, E_BF16, BN>(&a, 300, grid, 0, err)));
+    ref(A, K, 1, B, K, 1, 300, N, K, refc, N, 0);
+    CORE_OK(cudaDeviceSynchronize());
+    REPORT("nt_dense", compare(C, 1, refc, 300LL * N, TOL_BF16));
+  }
+  /* NN fp32 with the k split: C[r, n] = A[r, :IE] . Bg[g][:, n] + A[r, IE:] . Bu[g][:, n] */
+  {
+    gemm_args a = grouped_args(&gp);
+    a.A = A, a.lda = 2 * IE, a.B = B, a.B2 = B2, a.split = IE, a.ldb = N;
+    a.b_stride = (int64_t)IE * N, a.N = N, a.K = 2 * IE, a.C = C, a.ldc = N;
+    RUN((sm90::gemm<L_NN, E_F32, BN>(&a, R, grid, 0, err)));
+    for (int g = 0; g < gp.groups; g++) {
+      int64_t rs = gp.row_start[g];
+      ref(A + rs * 2 * IE, 2 * IE, 1, B + (int64_t)g * IE * N, 1, N, gp.count[g], N, IE,
+          refc + rs * N, N, 0);
+      ref(A + rs * 2 * IE + IE, 2 * IE, 1, B2 + (int64_t)g * IE * N, 1, N, gp.count[g], N, IE,
+          refc + rs * N, N, 1);
+    }
+    CORE_OK(cudaDeviceSynchronize());
+    REPORT("nn_split", compare(C, 0, refc, (int64_t)R * N, TOL_F32));
+  }
+  /* NN fp32 without split: C[r, n] = A[r, :K] . B[g][:, n] */
+  {
+    gemm_args a = grouped_args(&gp);
+    a.A = A, a.lda = K, a.B = B, a.ldb = N, a.b_stride = (int64_t)K * N;
+    a.N = N, a.K = K, a.C = C, a.ldc = N;
+    RUN((sm90::gemm<L_NN, E_F32, BN>(&a, R, grid, 0, err)));
+    for (int g = 0; g < gp.groups; g++) {
+      int64_t rs = gp.row_start[g];
+      ref(A + rs * K, K, 1, B + (int64_t)g * K * N, 1, N, gp.count[g], N, K, refc + rs * N, N,
+          0);
+    }
+    CORE_OK(cudaDeviceSynchronize());
+    REPORT("nn", compare(C, 0, refc, (int64_t)R * N, TOL_F32));
+  }
+  /* TN: C[g][m, n] = sum over the group's rows of A[r, m] Bt[r, n]; rows
+   * m >= IE go to C2 (bf16), then the fp32-accumulate mode on top of a seed */
+  for (int accum = 0; accum < 2; accum++) {
+    gemm_args a = grouped_args(&gp);
+    int64_t per = (int64_t)IE * N;
+    a.A = A, a.lda = 2 * IE, a.B = Bt, a.ldb = N, a.M = 2 * IE, a.N = N;
+    a.C = C, a.C2 = C2, a.split = IE, a.ldc = N, a.c_stride = per, a.accum = accum;
+    if (accum) { /* seed the fp32 gradients with the reference of the bf16 pass */
+      CORE_OK(cudaMemcpy(C, refc, gp.groups * per * 4, cudaMemcpyDeviceToDevice));
+      CORE_OK(cudaMemcpy(C2, ref2, gp.groups * per * 4, cudaMemcpyDeviceToDevice));
+    }
+    RUN((sm90::gemm<L_TN, E_WGRAD, BN>(&a, R, grid, 0, err)));
+    for (int g = 0; g < gp.groups; g++) {
+      int64_t rs = gp.row_start[g];
+      ref(A + rs * 2 * IE, 1, 2 * IE, Bt + rs * N, 1, N, IE, N, gp.count[g], refc + g * per, N,
+          accum);
+      ref(A + rs * 2 * IE + IE, 1, 2 * IE, Bt + rs * N, 1, N, IE, N, gp.count[g],
+          ref2 + g * per, N, accum);
+    }
+    CORE_OK(cudaDeviceSynchronize());
+    REPORT(accum ? "tn_accum_gate" : "tn_gate",
+           compare(C, !accum, refc, gp.groups * per, accum ? TOL_F32 : TOL_BF16));
+    REPORT(accum ? "tn_accum_up" : "tn_up",
+           compare(C2, !accum, ref2, gp.groups * per, accum ? TOL_F32 : TOL_BF16));
+  }
+  /* TN dense (the shared expert's weight gradients): 77 rows */
+  {
+    gemm_args a;
+    memset(&a, 0, sizeof a);
+    a.groups = 1, a.K = 77;
+    a.A = A, a.lda = K, a.B = Bt, a.ldb = N, a.M = K, a.N = N, a.C = C, a.ldc = N;
+    RUN((sm90::gemm<L_TN, E_WGRAD, BN>(&a, 77, grid, 0, err)));
+    ref(A, 1, K, Bt, 1, N, K, N, 77, refc, N, 0);
+    CORE_OK(cudaDeviceSynchronize());
+    REPORT("tn_dense", compare(C, 1, refc, (int64_t)K * N, TOL_BF16));
+  }
+#undef RUN
+#undef REPORT
+  cudaFree(A), cudaFree(B), cudaFree(B2), cudaFree(Bt), cudaFree(refc), cudaFree(ref2);
+  cudaFree(C), cudaFree(C2), cudaFree(sg), cudaFree(su);
+  grouping_free(&gp);
+  CORE_OK(cudaGetLastError());
+  *worst_out = worst_all;
+  return fails;
+}
+
+/* 1 when the current device runs the Hopper core. */
+extern "C" int gemm_core_available(void)
+{
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0) != cudaSuccess)
+    return 0;
+  return major == 9 && minor == 0;
+}
+
+/* Every case for tile width bn (128 or 256) on `grid` blocks (0: one per
+ * SM). Returns the number of failing cases (the report names them), or -1
+ * when a case could not run. */
+extern "C" int gemm_core_check(int bn, int grid, char *msg, size_t msglen, double *worst)
+{
+  if (grid <= 0)
+    grid = sms();
+  msg[0] = 0;
+  return bn == 256 ? run_cases<256>(grid, msg, msglen, worst)
+                   : run_cases<128>(grid, msg, msglen, worst);
+}
+
+/* Median ms of a dense NT GEMM C[M, N] = A[M, K] B[N, K]^T (bf16 out) over
+ * iters timed runs after a warm-up; 0 when it could not run. Also checks a
+ * sample of the result: *worst is its error / tolerance. */
+extern "C" double gemm_core_time(int M, int N, int K, int bn, int iters, double *worst)
+{
+  char err[256];
+  bf16 *A = rand_bf16((int64_t)M * K, 11), *B = rand_bf16((int64_t)N * K, 12);
+  bf16 *C = (bf16 *)zeros((int64_t)M * N * 2);
+  float *refc = (float *)zeros(64LL * N * 4);
+  gemm_args a;
+  cudaEvent_t e0, e1;
+  double *ms = (double *)calloc(iters, sizeof *ms), med = 0;
+
+  memset(&a, 0, sizeof a);
+  a.groups = 1, a.M = M, a.A = A, a.lda = K, a.B = B, a.ldb = K, a.N = N, a.K = K;
+  a.C = C, a.ldc = N;
+  cudaEventCreate(&e0), cudaEventCreate(&e1);
+  for (int i = -3; i < iters; i++) {
+    cudaEventRecord(e0);
+    int rc = bn == 256 ? sm90::gemm<L_NT, E_BF16, 256>(&a, M, sms(), 0, err)
+                       : sm90::gemm<L_NT, E_BF16, 128>(&a, M, sms(), 0, err);
+    cudaEventRecord(e1);
+    if (rc != 0) {
+      fprintf(stderr, "gemm_core_time: %s\n", err);
+      iters = 0;
+      break;
+    }
+    cudaEventSynchronize(e1);
+    float t = 0;
+    cudaEventElapsedTime(&t, e0, e1);
+    if (i >= 0)
+      ms[i] = t;
+  }
+  /* rows 0..63 of the result against the reference */
+  ref(A, K, 1, B, K, 1, 64, N, K, refc, N, 0);
+  if (cudaDeviceSynchronize() != cudaSuccess)
+    iters = 0;
+  else
+    *worst = compare(C, 1, refc, 64LL * N, TOL_BF16);
+  for (int i = 1; i < iters; i++) /* insertion sort, iters is small */
+    for (int j = i; j > 0 && ms[j - 1] > ms[j]; j--) {
+      double t = ms[j];
+      ms[j] = ms[j - 1];
+      ms[j - 1] = t;
+    }
+  if (iters > 0)
+    med = ms[iters / 2];
+  cudaEventDestroy(e0), cudaEventDestroy(e1);
+  cudaFree(A), cudaFree(B), cudaFree(C), cudaFree(refc);
+  free(ms);
+  return med;
+}
