@@ -251,7 +251,7 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
     cb->arch = 10 * major + minor;
   }
   if (cb->arch == 90)
-    return sm90::gemm<LAYOUT, EPI, 128>(a, a_rows, grid_for(cb, gemm_tiles(a, LAYOUT), 1),
+    return sm90::gemm<LAYOUT, EPI, 256>(a, a_rows, grid_for(cb, gemm_tiles(a, LAYOUT), 1),
                                         cb->stream, err);
   /* the opt-in belongs to the current device and is a host-side call: ask every time */
   e = cudaFuncSetAttribute(k_gemm<LAYOUT, EPI>, cudaFuncAttributeMaxDynamicSharedMemorySize,

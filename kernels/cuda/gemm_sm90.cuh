@@ -199,21 +199,59 @@ __device__ __forceinline__ void mma_stage(float (&acc)[BN / 2], uint32_t sa, uin
   }
 }
 
+/* Stores pair accumulator blocks j and j + 1 (16 columns) between the two
+ * threads of a quad that share a row half: after one exchange the even
+ * thread holds four consecutive columns of block j, the odd one four of
+ * block j + 1, so a warp's store covers 32 (bf16) or 64 (fp32) contiguous
+ * bytes per row, whole sectors, instead of scattered 4-byte pieces. lo/hi:
+ * this thread's values of blocks j and j + 1 (two columns each); the
+ * returned pair is what it stores at column pair_col(). Every lane of the
+ * warp must call it. */
+__device__ __forceinline__ uint2 pair_u32(uint32_t lo, uint32_t hi, int lane)
+{
+  int odd = lane & 1;
+  uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? lo : hi, 1);
+  return odd ? make_uint2(got, hi) : make_uint2(lo, got);
+}
+
+__device__ __forceinline__ float4 pair_f32(float2 lo, float2 hi, int lane)
+{
+  int odd = lane & 1;
+  float2 send = odd ? lo : hi, got;
+  got.x = __shfl_xor_sync(0xffffffffu, send.x, 1);
+  got.y = __shfl_xor_sync(0xffffffffu, send.y, 1);
+  return odd ? make_float4(got.x, got.y, hi.x, hi.y) : make_float4(lo.x, lo.y, got.x, got.y);
+}
+
+/* Column (within the 16 of blocks j, j + 1) where this thread's pair goes. */
+__device__ __forceinline__ int pair_col(int lane)
+{
+  int q = lane & 3;
+  return (q & 1) ? 8 + 2 * (q - 1) : 2 * q;
+}
+
+__device__ __forceinline__ uint32_t bf16x2(float a, float b)
+{
+  __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  return *(uint32_t *)&v;
+}
+
 /* Registers to global memory. Thread (warp w of consumer warpgroup cw, lane
  * l) holds tile rows cw 64 + 16 w + l / 4 + {0, 8} and columns 8 j + 2 (l % 4)
- * + {0, 1}: acc[4 j + 2 r + c]. */
+ * + {0, 1}: acc[4 j + 2 r + c]. Columns come in groups of 16 that are valid
+ * or not as a whole (N is a multiple of 64), rows one by one; the exchanges
+ * run on every lane before a row is skipped. */
 template <int LAYOUT, int EPI, int BN>
 __device__ __forceinline__ void epilogue(const gemm_args &a, const tile &x, float (&acc)[BN / 2],
                                          int cw, int warp, int lane)
 {
-  const int r0 = cw * 64 + warp * 16 + lane / 4, c0 = 2 * (lane % 4);
+  const int r0 = cw * 64 + warp * 16 + lane / 4, pc = pair_col(lane);
 
 #pragma unroll
   for (int r = 0; r < 2; r++) {
     if constexpr (LAYOUT == L_TN) {
       int m = x.mt * BM + r0 + 8 * r;
-      if (m >= a.M)
-        continue;
+      bool ok = m < a.M;
       void *base = a.C;
       int64_t mm = m;
       if (a.C2 != NULL && mm >= a.split) {
@@ -222,65 +260,90 @@ __device__ __forceinline__ void epilogue(const gemm_args &a, const tile &x, floa
       }
       int64_t off = (int64_t)x.g * a.c_stride + mm * a.ldc;
 #pragma unroll
-      for (int j = 0; j < BN / 8; j++) {
-        int n = x.nt * BN + 8 * j + c0;
-        if (n >= a.N)
-          continue;
-        float v0 = acc[4 * j + 2 * r], v1 = acc[4 * j + 2 * r + 1];
+      for (int j = 0; j < BN / 8; j += 2) {
+        int n0 = x.nt * BN + 8 * j;
+        if (n0 >= a.N)
+          break;
+        float2 lo = make_float2(acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1]);
+        float2 hi = make_float2(acc[4 * j + 4 + 2 * r], acc[4 * j + 4 + 2 * r + 1]);
         if (a.accum) {
-          float2 *q = (float2 *)((float *)base + off + n), o = *q;
-          o.x = __fadd_rn(o.x, v0);
-          o.y = __fadd_rn(o.y, v1);
-          *q = o;
+          float4 v = pair_f32(lo, hi, lane);
+          if (ok) {
+            float4 *q = (float4 *)((float *)base + off + n0 + pc), o = *q;
+            o.x = __fadd_rn(o.x, v.x), o.y = __fadd_rn(o.y, v.y);
+            o.z = __fadd_rn(o.z, v.z), o.w = __fadd_rn(o.w, v.w);
+            *q = o;
+          }
         } else {
-          *(__nv_bfloat162 *)((bf16 *)base + off + n) = __floats2bfloat162_rn(v0, v1);
+          uint2 v = pair_u32(bf16x2(lo.x, lo.y), bf16x2(hi.x, hi.y), lane);
+          if (ok)
+            *(uint2 *)((bf16 *)base + off + n0 + pc) = v;
         }
       }
     } else {
       int ml = x.mt * BM + r0 + 8 * r;
-      if (ml >= x.rows)
-        continue;
+      bool ok = ml < x.rows;
       int64_t row = x.rb + ml;
       if constexpr (EPI == E_GATEUP) {
         const int ie = a.N / 2;
 #pragma unroll
-        for (int j = 0; j < BN / 16; j++) {
-          int i = x.nt * (BN / 2) + 8 * j + c0;
-          if (i >= ie)
-            continue;
-          float g0 = acc[4 * j + 2 * r], g1 = acc[4 * j + 2 * r + 1];
-          float u0 = acc[4 * (j + BN / 16) + 2 * r], u1 = acc[4 * (j + BN / 16) + 2 * r + 1];
+        for (int j = 0; j < BN / 16; j += 2) {
+          int i0 = x.nt * (BN / 2) + 8 * j;
+          if (i0 >= ie)
+            break;
+          const int u = BN / 16; /* the up columns sit BN / 2 further on */
+          float2 g_lo = make_float2(acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1]);
+          float2 g_hi = make_float2(acc[4 * j + 4 + 2 * r], acc[4 * j + 4 + 2 * r + 1]);
+          float2 u_lo = make_float2(acc[4 * (j + u) + 2 * r], acc[4 * (j + u) + 2 * r + 1]);
+          float2 u_hi = make_float2(acc[4 * (j + u) + 4 + 2 * r], acc[4 * (j + u) + 4 + 2 * r + 1]);
+          uint2 h = pair_u32(bf16x2(epi_swiglu(g_lo.x, u_lo.x, a.limit),
+                                    epi_swiglu(g_lo.y, u_lo.y, a.limit)),
+                             bf16x2(epi_swiglu(g_hi.x, u_hi.x, a.limit),
+                                    epi_swiglu(g_hi.y, u_hi.y, a.limit)),
+                             lane);
           if (a.sg != NULL) {
-            *(float2 *)(a.sg + row * a.lds + i) = make_float2(g0, g1);
-            *(float2 *)(a.su + row * a.lds + i) = make_float2(u0, u1);
+            float4 g = pair_f32(g_lo, g_hi, lane), uu = pair_f32(u_lo, u_hi, lane);
+            if (ok) {
+              *(float4 *)(a.sg + row * a.lds + i0 + pc) = g;
+              *(float4 *)(a.su + row * a.lds + i0 + pc) = uu;
+            }
           }
-          *(__nv_bfloat162 *)((bf16 *)a.C + row * a.ldc + i) =
-              __floats2bfloat162_rn(epi_swiglu(g0, u0, a.limit), epi_swiglu(g1, u1, a.limit));
+          if (ok)
+            *(uint2 *)((bf16 *)a.C + row * a.ldc + i0 + pc) = h;
         }
       } else {
 #pragma unroll
-        for (int j = 0; j < BN / 8; j++) {
-          int n = x.nt * BN + 8 * j + c0;
-          if (n >= a.N)
-            continue;
-          float v0 = acc[4 * j + 2 * r], v1 = acc[4 * j + 2 * r + 1];
+        for (int j = 0; j < BN / 8; j += 2) {
+          int n0 = x.nt * BN + 8 * j;
+          if (n0 >= a.N)
+            break;
+          float2 lo = make_float2(acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1]);
+          float2 hi = make_float2(acc[4 * j + 4 + 2 * r], acc[4 * j + 4 + 2 * r + 1]);
           if constexpr (EPI == E_BF16) {
-            *(__nv_bfloat162 *)((bf16 *)a.C + row * a.ldc + n) = __floats2bfloat162_rn(v0, v1);
+            uint2 v = pair_u32(bf16x2(lo.x, lo.y), bf16x2(hi.x, hi.y), lane);
+            if (ok)
+              *(uint2 *)((bf16 *)a.C + row * a.ldc + n0 + pc) = v;
           } else if constexpr (EPI == E_F32) {
-            *(float2 *)((float *)a.C + row * a.ldc + n) = make_float2(v0, v1);
-          } else { /* E_DH */
-            if (a.scale != NULL) {
-              v0 = __fmul_rn(a.scale[row], v0);
-              v1 = __fmul_rn(a.scale[row], v1);
-            }
-            float2 gr = *(const float2 *)(a.sg + row * a.lds + n);
-            float2 ur = *(const float2 *)(a.su + row * a.lds + n);
-            float dg0, du0, dg1, du1;
-            epi_dswiglu(v0, gr.x, ur.x, a.limit, &dg0, &du0);
-            epi_dswiglu(v1, gr.y, ur.y, a.limit, &dg1, &du1);
+            float4 v = pair_f32(lo, hi, lane);
+            if (ok)
+              *(float4 *)((float *)a.C + row * a.ldc + n0 + pc) = v;
+          } else { /* E_DH: d_h (times the row's router weight) -> d_g | d_u */
+            float4 v = pair_f32(lo, hi, lane);
+            if (!ok)
+              continue;
+            int n = n0 + pc;
+            float sc = a.scale != NULL ? a.scale[row] : 1.0f;
+            float dh[4] = {v.x, v.y, v.z, v.w}, dg[4], du[4];
+            float4 gr = *(const float4 *)(a.sg + row * a.lds + n);
+            float4 ur = *(const float4 *)(a.su + row * a.lds + n);
+            float g4[4] = {gr.x, gr.y, gr.z, gr.w}, u4[4] = {ur.x, ur.y, ur.z, ur.w};
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+              epi_dswiglu(a.scale != NULL ? __fmul_rn(sc, dh[e]) : dh[e], g4[e], u4[e], a.limit,
+                          &dg[e], &du[e]);
             bf16 *d = (bf16 *)a.C + row * a.ldc;
-            *(__nv_bfloat162 *)(d + n) = __floats2bfloat162_rn(dg0, dg1);
-            *(__nv_bfloat162 *)(d + a.lds + n) = __floats2bfloat162_rn(du0, du1);
+            *(uint2 *)(d + n) = make_uint2(bf16x2(dg[0], dg[1]), bf16x2(dg[2], dg[3]));
+            *(uint2 *)(d + a.lds + n) = make_uint2(bf16x2(du[0], du[1]), bf16x2(du[2], du[3]));
           }
         }
       }
