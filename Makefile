@@ -1,5 +1,7 @@
-# mokd - GNU make build. `make` builds into build/, `make check` runs every
-# CPU test, `make asan` the same under ASan+UBSan, `make bench-cpu` measures.
+# mokd - GNU make build. `make` builds into build/; `make check` runs the C
+# unit and end-to-end suites, the Python suite, then gpu-check (which says it
+# skipped when no GPU is visible); `make asan` runs the C suites under
+# ASan+UBSan; `make bench-cpu` measures.
 
 BUILD     ?= build
 CUDA_HOME ?= /usr/local/cuda
@@ -31,7 +33,7 @@ CHECK_LIBS   := $(shell pkg-config --libs check 2>/dev/null)
 # ---- CUDA (built whenever nvcc is there) -------------------------------------
 NVCC      ?= $(CUDA_HOME)/bin/nvcc
 HAVE_CUDA ?= $(shell test -x $(NVCC) && echo 1)
-# sm_90a for Hopper's wgmma/TMA, sm_100a for Blackwell, in one fatbin
+# sm_90a for Hopper, sm_100a for Blackwell, in one fatbin
 CUDA_ARCH ?= -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_100a,code=sm_100a
 NVFLAGS   := -std=c++17 -O3 -lineinfo $(CUDA_ARCH) -Xcompiler -fPIC,-Wall \
              -Ikernels -Iclient/include

@@ -20,6 +20,15 @@
 #include "frame.h"
 #include "proto/mokd.pb-c.h"
 
+/* public enums travel on the wire by value */
+_Static_assert(MOK_DTYPE_BF16 == (int)MOKD__DTYPE__DTYPE_BF16 &&
+                   MOK_DTYPE_F32 == (int)MOKD__DTYPE__DTYPE_F32 &&
+                   MOK_DTYPE_I32 == (int)MOKD__DTYPE__DTYPE_I32,
+               "mok_dtype and the wire's DType differ");
+_Static_assert(MOK_GRAD_BF16 == (int)MOKD__GRAD_MODE__GRAD_BF16 &&
+                   MOK_GRAD_FP32_ACCUM == (int)MOKD__GRAD_MODE__GRAD_FP32_ACCUM,
+               "mok_grad_mode and the wire's GradMode differ");
+
 typedef struct mapped {
   uint64_t id;
   void *ptr;

@@ -15,7 +15,6 @@ struct mokd_executor {
   pthread_cond_t cv;
   mokd_job *todo_head, *todo_tail;
   mokd_job *done_head, *done_tail;
-  int inflight; /* submitted, completion not yet run */
   int stopping;
   void (*done)(mokd_job *);
 };
@@ -111,7 +110,6 @@ static void on_async(uv_async_t *h)
   pthread_mutex_unlock(&ex->mu);
   while (list != NULL) {
     mokd_job *next = list->next;
-    ex->inflight--;
     ex->done(list);
     list = next;
   }
@@ -157,7 +155,6 @@ void mokd_executor_submit(mokd_executor *ex, mokd_job *job)
 {
   job->next = NULL;
   job->t_submit = mokd_now_ns();
-  ex->inflight++;
   pthread_mutex_lock(&ex->mu);
   if (ex->todo_tail != NULL)
     ex->todo_tail->next = job;
@@ -166,11 +163,6 @@ void mokd_executor_submit(mokd_executor *ex, mokd_job *job)
   ex->todo_tail = job;
   pthread_cond_signal(&ex->cv);
   pthread_mutex_unlock(&ex->mu);
-}
-
-int mokd_executor_busy(const mokd_executor *ex)
-{
-  return ex->inflight;
 }
 
 static void on_closed(uv_handle_t *h)

@@ -16,6 +16,5 @@ void mokd_executor_submit(mokd_executor *ex, mokd_job *job);
 /* Joins the workers (they finish what is queued) and closes the async handle;
  * the executor is freed in the handle's close callback. */
 void mokd_executor_close(mokd_executor *ex);
-int mokd_executor_busy(const mokd_executor *ex);
 
 #endif

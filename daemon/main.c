@@ -54,7 +54,6 @@ static int open_gpus(mokd_server *s, int visible, char *err)
     s->ngpus = i + 1;
   }
   s->backend = s->gpus[0].backend;
-  s->cuda_device = ords[0] + 1;
   return 0;
 }
 #endif

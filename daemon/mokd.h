@@ -15,6 +15,11 @@
 #include "mok.h"
 #include "proto/mokd.pb-c.h"
 
+/* the wire's gradient modes are the kernels' ones, by value */
+_Static_assert(MOKD__GRAD_MODE__GRAD_BF16 == (int)MOKK_GRAD_BF16 &&
+                   MOKD__GRAD_MODE__GRAD_FP32_ACCUM == (int)MOKK_GRAD_FP32_ACCUM,
+               "the wire's GradMode and mokk_grad_mode differ");
+
 typedef struct mokd_server mokd_server;
 typedef struct mokd_session mokd_session;
 
@@ -169,7 +174,6 @@ struct mokd_server {
   uv_loop_t *loop;
   mokd_config cfg;
   mokk_backend *backend;  /* the CPU backend, or the first GPU's */
-  int cuda_device;      /* first GPU's ordinal + 1 when the backend is CUDA; 0 = cpu */
   mokd_gpu gpus[MOKD_MAX_GPUS];
   int ngpus;
   uv_pipe_t listener;
@@ -214,7 +218,6 @@ void mokd_arena_free(mokd_session *s, mokd_arena *a);
  * stopped) waits for the device and frees what is left. */
 void mokd_retired_stop(mokd_server *srv);
 void mokd_retired_drain(mokd_server *srv);
-/* A block of `len` bytes in an output arena; *created is a new arena to announce. */
 /* A block of len bytes in an output arena. A new output arena keeps its fd
  * open until the first reply that names it carries the fd to the client. */
 int mokd_out_alloc(mokd_session *s, size_t len, mokd_arena **arena, mokd_span *span,

@@ -1,5 +1,5 @@
 /* registry.c - a session's arenas: memfds the daemon creates and shares,
- * buffers clients import, output arenas with a first-fit block allocator, and
+ * buffers clients import, output arenas with a best-fit block allocator, and
  * the validation of every tensor a request names. */
 #include <errno.h>
 #include <fcntl.h>

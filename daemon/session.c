@@ -495,9 +495,9 @@ static int h_hello(mokd_session *s, const Mokd__Request *q, char *err)
 
   if (s->hello_done)
     return mokk_fail(err, MOK_EPROTO, "this session has said Hello already");
-  if (h->protocol_version != MOKW_PROTOCOL_VERSION)
+  if (h->protocol_version != MOK_PROTOCOL_VERSION)
     return mokk_fail(err, MOK_EPROTO, "client speaks protocol %u; this daemon speaks %d",
-                     h->protocol_version, MOKW_PROTOCOL_VERSION);
+                     h->protocol_version, MOK_PROTOCOL_VERSION);
   if (srv->ngpus > 0) {
     /* the GPU the client asks for (ordinal + 1), else the least used */
     mokd_gpu *g = NULL;
@@ -532,7 +532,7 @@ static int h_hello(mokd_session *s, const Mokd__Request *q, char *err)
   lim.session_quota_bytes = (uint64_t)srv->cfg.session_quota_bytes;
   lim.session_gpu_quota_bytes = (uint64_t)srv->cfg.session_gpu_quota_bytes;
   lim.max_layers = (uint32_t)srv->cfg.max_layers;
-  w.protocol_version = MOKW_PROTOCOL_VERSION;
+  w.protocol_version = MOK_PROTOCOL_VERSION;
   w.daemon_version = (char *)MOKD_VERSION;
   w.backend = (char *)mokk_backend_name(srv->backend);
   w.limits = &lim;
@@ -1102,7 +1102,7 @@ static int handle(mokd_session *s, mokd_pending *p, char *err)
                      "none; it was closed and the request not run");
   if ((unknown = mokw_unknown_field(&q->base)) != 0)
     return mokk_fail(err, MOK_EPROTO, "request carries unknown field %u; this daemon "
-                     "speaks protocol %d", unknown, MOKW_PROTOCOL_VERSION);
+                     "speaks protocol %d", unknown, MOK_PROTOCOL_VERSION);
   if (q->body_case == MOKD__REQUEST__BODY__NOT_SET)
     return mokk_fail(err, MOK_EPROTO, "request has no body, or a body this daemon does "
                      "not know");

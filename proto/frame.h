@@ -10,9 +10,7 @@
 
 #include <protobuf-c/protobuf-c.h>
 
-#define MOKW_PROTOCOL_VERSION 1
 #define MOKW_PREFIX 4
-#define MOKW_DEFAULT_MAX_FRAME (1u << 20)
 
 typedef struct mokw_framer {
   uint8_t *buf;

@@ -20,7 +20,6 @@ int mokk_cuda_create(int device, mokk_backend **out, char *err);
 /* Caps the blocks of every launch (0 = as many as the GPU holds at once); the
  * results do not depend on it. */
 void mokk_cuda_set_max_blocks(mokk_backend *b, int blocks);
-int mokk_cuda_max_blocks(const mokk_backend *b);
 int mokk_cuda_device(const mokk_backend *b);
 /* The stream every step runs on (a cudaStream_t). */
 void *mokk_cuda_stream(mokk_backend *b);

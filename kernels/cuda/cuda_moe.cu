@@ -683,11 +683,6 @@ extern "C" void mokk_cuda_set_max_blocks(mokk_backend *b, int blocks)
   ((cuda_backend *)b)->max_blocks = blocks > 0 ? blocks : 0;
 }
 
-extern "C" int mokk_cuda_max_blocks(const mokk_backend *b)
-{
-  return ((const cuda_backend *)b)->max_blocks;
-}
-
 extern "C" int mokk_cuda_device(const mokk_backend *b)
 {
   return ((const cuda_backend *)b)->device;
