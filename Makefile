@@ -60,7 +60,8 @@ UNIT_SRC   := tests/check_main.c tests/ref.c tests/check_bf16.c \
 UNIT_DAEMON := daemon/config.c daemon/log.c
 INTEG_SRC  := tests/check_daemon.c tests/ref.c
 BENCH_SRC  := tests/bench/bench_cpu.c
-CUDA_SRC   := kernels/cuda/cuda_moe.cu kernels/cuda/gpumem.cu kernels/cuda/ipc.cu
+CUDA_SRC   := kernels/cuda/cuda_moe.cu kernels/cuda/cuda_backend.cu kernels/cuda/gpumem.cu \
+              kernels/cuda/ipc.cu
 
 obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))
 
@@ -130,8 +131,8 @@ $(BUILD)/obj/proto/mokd.pb-c.o: $(PROTO_C)
 
 $(call obj,$(UNIT_SRC) $(INTEG_SRC)): CFLAGS += $(CHECK_CFLAGS) -Itests
 
-$(BUILD)/obj/%.o: %.cu $(wildcard kernels/cuda/*.cuh) kernels/cuda/cuda_backend.h kernels/layer.h \
-                   kernels/backend.h client/include/mok_errno.h
+$(BUILD)/obj/%.o: %.cu $(wildcard kernels/cuda/*.cuh kernels/cuda/*.h) kernels/layer.h \
+                   kernels/backend.h kernels/swiglu.h client/include/mok_errno.h
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVFLAGS) -c $< -o $@
 

@@ -5,7 +5,7 @@
 #include <cuda_runtime.h>
 #include <string.h>
 
-#include "cuda_backend.h"
+#include "cuda_priv.h"
 
 #define READY_SLOTS 8
 
@@ -24,34 +24,26 @@ struct mokk_cuda_events {
   unsigned long long clock;
 };
 
-static int ipc_fail(char *err, cudaError_t e, const char *what)
-{
-  return mokk_fail(err, MOK_EDEVICE, "%s: %s (%s)", what, cudaGetErrorString(e),
-                   cudaGetErrorName(e));
-}
-
 extern "C" int mokk_cuda_events_create(mokk_backend *b, mokk_cuda_events **out, char *err)
 {
   mokk_cuda_events *ev = (mokk_cuda_events *)calloc(1, sizeof *ev);
-  cudaError_t e;
+  int rc = 0;
 
   *out = NULL;
   if (ev == NULL)
     return mokk_fail(err, MOK_ENOMEM, "out of memory");
   ev->device = mokk_cuda_device(b);
-  if ((e = cudaSetDevice(ev->device)) != cudaSuccess ||
-      (e = cudaEventCreateWithFlags(&ev->done, cudaEventDisableTiming |
-                                                   cudaEventInterprocess)) != cudaSuccess) {
-    free(ev);
-    return ipc_fail(err, e, "creating the done event");
-  }
-  if ((e = cudaIpcGetEventHandle(&ev->done_handle, ev->done)) != cudaSuccess) {
-    cudaEventDestroy(ev->done);
-    free(ev);
-    return ipc_fail(err, e, "cudaIpcGetEventHandle");
-  }
+  CUDA_CHECK_GOTO(cudaSetDevice(ev->device), rc, fail);
+  CUDA_CHECK_GOTO(cudaEventCreateWithFlags(&ev->done, cudaEventDisableTiming |
+                                                          cudaEventInterprocess), rc, fail);
+  CUDA_CHECK_GOTO(cudaIpcGetEventHandle(&ev->done_handle, ev->done), rc, fail);
   *out = ev;
   return 0;
+fail:
+  if (ev->done != NULL)
+    cudaEventDestroy(ev->done);
+  free(ev);
+  return rc;
 }
 
 extern "C" void mokk_cuda_events_free(mokk_cuda_events *ev)
@@ -73,8 +65,7 @@ extern "C" int mokk_cuda_wait(mokk_backend *b, mokk_cuda_events *ev, const void 
   ready_event *r = NULL;
   cudaError_t e;
 
-  if ((e = cudaSetDevice(ev->device)) != cudaSuccess)
-    return ipc_fail(err, e, "cudaSetDevice");
+  CUDA_CHECK(cudaSetDevice(ev->device));
   for (int i = 0; i < ev->nready; i++)
     if (memcmp(&ev->ready[i].handle, handle, sizeof(cudaIpcEventHandle_t)) == 0)
       r = &ev->ready[i];
@@ -100,17 +91,14 @@ extern "C" int mokk_cuda_wait(mokk_backend *b, mokk_cuda_events *ev, const void 
     r->ev = opened;
   }
   r->used = ++ev->clock;
-  if ((e = cudaStreamWaitEvent((cudaStream_t)mokk_cuda_stream(b), r->ev, 0)) != cudaSuccess)
-    return ipc_fail(err, e, "cudaStreamWaitEvent on the ready event");
+  CUDA_CHECK(cudaStreamWaitEvent((cudaStream_t)mokk_cuda_stream(b), r->ev, 0));
   return 0;
 }
 
 int mokk_cuda_events_record(mokk_cuda_events *ev, cudaStream_t stream, void *handle,
                             char *err)
 {
-  cudaError_t e = cudaEventRecord(ev->done, stream);
-  if (e != cudaSuccess)
-    return ipc_fail(err, e, "recording the done event");
+  CUDA_CHECK(cudaEventRecord(ev->done, stream));
   memcpy(handle, &ev->done_handle, sizeof ev->done_handle);
   return 0;
 }
@@ -120,18 +108,17 @@ int mokk_cuda_events_record(mokk_cuda_events *ev, cudaStream_t stream, void *han
 extern "C" int mokk_cuda_fence(mokk_backend *b, void **fence, char *err)
 {
   cudaEvent_t ev;
-  cudaError_t e;
+  int rc = 0;
 
   *fence = NULL;
-  if ((e = cudaSetDevice(mokk_cuda_device(b))) != cudaSuccess ||
-      (e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming)) != cudaSuccess)
-    return ipc_fail(err, e, "creating a fence");
-  if ((e = cudaEventRecord(ev, (cudaStream_t)mokk_cuda_stream(b))) != cudaSuccess) {
-    cudaEventDestroy(ev);
-    return ipc_fail(err, e, "recording a fence");
-  }
+  CUDA_CHECK(cudaSetDevice(mokk_cuda_device(b)));
+  CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  CUDA_CHECK_GOTO(cudaEventRecord(ev, (cudaStream_t)mokk_cuda_stream(b)), rc, fail);
   *fence = ev;
   return 0;
+fail:
+  cudaEventDestroy(ev);
+  return rc;
 }
 
 extern "C" int mokk_cuda_fence_passed(void *fence)
