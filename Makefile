@@ -46,7 +46,7 @@ CHECK_STATIC := -Wl,-Bstatic -lcheck_pic -lsubunit -Wl,-Bdynamic -lrt -lm
 # ---- sources ------------------------------------------------------------
 PROTO_C    := $(BUILD)/proto/mokd.pb-c.c
 PROTO_H    := $(BUILD)/proto/mokd.pb-c.h
-COMMON_SRC := client/errors.c client/paths.c proto/frame.c
+COMMON_SRC := client/errors.c client/paths.c proto/frame.c proto/fdpass.c
 KERNEL_SRC := kernels/layer.c kernels/backend.c kernels/cpu/ops.c \
               kernels/cpu/pool.c kernels/cpu/cpu_moe.c
 DAEMON_SRC := daemon/main.c daemon/config.c daemon/log.c daemon/server.c \

@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "cudamap.h"
+#include "fdpass.h"
 #include "frame.h"
 #include "proto/mokd.pb-c.h"
 
@@ -59,9 +60,9 @@ struct mok_client {
   int cuda_device;      /* the daemon's GPU; -1 when it runs on the CPU */
   void *stream;         /* mok_set_stream; NULL = wait on the host */
   void *ready;          /* our interprocess event, recorded before each step */
-  uint8_t ready_handle[MOK_CUDA_IPC_BYTES];
+  uint8_t ready_handle[MOKW_IPC_BYTES];
   void *done;           /* the daemon's done event, opened once */
-  uint8_t done_handle[MOK_CUDA_IPC_BYTES];
+  uint8_t done_handle[MOKW_IPC_BYTES];
   imported *imps;
   int nimps, capimps;
 };
@@ -160,24 +161,8 @@ static int send_frame(mok_client *c, const Mokd__Request *req, const int *fds, i
   if (rc != 0)
     return fail(c, rc, "cannot pack the request");
   while (off < len) {
-    struct iovec iov = {buf + off, len - off};
-    struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1};
-    union {
-      struct cmsghdr h;
-      char b[CMSG_SPACE(sizeof(int) * 4)];
-    } cm;
-    ssize_t n;
-    if (nfds > 0 && off == 0) {
-      memset(&cm, 0, sizeof cm);
-      mh.msg_control = cm.b;
-      mh.msg_controllen = CMSG_SPACE(sizeof(int) * (size_t)nfds);
-      struct cmsghdr *h = CMSG_FIRSTHDR(&mh);
-      h->cmsg_level = SOL_SOCKET;
-      h->cmsg_type = SCM_RIGHTS;
-      h->cmsg_len = CMSG_LEN(sizeof(int) * (size_t)nfds);
-      memcpy(CMSG_DATA(h), fds, sizeof(int) * (size_t)nfds);
-    }
-    n = sendmsg(c->fd, &mh, MSG_NOSIGNAL);
+    /* the fds ride on the frame's first byte */
+    ssize_t n = mokw_send(c->fd, buf + off, len - off, fds, off == 0 ? nfds : 0, MSG_NOSIGNAL);
     if (n < 0) {
       if (errno == EINTR)
         continue;
@@ -205,30 +190,13 @@ static int recv_frame(mok_client *c, Mokd__Response **out)
     uint8_t *dst = mokw_framer_space(&c->rx, 65536, &avail);
     if (dst == NULL)
       return fail(c, MOK_ENOMEM, "out of memory");
-    union {
-      struct cmsghdr h;
-      char b[CMSG_SPACE(sizeof(int) * 8)];
-    } cm;
-    struct iovec iov = {dst, avail};
-    struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cm.b,
-                        .msg_controllen = sizeof cm.b};
-    ssize_t n = recvmsg(c->fd, &mh, MSG_CMSG_CLOEXEC);
+    int got = (int)(sizeof c->fds / sizeof c->fds[0]) - c->nfds;
+    ssize_t n = mokw_recv(c->fd, dst, avail, 0, c->fds + c->nfds, &got, NULL);
     if (n < 0 && errno == EINTR)
       continue;
     if (n < 0)
       return fail(c, MOK_ECONNRESET, "reading from mokd failed: %s", strerror(errno));
-    for (struct cmsghdr *h = CMSG_FIRSTHDR(&mh); h != NULL; h = CMSG_NXTHDR(&mh, h)) {
-      if (h->cmsg_level != SOL_SOCKET || h->cmsg_type != SCM_RIGHTS)
-        continue;
-      int nf = (int)((h->cmsg_len - CMSG_LEN(0)) / sizeof(int));
-      int *f = (int *)CMSG_DATA(h);
-      for (int i = 0; i < nf; i++) {
-        if (c->nfds < 16)
-          c->fds[c->nfds++] = f[i];
-        else
-          close(f[i]);
-      }
-    }
+    c->nfds += got;
     if (n == 0)
       return fail(c, MOK_ECONNRESET, "mokd closed the connection");
     mokw_framer_commit(&c->rx, (size_t)n);
@@ -496,7 +464,7 @@ static int import_alloc(mok_client *c, const mok_cuda_alloc *al, uint64_t *arena
   Mokd__Request req = MOKD__REQUEST__INIT;
   Mokd__ImportBuffer ib = MOKD__IMPORT_BUFFER__INIT;
   Mokd__Response *r;
-  uint8_t handle[MOK_CUDA_IPC_BYTES];
+  uint8_t handle[MOKW_IPC_BYTES];
   char why[200];
   int fd = -1, rc;
 
@@ -758,7 +726,7 @@ static int step_ready(mok_client *c, ProtobufCBinaryData *ev)
   if (mok_cuda_event_record(c->ready, c->stream, why, sizeof why) != 0)
     return fail(c, MOK_EDEVICE, "%s", why);
   ev->data = c->ready_handle;
-  ev->len = MOK_CUDA_IPC_BYTES;
+  ev->len = MOKW_IPC_BYTES;
   return 0;
 }
 
@@ -767,15 +735,15 @@ static int step_ready(mok_client *c, ProtobufCBinaryData *ev)
 static int done_event(mok_client *c, const ProtobufCBinaryData *ev)
 {
   char why[200];
-  if (ev->len != MOK_CUDA_IPC_BYTES)
+  if (ev->len != MOKW_IPC_BYTES)
     return fail(c, MOK_EPROTO, "the reply carries a %zu-byte done event", ev->len);
-  if (c->done != NULL && memcmp(c->done_handle, ev->data, MOK_CUDA_IPC_BYTES) == 0)
+  if (c->done != NULL && memcmp(c->done_handle, ev->data, MOKW_IPC_BYTES) == 0)
     return 0;
   mok_cuda_event_free(c->done);
   c->done = NULL;
   if (mok_cuda_event_open(c->cuda_device, ev->data, &c->done, why, sizeof why) != 0)
     return fail(c, MOK_EDEVICE, "%s", why);
-  memcpy(c->done_handle, ev->data, MOK_CUDA_IPC_BYTES);
+  memcpy(c->done_handle, ev->data, MOKW_IPC_BYTES);
   return 0;
 }
 

@@ -11,6 +11,7 @@
 #include "backend.h"
 #include "cuda/cuda_backend.h"
 #include "config.h"
+#include "fdpass.h"
 #include "frame.h"
 #include "mok.h"
 #include "proto/mokd.pb-c.h"
@@ -19,6 +20,7 @@
 _Static_assert(MOKD__GRAD_MODE__GRAD_BF16 == (int)MOKK_GRAD_BF16 &&
                    MOKD__GRAD_MODE__GRAD_FP32_ACCUM == (int)MOKK_GRAD_FP32_ACCUM,
                "the wire's GradMode and mokk_grad_mode differ");
+_Static_assert(MOKW_IPC_BYTES == MOKK_CUDA_IPC_BYTES, "IPC handles differ in size");
 
 typedef struct mokd_server mokd_server;
 typedef struct mokd_session mokd_session;
@@ -92,7 +94,7 @@ typedef struct mokd_pending {
 typedef struct mokd_outbuf {
   uint8_t *data;
   size_t len, off;
-  int fds[8];
+  int fds[MOKW_MAX_FDS];
   int nfds;
   struct mokd_outbuf *next;
 } mokd_outbuf;

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "executor.h"
+#include "fdpass.h"
 #include "log.h"
 #include "mokd.h"
 
@@ -26,25 +27,8 @@ static int write_out(mokd_session *s)
 {
   while (s->out_head != NULL) {
     mokd_outbuf *b = s->out_head;
-    struct iovec iov = {b->data + b->off, b->len - b->off};
-    struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1};
-    union {
-      struct cmsghdr h;
-      char buf[CMSG_SPACE(sizeof(int) * 8)];
-    } cm;
-    ssize_t n;
-
-    if (b->nfds > 0) {
-      memset(&cm, 0, sizeof cm);
-      mh.msg_control = cm.buf;
-      mh.msg_controllen = CMSG_SPACE(sizeof(int) * (size_t)b->nfds);
-      struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
-      c->cmsg_level = SOL_SOCKET;
-      c->cmsg_type = SCM_RIGHTS;
-      c->cmsg_len = CMSG_LEN(sizeof(int) * (size_t)b->nfds);
-      memcpy(CMSG_DATA(c), b->fds, sizeof(int) * (size_t)b->nfds);
-    }
-    n = sendmsg(s->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+    ssize_t n = mokw_send(s->fd, b->data + b->off, b->len - b->off, b->fds, b->nfds,
+                          MSG_NOSIGNAL | MSG_DONTWAIT);
     if (n < 0)
       return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? 0 : -1;
     for (int i = 0; i < b->nfds; i++)
@@ -85,7 +69,7 @@ static int mokd_session_send(mokd_session *s, Mokd__Response *resp, const int *f
     free(b);
     return rc;
   }
-  for (int i = 0; i < nfds && i < 8; i++)
+  for (int i = 0; i < nfds && i < MOKW_MAX_FDS; i++)
     if ((b->fds[b->nfds] = fcntl(fds[i], F_DUPFD_CLOEXEC, 0)) >= 0)
       b->nfds++;
   if (s->out_tail != NULL)
@@ -371,12 +355,7 @@ static int read_some(mokd_session *s)
   for (;;) {
     size_t avail;
     uint8_t *dst = mokw_framer_space(&s->rx, READ_CHUNK, &avail);
-    union {
-      struct cmsghdr h;
-      char buf[CMSG_SPACE(sizeof(int) * 8)];
-    } cm;
-    struct iovec iov;
-    struct msghdr mh = {0};
+    int fds[MOKW_MAX_FDS], nfds = MOKW_MAX_FDS, ctrunc;
     ssize_t n;
     uint64_t c0 = mokw_framer_end(&s->rx);
 
@@ -384,13 +363,7 @@ static int read_some(mokd_session *s)
       mokd_session_close(s, "out of memory for the read buffer");
       return -1;
     }
-    iov.iov_base = dst;
-    iov.iov_len = avail;
-    mh.msg_iov = &iov;
-    mh.msg_iovlen = 1;
-    mh.msg_control = cm.buf;
-    mh.msg_controllen = sizeof cm.buf;
-    n = recvmsg(s->fd, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+    n = mokw_recv(s->fd, dst, avail, MSG_DONTWAIT, fds, &nfds, &ctrunc);
     if (n < 0) {
       if (errno == EAGAIN || errno == EWOULDBLOCK)
         return 0;
@@ -399,20 +372,14 @@ static int read_some(mokd_session *s)
       mokd_session_close(s, strerror(errno));
       return -1;
     }
-    for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c != NULL; c = CMSG_NXTHDR(&mh, c)) {
-      if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
+    for (int i = 0; i < nfds; i++) {
+      if (s->nrxfds == (int)(sizeof s->rxfds / sizeof s->rxfds[0])) {
+        close(fds[i]);
         continue;
-      int nf = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
-      int *fds = (int *)CMSG_DATA(c);
-      for (int i = 0; i < nf; i++) {
-        if (s->nrxfds == (int)(sizeof s->rxfds / sizeof s->rxfds[0])) {
-          close(fds[i]);
-          continue;
-        }
-        s->rxfds[s->nrxfds++] = (mokd_rxfd){fds[i], c0, c0 + (uint64_t)(n > 0 ? n : 1)};
       }
+      s->rxfds[s->nrxfds++] = (mokd_rxfd){fds[i], c0, c0 + (uint64_t)(n > 0 ? n : 1)};
     }
-    if (mh.msg_flags & MSG_CTRUNC) {
+    if (ctrunc) {
       mokd_session_close(s, "too many file descriptors on one frame");
       return -1;
     }

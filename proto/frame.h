@@ -11,6 +11,8 @@
 #include <protobuf-c/protobuf-c.h>
 
 #define MOKW_PREFIX 4
+/* A cudaIpcEventHandle_t or cudaIpcMemHandle_t on the wire. */
+#define MOKW_IPC_BYTES 64
 
 typedef struct mokw_framer {
   uint8_t *buf;

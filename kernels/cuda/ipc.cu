@@ -9,6 +9,10 @@
 
 #define READY_SLOTS 8
 
+static_assert(sizeof(cudaIpcEventHandle_t) == MOKK_CUDA_IPC_BYTES &&
+                  sizeof(cudaIpcMemHandle_t) == MOKK_CUDA_IPC_BYTES,
+              "CUDA IPC handles are not MOKK_CUDA_IPC_BYTES");
+
 typedef struct ready_event {
   cudaIpcEventHandle_t handle;
   cudaEvent_t ev;
