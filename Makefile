@@ -48,9 +48,11 @@ PROTO_C    := $(BUILD)/proto/mokd.pb-c.c
 PROTO_H    := $(BUILD)/proto/mokd.pb-c.h
 COMMON_SRC := client/errors.c client/paths.c proto/frame.c proto/fdpass.c
 KERNEL_SRC := kernels/layer.c kernels/backend.c kernels/cpu/ops.c \
-              kernels/cpu/pool.c kernels/cpu/cpu_moe.c
-DAEMON_SRC := daemon/main.c daemon/config.c daemon/log.c daemon/server.c \
-              daemon/session.c daemon/registry.c daemon/executor.c daemon/notify.c
+              kernels/cpu/pool.c kernels/cpu/cpu_moe.c kernels/cpu/hostmem.c
+DAEMON_SRC := daemon/main.c daemon/config.c daemon/log.c daemon/server.c daemon/conn.c \
+              daemon/dispatch.c daemon/session.c daemon/arenas.c daemon/layers.c \
+              daemon/steps.c daemon/registry.c daemon/executor.c daemon/notify.c \
+              kernels/devices.c
 CLIENT_SRC := client/mok.c client/cudamap.c
 UNIT_SRC   := tests/check_main.c tests/ref.c tests/check_bf16.c \
               tests/check_schedule.c tests/check_forward.c tests/check_backward.c \
@@ -132,7 +134,7 @@ $(BUILD)/obj/proto/mokd.pb-c.o: $(PROTO_C)
 $(call obj,$(UNIT_SRC) $(INTEG_SRC)): CFLAGS += $(CHECK_CFLAGS) -Itests
 
 $(BUILD)/obj/%.o: %.cu $(wildcard kernels/cuda/*.cuh kernels/cuda/*.h) kernels/layer.h \
-                   kernels/backend.h kernels/swiglu.h client/include/mok_errno.h
+                   kernels/backend.h kernels/backend_impl.h kernels/swiglu.h client/include/mok_errno.h
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVFLAGS) -c $< -o $@
 
@@ -162,7 +164,7 @@ $(PC_FILE): Makefile
 	@printf 'prefix=%s\nlibdir=$${prefix}/lib\nincludedir=$${prefix}/include\n\nName: mok\nDescription: client library of the mokd MoE daemon\nVersion: 0.1.0\nRequires.private: libprotobuf-c\nLibs: -L$${libdir} -lmok\nCflags: -I$${includedir}\n' '$(PREFIX)' > $@
 
 ifeq ($(HAVE_CUDA),1)
-$(DAEMON_OBJ) $(call obj,$(UNIT_DAEMON) tests/check_config.c): CFLAGS += -DMOKD_HAVE_CUDA
+$(DAEMON_OBJ) $(call obj,$(UNIT_DAEMON) tests/check_config.c): CFLAGS += -DMOKK_HAVE_CUDA
 $(MOKD_BIN): $(DAEMON_OBJ) $(LIBMOKK_CUDA) $(LIBMOKK) $(LIBCOMMON)
 	$(CC) $(LDSAN) -o $@ $^ $(DAEMON_LIBS) $(CUDA_LIBS) $(LDLIBS)
 else

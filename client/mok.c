@@ -34,7 +34,7 @@ typedef struct mapped {
   uint64_t id;
   void *ptr;
   size_t bytes;
-  int device;                /* CUDA ordinal + 1 of a GPU arena; 0 = host */
+  int device;                /* CUDA ordinal of a GPU arena; -1 = host */
   unsigned long long handle; /* GPU arenas: the imported allocation */
   int own;                   /* our own GPU memory, imported into the daemon: not ours to unmap */
 } mapped;
@@ -113,8 +113,8 @@ static int add_map(mok_client *c, uint64_t id, int fd, size_t bytes, int device)
   void *p;
   if (grow(c, (void **)&c->maps, c->nmaps, &c->capmaps, sizeof *c->maps) != 0)
     return MOK_ENOMEM;
-  if (device > 0) {
-    if (mok_cuda_map(fd, bytes, device - 1, &p, &handle, why, sizeof why) != 0)
+  if (device >= 0) {
+    if (mok_cuda_map(fd, bytes, device, &p, &handle, why, sizeof why) != 0)
       return fail(c, MOK_EDEVICE, "cannot map GPU arena %llu (%zu bytes): %s",
                   (unsigned long long)id, bytes, why);
   } else {
@@ -131,7 +131,7 @@ static void unmap(const mapped *m)
 {
   if (m->own)
     return;
-  if (m->device > 0)
+  if (m->device >= 0)
     mok_cuda_unmap(m->ptr, m->bytes, m->handle);
   else
     munmap(m->ptr, m->bytes);
@@ -238,8 +238,9 @@ static int call(mok_client *c, Mokd__Request *req, const int *fds, int nfds,
                 (unsigned long long)r->new_arenas[i]->arena);
       break;
     }
+    /* the wire's device is the CUDA ordinal + 1, 0 = host */
     if ((rc = add_map(c, r->new_arenas[i]->arena, c->fds[next++],
-                      (size_t)r->new_arenas[i]->bytes, r->new_arenas[i]->device)) != 0)
+                      (size_t)r->new_arenas[i]->bytes, r->new_arenas[i]->device - 1)) != 0)
       break;
   }
   if (rc == 0 && r->body_case == MOKD__RESPONSE__BODY_ARENA_CREATED) {
@@ -247,7 +248,7 @@ static int call(mok_client *c, Mokd__Request *req, const int *fds, int nfds,
       rc = fail(c, MOK_EPROTO, "ArenaCreated came without its fd");
     else
       rc = add_map(c, r->arena_created->arena, c->fds[0], (size_t)r->arena_created->bytes,
-                   r->arena_created->device);
+                   r->arena_created->device - 1);
   }
   drop_fds(c);
   if (rc != 0) {
@@ -428,7 +429,7 @@ int mok_arena_create(mok_client *c, size_t bytes, mok_arena_info *out)
   if ((rc = expect(c, &req, NULL, 0, MOKD__RESPONSE__BODY_ARENA_CREATED, &r)) != 0)
     return rc;
   mapped *m = find_map(c, r->arena_created->arena);
-  out->id = m->id, out->ptr = m->ptr, out->bytes = m->bytes, out->device = m->device - 1;
+  out->id = m->id, out->ptr = m->ptr, out->bytes = m->bytes, out->device = m->device;
   mokd__response__free_unpacked(r, NULL);
   return 0;
 }
@@ -447,7 +448,7 @@ int mok_arena_import(mok_client *c, int fd, size_t bytes, mok_arena_info *out)
     return rc;
   dupfd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
   rc = dupfd < 0 ? fail(c, MOK_EIO, "dup: %s", strerror(errno))
-                 : add_map(c, r->buffer_imported->arena, dupfd, bytes, 0);
+                 : add_map(c, r->buffer_imported->arena, dupfd, bytes, -1);
   if (dupfd >= 0)
     close(dupfd);
   if (rc == 0) {
@@ -491,7 +492,7 @@ static int import_alloc(mok_client *c, const mok_cuda_alloc *al, uint64_t *arena
   mokd__response__free_unpacked(r, NULL);
   if (grow(c, (void **)&c->maps, c->nmaps, &c->capmaps, sizeof *c->maps) != 0)
     return MOK_ENOMEM;
-  c->maps[c->nmaps++] = (mapped){*arena, (void *)al->base, al->bytes, al->device + 1, 0, 1};
+  c->maps[c->nmaps++] = (mapped){*arena, (void *)al->base, al->bytes, al->device, 0, 1};
   return 0;
 }
 
@@ -905,14 +906,14 @@ static int tensor_copy(mok_client *c, const mok_tensor *t, void *host, int to_ar
     return MOK_ENULL;
   if (p == NULL)
     return fail(c, MOK_ERANGE, "the tensor lies outside the arenas this client has mapped");
-  if (m->device == 0) {
+  if (m->device < 0) {
     if (to_arena)
       memcpy(p, host, n);
     else
       memcpy(host, p, n);
     return 0;
   }
-  if (mok_cuda_copy(to_arena ? p : host, to_arena ? host : p, n, to_arena, m->device - 1, why,
+  if (mok_cuda_copy(to_arena ? p : host, to_arena ? host : p, n, to_arena, m->device, why,
                     sizeof why) != 0)
     return fail(c, MOK_EDEVICE, "%s", why);
   return 0;

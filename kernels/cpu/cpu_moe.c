@@ -11,7 +11,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "backend.h"
+#include "backend_impl.h"
 #include "bf16.h"
 #include "ops.h"
 #include "pool.h"
@@ -671,6 +671,7 @@ int mokk_cpu_create(int threads, mokk_backend **out, char *err)
   if (cb == NULL)
     return mokk_fail(err, MOK_ENOMEM, "out of memory for the CPU backend");
   cb->base.iface = &cpu_iface;
+  cb->base.device = -1;
   if (mokc_pool_create(threads, &cb->pool) != 0) {
     free(cb);
     return mokk_fail(err, MOK_ENOMEM, "could not start %d CPU worker threads", threads);

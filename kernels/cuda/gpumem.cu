@@ -174,7 +174,7 @@ extern "C" void mokk_gpu_mem_free(mokk_gpu_mem *m)
   mokk_gpu_mem_free_now(m);
 }
 
-extern "C" void mokk_gpu_mem_free_now(mokk_gpu_mem *m)
+void mokk_gpu_mem_free_now(mokk_gpu_mem *m)
 {
   if (m->ptr == NULL || !drv.ready)
     return;
@@ -184,7 +184,7 @@ extern "C" void mokk_gpu_mem_free_now(mokk_gpu_mem *m)
 
 /* ---- client memory ------------------------------------------------------- */
 
-extern "C" int mokk_gpu_import_ipc(int device, const void *ipc_handle, size_t bytes,
+int mokk_gpu_import_ipc(int device, const void *ipc_handle, size_t bytes,
                                    mokk_gpu_import *m, char *err)
 {
   cudaIpcMemHandle_t h;
@@ -221,7 +221,7 @@ extern "C" int mokk_gpu_import_ipc(int device, const void *ipc_handle, size_t by
   return 0;
 }
 
-extern "C" int mokk_gpu_import_fd(int device, int fd, size_t bytes, mokk_gpu_import *m,
+int mokk_gpu_import_fd(int device, int fd, size_t bytes, mokk_gpu_import *m,
                                   char *err)
 {
   CUmemGenericAllocationHandle h = 0;
@@ -255,7 +255,7 @@ extern "C" int mokk_gpu_import_fd(int device, int fd, size_t bytes, mokk_gpu_imp
   return 0;
 }
 
-extern "C" void mokk_gpu_import_free_now(mokk_gpu_import *m)
+void mokk_gpu_import_free_now(mokk_gpu_import *m)
 {
   if (m->ptr == NULL)
     return;

@@ -9,9 +9,9 @@
 
 #define READY_SLOTS 8
 
-static_assert(sizeof(cudaIpcEventHandle_t) == MOKK_CUDA_IPC_BYTES &&
-                  sizeof(cudaIpcMemHandle_t) == MOKK_CUDA_IPC_BYTES,
-              "CUDA IPC handles are not MOKK_CUDA_IPC_BYTES");
+static_assert(sizeof(cudaIpcEventHandle_t) == MOKK_IPC_BYTES &&
+                  sizeof(cudaIpcMemHandle_t) == MOKK_IPC_BYTES,
+              "CUDA IPC handles are not MOKK_IPC_BYTES");
 
 typedef struct ready_event {
   cudaIpcEventHandle_t handle;
@@ -19,7 +19,7 @@ typedef struct ready_event {
   unsigned long long used; /* for evicting the least recently used */
 } ready_event;
 
-struct mokk_cuda_events {
+struct mokk_events {
   int device;
   cudaEvent_t done;
   cudaIpcEventHandle_t done_handle;
@@ -28,9 +28,9 @@ struct mokk_cuda_events {
   unsigned long long clock;
 };
 
-extern "C" int mokk_cuda_events_create(mokk_backend *b, mokk_cuda_events **out, char *err)
+int mokk_cuda_events_create(mokk_backend *b, mokk_events **out, char *err)
 {
-  mokk_cuda_events *ev = (mokk_cuda_events *)calloc(1, sizeof *ev);
+  mokk_events *ev = (mokk_events *)calloc(1, sizeof *ev);
   int rc = 0;
 
   *out = NULL;
@@ -50,7 +50,7 @@ fail:
   return rc;
 }
 
-extern "C" void mokk_cuda_events_free(mokk_cuda_events *ev)
+void mokk_cuda_events_free(mokk_events *ev)
 {
   if (ev == NULL)
     return;
@@ -63,7 +63,7 @@ extern "C" void mokk_cuda_events_free(mokk_cuda_events *ev)
   free(ev);
 }
 
-extern "C" int mokk_cuda_wait(mokk_backend *b, mokk_cuda_events *ev, const void *handle,
+int mokk_cuda_wait(mokk_backend *b, mokk_events *ev, const void *handle,
                               char *err)
 {
   ready_event *r = NULL;
@@ -99,7 +99,7 @@ extern "C" int mokk_cuda_wait(mokk_backend *b, mokk_cuda_events *ev, const void 
   return 0;
 }
 
-int mokk_cuda_events_record(mokk_cuda_events *ev, cudaStream_t stream, void *handle,
+int mokk_cuda_events_record(mokk_events *ev, cudaStream_t stream, void *handle,
                             char *err)
 {
   CUDA_CHECK(cudaEventRecord(ev->done, stream));
@@ -109,7 +109,7 @@ int mokk_cuda_events_record(mokk_cuda_events *ev, cudaStream_t stream, void *han
 
 /* ---- fences --------------------------------------------------------------- */
 
-extern "C" int mokk_cuda_fence(mokk_backend *b, void **fence, char *err)
+int mokk_cuda_fence(mokk_backend *b, cudaEvent_t *fence, char *err)
 {
   cudaEvent_t ev;
   int rc = 0;
@@ -125,18 +125,12 @@ fail:
   return rc;
 }
 
-extern "C" int mokk_cuda_fence_passed(void *fence)
+int mokk_cuda_fence_passed(cudaEvent_t fence)
 {
-  cudaError_t e = cudaEventQuery((cudaEvent_t)fence);
+  cudaError_t e = cudaEventQuery(fence);
   if (e == cudaErrorNotReady)
     return 0;
   if (e != cudaSuccess)
     cudaGetLastError(); /* a broken device runs nothing more: the memory can go */
   return 1;
-}
-
-extern "C" void mokk_cuda_fence_free(void *fence)
-{
-  if (fence != NULL)
-    cudaEventDestroy((cudaEvent_t)fence);
 }
