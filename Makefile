@@ -57,9 +57,10 @@ CLIENT_SRC := client/mok.c client/cudamap.c
 UNIT_SRC   := tests/check_main.c tests/ref.c tests/check_bf16.c \
               tests/check_schedule.c tests/check_forward.c tests/check_backward.c \
               tests/check_determinism.c tests/check_ep.c tests/check_errors.c \
-              tests/check_pool.c tests/check_frame.c tests/check_config.c
-# config.c and log.c are unit-tested without the rest of the daemon
-UNIT_DAEMON := daemon/config.c daemon/log.c
+              tests/check_pool.c tests/check_frame.c tests/check_config.c \
+              tests/check_registry.c
+# config.c, log.c and registry.c are unit-tested without the rest of the daemon
+UNIT_DAEMON := daemon/config.c daemon/log.c daemon/registry.c
 INTEG_SRC  := tests/check_daemon.c tests/ref.c
 BENCH_SRC  := tests/bench/bench_cpu.c
 CUDA_SRC   := kernels/cuda/cuda_moe.cu kernels/cuda/cuda_backend.cu kernels/cuda/gpumem.cu \
