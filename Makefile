@@ -1,5 +1,7 @@
-# mokd - GNU make build. `make` builds into build/, `make check` runs every
-# CPU test, `make asan` the same under ASan+UBSan, `make bench-cpu` measures.
+# mokd - GNU make build. `make` builds into build/; `make check` runs the C
+# unit and end-to-end suites, the Python suite, then gpu-check (which says it
+# skipped when no GPU is visible); `make asan` runs the C suites under
+# ASan+UBSan; `make bench-cpu` measures.
 
 BUILD     ?= build
 CUDA_HOME ?= /usr/local/cuda
@@ -31,7 +33,7 @@ CHECK_LIBS   := $(shell pkg-config --libs check 2>/dev/null)
 # ---- CUDA (built whenever nvcc is there) -------------------------------------
 NVCC      ?= $(CUDA_HOME)/bin/nvcc
 HAVE_CUDA ?= $(shell test -x $(NVCC) && echo 1)
-# sm_90a for Hopper's wgmma/TMA, sm_100a for Blackwell, in one fatbin
+# sm_90a for Hopper, sm_100a for Blackwell, in one fatbin
 CUDA_ARCH ?= -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_100a,code=sm_100a
 NVFLAGS   := -std=c++17 -O3 -lineinfo $(CUDA_ARCH) -Xcompiler -fPIC,-Wall \
              -Ikernels -Iclient/include
@@ -44,22 +46,26 @@ CHECK_STATIC := -Wl,-Bstatic -lcheck_pic -lsubunit -Wl,-Bdynamic -lrt -lm
 # ---- sources ------------------------------------------------------------
 PROTO_C    := $(BUILD)/proto/mokd.pb-c.c
 PROTO_H    := $(BUILD)/proto/mokd.pb-c.h
-COMMON_SRC := client/errors.c client/paths.c proto/frame.c
+COMMON_SRC := client/errors.c client/paths.c proto/frame.c proto/fdpass.c
 KERNEL_SRC := kernels/layer.c kernels/backend.c kernels/cpu/ops.c \
-              kernels/cpu/pool.c kernels/cpu/cpu_moe.c
-DAEMON_SRC := daemon/main.c daemon/config.c daemon/log.c daemon/server.c \
-              daemon/session.c daemon/registry.c daemon/executor.c daemon/notify.c
+              kernels/cpu/pool.c kernels/cpu/cpu_moe.c kernels/cpu/hostmem.c
+DAEMON_SRC := daemon/main.c daemon/config.c daemon/log.c daemon/server.c daemon/conn.c \
+              daemon/dispatch.c daemon/session.c daemon/arenas.c daemon/layers.c \
+              daemon/steps.c daemon/registry.c daemon/executor.c daemon/notify.c \
+              kernels/devices.c
 CLIENT_SRC := client/mok.c client/cudamap.c
 UNIT_SRC   := tests/check_main.c tests/ref.c tests/check_bf16.c \
               tests/check_schedule.c tests/check_forward.c tests/check_backward.c \
               tests/check_determinism.c tests/check_ep.c tests/check_errors.c \
-              tests/check_pool.c tests/check_frame.c tests/check_config.c
-# config.c and log.c are unit-tested without the rest of the daemon
-UNIT_DAEMON := daemon/config.c daemon/log.c
-INTEG_SRC  := tests/check_daemon.c tests/ref.c
+              tests/check_pool.c tests/check_frame.c tests/check_config.c \
+              tests/check_registry.c
+# config.c, log.c and registry.c are unit-tested without the rest of the daemon
+UNIT_DAEMON := daemon/config.c daemon/log.c daemon/registry.c
+INTEG_SRC  := tests/check_daemon.c tests/daemon_fixture.c tests/check_daemon_steps.c \
+              tests/check_daemon_wire.c tests/check_daemon_service.c tests/ref.c
 BENCH_SRC  := tests/bench/bench_cpu.c
-CUDA_SRC   := kernels/cuda/cuda_moe.cu kernels/cuda/gpumem.cu kernels/cuda/ipc.cu \
-              kernels/cuda/sm90/tma.cu
+CUDA_SRC   := kernels/cuda/cuda_moe.cu kernels/cuda/cuda_backend.cu kernels/cuda/gpumem.cu \
+              kernels/cuda/ipc.cu kernels/cuda/sm90/tma.cu
 
 obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))
 
@@ -130,8 +136,9 @@ $(BUILD)/obj/proto/mokd.pb-c.o: $(PROTO_C)
 
 $(call obj,$(UNIT_SRC) $(INTEG_SRC)): CFLAGS += $(CHECK_CFLAGS) -Itests
 
-$(BUILD)/obj/%.o: %.cu $(wildcard kernels/cuda/*.cuh kernels/cuda/sm90/*) kernels/cuda/cuda_backend.h kernels/layer.h \
-                   kernels/backend.h client/include/mok_errno.h
+$(BUILD)/obj/%.o: %.cu $(wildcard kernels/cuda/*.cuh kernels/cuda/*.h kernels/cuda/sm90/*) \
+                   kernels/layer.h kernels/backend.h kernels/backend_impl.h kernels/swiglu.h \
+                   client/include/mok_errno.h
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVFLAGS) -c $< -o $@
 
@@ -166,7 +173,7 @@ $(PC_FILE): Makefile
 	@printf 'prefix=%s\nlibdir=$${prefix}/lib\nincludedir=$${prefix}/include\n\nName: mok\nDescription: client library of the mokd MoE daemon\nVersion: 0.1.0\nRequires.private: libprotobuf-c\nLibs: -L$${libdir} -lmok\nCflags: -I$${includedir}\n' '$(PREFIX)' > $@
 
 ifeq ($(HAVE_CUDA),1)
-$(DAEMON_OBJ) $(call obj,$(UNIT_DAEMON) tests/check_config.c): CFLAGS += -DMOKD_HAVE_CUDA
+$(DAEMON_OBJ) $(call obj,$(UNIT_DAEMON) tests/check_config.c): CFLAGS += -DMOKK_HAVE_CUDA
 $(MOKD_BIN): $(DAEMON_OBJ) $(LIBMOKK_CUDA) $(LIBMOKK) $(LIBCOMMON)
 	$(CC) $(LDSAN) -o $@ $^ $(DAEMON_LIBS) $(CUDA_LIBS) $(LDLIBS)
 else

@@ -15,7 +15,7 @@ typedef unsigned long long cu_ptr;
 typedef unsigned long long cu_handle;
 typedef struct { int type, id; } cu_location;
 typedef struct { cu_location location; int flags; } cu_access;
-typedef struct { char bytes[MOK_CUDA_IPC_BYTES]; } cu_ipc;
+typedef struct { char bytes[MOKW_IPC_BYTES]; } cu_ipc;
 enum { CU_LOCATION_DEVICE = 1, CU_ACCESS_RW = 3, CU_HANDLE_POSIX_FD = 1 };
 enum { CU_EVENT_DISABLE_TIMING = 2, CU_EVENT_INTERPROCESS = 4 };
 enum { CU_ATTR_BUFFER_ID = 7, CU_ATTR_DEVICE_ORDINAL = 9, CU_ATTR_LEGACY_IPC = 10 };

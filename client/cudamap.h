@@ -7,7 +7,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-#define MOK_CUDA_IPC_BYTES 64
+#include "frame.h"
 
 /* The allocation that holds a pointer of this process. */
 typedef struct mok_cuda_alloc {
@@ -25,7 +25,7 @@ int mok_cuda_copy(void *dst, const void *src, size_t bytes, int to_device, int d
                   char *why, size_t n);
 
 
-/* Interprocess events (disable-timing); handle is 64 bytes. */
+/* Interprocess events (disable-timing); handle is MOKW_IPC_BYTES. */
 int mok_cuda_event_new(int device, void **ev, void *handle, char *why, size_t n);
 int mok_cuda_event_open(int device, const void *handle, void **ev, char *why, size_t n);
 /* stream NULL = the legacy default stream */

@@ -17,14 +17,24 @@
 #include <unistd.h>
 
 #include "cudamap.h"
+#include "fdpass.h"
 #include "frame.h"
 #include "proto/mokd.pb-c.h"
+
+/* public enums travel on the wire by value */
+_Static_assert(MOK_DTYPE_BF16 == (int)MOKD__DTYPE__DTYPE_BF16 &&
+                   MOK_DTYPE_F32 == (int)MOKD__DTYPE__DTYPE_F32 &&
+                   MOK_DTYPE_I32 == (int)MOKD__DTYPE__DTYPE_I32,
+               "mok_dtype and the wire's DType differ");
+_Static_assert(MOK_GRAD_BF16 == (int)MOKD__GRAD_MODE__GRAD_BF16 &&
+                   MOK_GRAD_FP32_ACCUM == (int)MOKD__GRAD_MODE__GRAD_FP32_ACCUM,
+               "mok_grad_mode and the wire's GradMode differ");
 
 typedef struct mapped {
   uint64_t id;
   void *ptr;
   size_t bytes;
-  int device;                /* CUDA ordinal + 1 of a GPU arena; 0 = host */
+  int device;                /* CUDA ordinal of a GPU arena; -1 = host */
   unsigned long long handle; /* GPU arenas: the imported allocation */
   int own;                   /* our own GPU memory, imported into the daemon: not ours to unmap */
 } mapped;
@@ -50,9 +60,9 @@ struct mok_client {
   int cuda_device;      /* the daemon's GPU; -1 when it runs on the CPU */
   void *stream;         /* mok_set_stream; NULL = wait on the host */
   void *ready;          /* our interprocess event, recorded before each step */
-  uint8_t ready_handle[MOK_CUDA_IPC_BYTES];
+  uint8_t ready_handle[MOKW_IPC_BYTES];
   void *done;           /* the daemon's done event, opened once */
-  uint8_t done_handle[MOK_CUDA_IPC_BYTES];
+  uint8_t done_handle[MOKW_IPC_BYTES];
   imported *imps;
   int nimps, capimps;
 };
@@ -103,8 +113,8 @@ static int add_map(mok_client *c, uint64_t id, int fd, size_t bytes, int device)
   void *p;
   if (grow(c, (void **)&c->maps, c->nmaps, &c->capmaps, sizeof *c->maps) != 0)
     return MOK_ENOMEM;
-  if (device > 0) {
-    if (mok_cuda_map(fd, bytes, device - 1, &p, &handle, why, sizeof why) != 0)
+  if (device >= 0) {
+    if (mok_cuda_map(fd, bytes, device, &p, &handle, why, sizeof why) != 0)
       return fail(c, MOK_EDEVICE, "cannot map GPU arena %llu (%zu bytes): %s",
                   (unsigned long long)id, bytes, why);
   } else {
@@ -121,7 +131,7 @@ static void unmap(const mapped *m)
 {
   if (m->own)
     return;
-  if (m->device > 0)
+  if (m->device >= 0)
     mok_cuda_unmap(m->ptr, m->bytes, m->handle);
   else
     munmap(m->ptr, m->bytes);
@@ -151,24 +161,8 @@ static int send_frame(mok_client *c, const Mokd__Request *req, const int *fds, i
   if (rc != 0)
     return fail(c, rc, "cannot pack the request");
   while (off < len) {
-    struct iovec iov = {buf + off, len - off};
-    struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1};
-    union {
-      struct cmsghdr h;
-      char b[CMSG_SPACE(sizeof(int) * 4)];
-    } cm;
-    ssize_t n;
-    if (nfds > 0 && off == 0) {
-      memset(&cm, 0, sizeof cm);
-      mh.msg_control = cm.b;
-      mh.msg_controllen = CMSG_SPACE(sizeof(int) * (size_t)nfds);
-      struct cmsghdr *h = CMSG_FIRSTHDR(&mh);
-      h->cmsg_level = SOL_SOCKET;
-      h->cmsg_type = SCM_RIGHTS;
-      h->cmsg_len = CMSG_LEN(sizeof(int) * (size_t)nfds);
-      memcpy(CMSG_DATA(h), fds, sizeof(int) * (size_t)nfds);
-    }
-    n = sendmsg(c->fd, &mh, MSG_NOSIGNAL);
+    /* the fds ride on the frame's first byte */
+    ssize_t n = mokw_send(c->fd, buf + off, len - off, fds, off == 0 ? nfds : 0, MSG_NOSIGNAL);
     if (n < 0) {
       if (errno == EINTR)
         continue;
@@ -196,30 +190,13 @@ static int recv_frame(mok_client *c, Mokd__Response **out)
     uint8_t *dst = mokw_framer_space(&c->rx, 65536, &avail);
     if (dst == NULL)
       return fail(c, MOK_ENOMEM, "out of memory");
-    union {
-      struct cmsghdr h;
-      char b[CMSG_SPACE(sizeof(int) * 8)];
-    } cm;
-    struct iovec iov = {dst, avail};
-    struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cm.b,
-                        .msg_controllen = sizeof cm.b};
-    ssize_t n = recvmsg(c->fd, &mh, MSG_CMSG_CLOEXEC);
+    int got = (int)(sizeof c->fds / sizeof c->fds[0]) - c->nfds;
+    ssize_t n = mokw_recv(c->fd, dst, avail, 0, c->fds + c->nfds, &got, NULL);
     if (n < 0 && errno == EINTR)
       continue;
     if (n < 0)
       return fail(c, MOK_ECONNRESET, "reading from mokd failed: %s", strerror(errno));
-    for (struct cmsghdr *h = CMSG_FIRSTHDR(&mh); h != NULL; h = CMSG_NXTHDR(&mh, h)) {
-      if (h->cmsg_level != SOL_SOCKET || h->cmsg_type != SCM_RIGHTS)
-        continue;
-      int nf = (int)((h->cmsg_len - CMSG_LEN(0)) / sizeof(int));
-      int *f = (int *)CMSG_DATA(h);
-      for (int i = 0; i < nf; i++) {
-        if (c->nfds < 16)
-          c->fds[c->nfds++] = f[i];
-        else
-          close(f[i]);
-      }
-    }
+    c->nfds += got;
     if (n == 0)
       return fail(c, MOK_ECONNRESET, "mokd closed the connection");
     mokw_framer_commit(&c->rx, (size_t)n);
@@ -261,8 +238,9 @@ static int call(mok_client *c, Mokd__Request *req, const int *fds, int nfds,
                 (unsigned long long)r->new_arenas[i]->arena);
       break;
     }
+    /* the wire's device is the CUDA ordinal + 1, 0 = host */
     if ((rc = add_map(c, r->new_arenas[i]->arena, c->fds[next++],
-                      (size_t)r->new_arenas[i]->bytes, r->new_arenas[i]->device)) != 0)
+                      (size_t)r->new_arenas[i]->bytes, r->new_arenas[i]->device - 1)) != 0)
       break;
   }
   if (rc == 0 && r->body_case == MOKD__RESPONSE__BODY_ARENA_CREATED) {
@@ -270,7 +248,7 @@ static int call(mok_client *c, Mokd__Request *req, const int *fds, int nfds,
       rc = fail(c, MOK_EPROTO, "ArenaCreated came without its fd");
     else
       rc = add_map(c, r->arena_created->arena, c->fds[0], (size_t)r->arena_created->bytes,
-                   r->arena_created->device);
+                   r->arena_created->device - 1);
   }
   drop_fds(c);
   if (rc != 0) {
@@ -451,7 +429,7 @@ int mok_arena_create(mok_client *c, size_t bytes, mok_arena_info *out)
   if ((rc = expect(c, &req, NULL, 0, MOKD__RESPONSE__BODY_ARENA_CREATED, &r)) != 0)
     return rc;
   mapped *m = find_map(c, r->arena_created->arena);
-  out->id = m->id, out->ptr = m->ptr, out->bytes = m->bytes, out->device = m->device - 1;
+  out->id = m->id, out->ptr = m->ptr, out->bytes = m->bytes, out->device = m->device;
   mokd__response__free_unpacked(r, NULL);
   return 0;
 }
@@ -470,7 +448,7 @@ int mok_arena_import(mok_client *c, int fd, size_t bytes, mok_arena_info *out)
     return rc;
   dupfd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
   rc = dupfd < 0 ? fail(c, MOK_EIO, "dup: %s", strerror(errno))
-                 : add_map(c, r->buffer_imported->arena, dupfd, bytes, 0);
+                 : add_map(c, r->buffer_imported->arena, dupfd, bytes, -1);
   if (dupfd >= 0)
     close(dupfd);
   if (rc == 0) {
@@ -487,7 +465,7 @@ static int import_alloc(mok_client *c, const mok_cuda_alloc *al, uint64_t *arena
   Mokd__Request req = MOKD__REQUEST__INIT;
   Mokd__ImportBuffer ib = MOKD__IMPORT_BUFFER__INIT;
   Mokd__Response *r;
-  uint8_t handle[MOK_CUDA_IPC_BYTES];
+  uint8_t handle[MOKW_IPC_BYTES];
   char why[200];
   int fd = -1, rc;
 
@@ -514,7 +492,7 @@ static int import_alloc(mok_client *c, const mok_cuda_alloc *al, uint64_t *arena
   mokd__response__free_unpacked(r, NULL);
   if (grow(c, (void **)&c->maps, c->nmaps, &c->capmaps, sizeof *c->maps) != 0)
     return MOK_ENOMEM;
-  c->maps[c->nmaps++] = (mapped){*arena, (void *)al->base, al->bytes, al->device + 1, 0, 1};
+  c->maps[c->nmaps++] = (mapped){*arena, (void *)al->base, al->bytes, al->device, 0, 1};
   return 0;
 }
 
@@ -749,7 +727,7 @@ static int step_ready(mok_client *c, ProtobufCBinaryData *ev)
   if (mok_cuda_event_record(c->ready, c->stream, why, sizeof why) != 0)
     return fail(c, MOK_EDEVICE, "%s", why);
   ev->data = c->ready_handle;
-  ev->len = MOK_CUDA_IPC_BYTES;
+  ev->len = MOKW_IPC_BYTES;
   return 0;
 }
 
@@ -758,15 +736,15 @@ static int step_ready(mok_client *c, ProtobufCBinaryData *ev)
 static int done_event(mok_client *c, const ProtobufCBinaryData *ev)
 {
   char why[200];
-  if (ev->len != MOK_CUDA_IPC_BYTES)
+  if (ev->len != MOKW_IPC_BYTES)
     return fail(c, MOK_EPROTO, "the reply carries a %zu-byte done event", ev->len);
-  if (c->done != NULL && memcmp(c->done_handle, ev->data, MOK_CUDA_IPC_BYTES) == 0)
+  if (c->done != NULL && memcmp(c->done_handle, ev->data, MOKW_IPC_BYTES) == 0)
     return 0;
   mok_cuda_event_free(c->done);
   c->done = NULL;
   if (mok_cuda_event_open(c->cuda_device, ev->data, &c->done, why, sizeof why) != 0)
     return fail(c, MOK_EDEVICE, "%s", why);
-  memcpy(c->done_handle, ev->data, MOK_CUDA_IPC_BYTES);
+  memcpy(c->done_handle, ev->data, MOKW_IPC_BYTES);
   return 0;
 }
 
@@ -928,14 +906,14 @@ static int tensor_copy(mok_client *c, const mok_tensor *t, void *host, int to_ar
     return MOK_ENULL;
   if (p == NULL)
     return fail(c, MOK_ERANGE, "the tensor lies outside the arenas this client has mapped");
-  if (m->device == 0) {
+  if (m->device < 0) {
     if (to_arena)
       memcpy(p, host, n);
     else
       memcpy(host, p, n);
     return 0;
   }
-  if (mok_cuda_copy(to_arena ? p : host, to_arena ? host : p, n, to_arena, m->device - 1, why,
+  if (mok_cuda_copy(to_arena ? p : host, to_arena ? host : p, n, to_arena, m->device, why,
                     sizeof why) != 0)
     return fail(c, MOK_EDEVICE, "%s", why);
   return 0;

@@ -11,6 +11,7 @@
 #include <strings.h>
 #include <unistd.h>
 
+#include "devices.h"
 #include "log.h"
 #include "mok.h"
 
@@ -285,7 +286,7 @@ static void default_socket(mokd_config *cfg)
 
 int mokd_config_load(mokd_config *cfg, int argc, char **argv, char *err, size_t errlen)
 {
-  const char *file = NULL;
+  const char *file = NULL, *gpu = mokk_gpu_backend();
   int print = 0, rc;
 
   defaults(cfg);
@@ -348,19 +349,16 @@ int mokd_config_load(mokd_config *cfg, int argc, char **argv, char *err, size_t 
       return MOK_EINVAL;
     }
   }
-#ifdef MOKD_HAVE_CUDA
   if (strcmp(cfg->backend, "cpu") != 0 && strcmp(cfg->backend, "auto") != 0 &&
-      strcmp(cfg->backend, "cuda") != 0) {
-    snprintf(err, errlen, "backend \"%s\" is unknown; use cuda, cpu or auto", cfg->backend);
+      (gpu == NULL || strcmp(cfg->backend, gpu) != 0)) {
+    if (gpu != NULL)
+      snprintf(err, errlen, "backend \"%s\" is unknown; use %s, cpu or auto", cfg->backend,
+               gpu);
+    else
+      snprintf(err, errlen, "backend \"%s\" is not available in this build; use cpu or auto",
+               cfg->backend);
     return MOK_EINVAL;
   }
-#else
-  if (strcmp(cfg->backend, "cpu") != 0 && strcmp(cfg->backend, "auto") != 0) {
-    snprintf(err, errlen, "backend \"%s\" is not available in this build; use cpu or auto",
-             cfg->backend);
-    return MOK_EINVAL;
-  }
-#endif
   if (cfg->devices[0] != '\0' && (cfg->devices[0] < '0' || cfg->devices[0] > '9')) {
     snprintf(err, errlen, "devices \"%s\" must be CUDA ordinals, such as 0 or 0,1",
              cfg->devices);

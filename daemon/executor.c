@@ -3,9 +3,10 @@
 
 #include <pthread.h>
 #include <stdlib.h>
-#include <string.h>
+#include <time.h>
 
 #include "log.h"
+#include "mok_errno.h"
 
 struct mokd_executor {
   uv_async_t async;
@@ -13,57 +14,16 @@ struct mokd_executor {
   int nthreads;
   pthread_mutex_t mu;
   pthread_cond_t cv;
-  mokd_job *todo_head, *todo_tail;
-  mokd_job *done_head, *done_tail;
-  int inflight; /* submitted, completion not yet run */
+  mokd_work *todo_head, *todo_tail;
+  mokd_work *done_head, *done_tail;
   int stopping;
-  void (*done)(mokd_job *);
 };
 
-/* A CUDA step is only queued here: it waits on the GPU for the client's ready
- * event, and a done event recorded after it goes back with the reply, so the
- * reply leaves while the GPU still works. Nothing here waits for the GPU;
- * errors only the GPU can see travel in the step's status word. */
-static int run_cuda(mokd_job *job)
+uint64_t mokd_now_ns(void)
 {
-#ifdef MOKD_HAVE_CUDA
-  int rc;
-  if (*job->events == NULL && (rc = mokk_cuda_events_create(job->backend, job->events,
-                                                             job->err)) != 0)
-    return rc;
-  if (job->has_ready && (rc = mokk_cuda_wait(job->backend, *job->events, job->ready,
-                                             job->err)) != 0)
-    return rc;
-  if (job->backward)
-    rc = mokk_backward(job->backend, job->ctx, job->mode, &job->br, job->err);
-  else
-    rc = mokk_forward(job->backend, &job->shape, job->T, &job->fr,
-                      job->want_ctx ? &job->ctx : NULL, job->err);
-  if (rc == 0)
-    rc = mokk_cuda_finish(job->backend, *job->events, job->status, job->done, job->err);
-  if (rc == 0)
-    job->has_done = 1;
-  else if (!job->backward && job->ctx != NULL) {
-    mokk_ctx_free(job->backend, job->ctx);
-    job->ctx = NULL;
-  }
-  return rc;
-#else
-  return mokk_fail(job->err, MOK_ENOTSUP, "this mokd was built without CUDA");
-#endif
-}
-
-static void run_job(mokd_job *job)
-{
-  job->t_start = mokd_now_ns();
-  if (job->events != NULL)
-    job->rc = run_cuda(job);
-  else if (job->backward)
-    job->rc = mokk_backward(job->backend, job->ctx, job->mode, &job->br, job->err);
-  else
-    job->rc = mokk_forward(job->backend, &job->shape, job->T, &job->fr,
-                           job->want_ctx ? &job->ctx : NULL, job->err);
-  job->t_end = mokd_now_ns();
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
 static void *worker(void *arg)
@@ -72,26 +32,28 @@ static void *worker(void *arg)
 
   pthread_mutex_lock(&ex->mu);
   for (;;) {
-    mokd_job *job;
+    mokd_work *w;
     while (ex->todo_head == NULL && !ex->stopping)
       pthread_cond_wait(&ex->cv, &ex->mu);
     if (ex->todo_head == NULL)
       break;
-    job = ex->todo_head;
-    ex->todo_head = job->next;
+    w = ex->todo_head;
+    ex->todo_head = w->next;
     if (ex->todo_head == NULL)
       ex->todo_tail = NULL;
     pthread_mutex_unlock(&ex->mu);
 
-    run_job(job);
+    w->t_start = mokd_now_ns();
+    w->work(w);
+    w->t_end = mokd_now_ns();
 
     pthread_mutex_lock(&ex->mu);
-    job->next = NULL;
+    w->next = NULL;
     if (ex->done_tail != NULL)
-      ex->done_tail->next = job;
+      ex->done_tail->next = w;
     else
-      ex->done_head = job;
-    ex->done_tail = job;
+      ex->done_head = w;
+    ex->done_tail = w;
     pthread_mutex_unlock(&ex->mu);
     uv_async_send(&ex->async);
     pthread_mutex_lock(&ex->mu);
@@ -103,30 +65,26 @@ static void *worker(void *arg)
 static void on_async(uv_async_t *h)
 {
   mokd_executor *ex = h->data;
-  mokd_job *list;
+  mokd_work *list;
 
   pthread_mutex_lock(&ex->mu);
   list = ex->done_head;
   ex->done_head = ex->done_tail = NULL;
   pthread_mutex_unlock(&ex->mu);
   while (list != NULL) {
-    mokd_job *next = list->next;
-    ex->inflight--;
-    ex->done(list);
+    mokd_work *next = list->next;
+    list->after_work(list);
     list = next;
   }
 }
 
-int mokd_executor_create(uv_loop_t *loop, int threads, void (*done)(mokd_job *),
-                         mokd_executor **out)
+int mokd_executor_create(uv_loop_t *loop, int threads, mokd_executor **out)
 {
   mokd_executor *ex = calloc(1, sizeof *ex);
-  int rc;
 
   *out = NULL;
   if (ex == NULL)
     return MOK_ENOMEM;
-  ex->done = done;
   ex->threads = calloc((size_t)threads, sizeof *ex->threads);
   if (ex->threads == NULL) {
     free(ex);
@@ -134,7 +92,7 @@ int mokd_executor_create(uv_loop_t *loop, int threads, void (*done)(mokd_job *),
   }
   pthread_mutex_init(&ex->mu, NULL);
   pthread_cond_init(&ex->cv, NULL);
-  if ((rc = uv_async_init(loop, &ex->async, on_async)) != 0) {
+  if (uv_async_init(loop, &ex->async, on_async) != 0) {
     free(ex->threads);
     free(ex);
     return MOK_EIO;
@@ -153,24 +111,21 @@ int mokd_executor_create(uv_loop_t *loop, int threads, void (*done)(mokd_job *),
   return 0;
 }
 
-void mokd_executor_submit(mokd_executor *ex, mokd_job *job)
+void mokd_executor_queue(mokd_executor *ex, mokd_work *w, mokd_work_cb work,
+                         mokd_after_work_cb after_work)
 {
-  job->next = NULL;
-  job->t_submit = mokd_now_ns();
-  ex->inflight++;
+  w->work = work;
+  w->after_work = after_work;
+  w->next = NULL;
+  w->t_queued = mokd_now_ns();
   pthread_mutex_lock(&ex->mu);
   if (ex->todo_tail != NULL)
-    ex->todo_tail->next = job;
+    ex->todo_tail->next = w;
   else
-    ex->todo_head = job;
-  ex->todo_tail = job;
+    ex->todo_head = w;
+  ex->todo_tail = w;
   pthread_cond_signal(&ex->cv);
   pthread_mutex_unlock(&ex->mu);
-}
-
-int mokd_executor_busy(const mokd_executor *ex)
-{
-  return ex->inflight;
 }
 
 static void on_closed(uv_handle_t *h)

@@ -1,21 +1,37 @@
-/* executor.h - compute off the loop thread. A fixed set of worker threads
- * takes jobs in submission order; finished jobs go back to the loop through
- * one uv_async_t, whose callback runs each job's completion on the loop. */
+/* executor.h - compute off the loop thread, shaped like uv_queue_work: a
+ * fixed set of worker threads runs each item's work callback in submission
+ * order, then its after_work callback runs on the loop thread (all finished
+ * items come back through one uv_async_t). What the work is, the executor does
+ * not know. */
 #ifndef MOKD_EXECUTOR_H
 #define MOKD_EXECUTOR_H
 
+#include <stdint.h>
 #include <uv.h>
 
-#include "mokd.h"
-
 typedef struct mokd_executor mokd_executor;
+typedef struct mokd_work mokd_work;
 
-int mokd_executor_create(uv_loop_t *loop, int threads, void (*done)(mokd_job *),
-                         mokd_executor **out);
-void mokd_executor_submit(mokd_executor *ex, mokd_job *job);
-/* Joins the workers (they finish what is queued) and closes the async handle;
- * the executor is freed in the handle's close callback. */
+typedef void (*mokd_work_cb)(mokd_work *w);       /* on a worker thread */
+typedef void (*mokd_after_work_cb)(mokd_work *w); /* on the loop thread */
+
+/* Embedded in the caller's request; owned by the executor while queued. */
+struct mokd_work {
+  mokd_work_cb work;
+  mokd_after_work_cb after_work;
+  uint64_t t_queued, t_start, t_end; /* mokd_now_ns() at each stage */
+  mokd_work *next;
+};
+
+/* CLOCK_MONOTONIC in nanoseconds. */
+uint64_t mokd_now_ns(void);
+
+int mokd_executor_create(uv_loop_t *loop, int threads, mokd_executor **out);
+void mokd_executor_queue(mokd_executor *ex, mokd_work *w, mokd_work_cb work,
+                         mokd_after_work_cb after_work);
+/* Joins the workers (they finish what is queued, and the after_work callbacks
+ * run) and closes the async handle; the executor is freed in its close
+ * callback. */
 void mokd_executor_close(mokd_executor *ex);
-int mokd_executor_busy(const mokd_executor *ex);
 
 #endif

@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "devices.h"
 #include "executor.h"
 #include "log.h"
 #include "mokd.h"
@@ -21,7 +22,6 @@ static void destroy_backends(mokd_server *s)
   s->backend = NULL;
 }
 
-#ifdef MOKD_HAVE_CUDA
 /* One backend per GPU named in --devices (every visible one when empty). */
 static int open_gpus(mokd_server *s, int visible, char *err)
 {
@@ -46,7 +46,7 @@ static int open_gpus(mokd_server *s, int visible, char *err)
     }
   }
   for (int i = 0; i < n; i++) {
-    if ((rc = mokk_cuda_create(ords[i], &s->gpus[i].backend, err)) != 0) {
+    if ((rc = mokk_gpu_open(ords[i], &s->gpus[i].backend, err)) != 0) {
       destroy_backends(s);
       return rc;
     }
@@ -54,25 +54,25 @@ static int open_gpus(mokd_server *s, int visible, char *err)
     s->ngpus = i + 1;
   }
   s->backend = s->gpus[0].backend;
-  s->cuda_device = ords[0] + 1;
   return 0;
 }
-#endif
 
 static int open_backend(mokd_server *s, char *err)
 {
-#ifdef MOKD_HAVE_CUDA
-  int want = strcmp(s->cfg.backend, "cuda") == 0;
-  if (want || strcmp(s->cfg.backend, "auto") == 0) {
-    char why[MOK_ERRLEN] = "none is visible";
-    int n = mokk_cuda_devices(why);
-    if (n > 0)
-      return open_gpus(s, n, err);
-    if (want)
-      return mokk_fail(err, MOK_EDEVICE, "no usable CUDA device: %s", why);
-    LOG_INFO(INIT, "backend auto: no usable CUDA device (%s); using cpu", why);
+  const char *gpu = mokk_gpu_backend();
+
+  if (gpu != NULL) {
+    int want = strcmp(s->cfg.backend, gpu) == 0;
+    if (want || strcmp(s->cfg.backend, "auto") == 0) {
+      char why[MOK_ERRLEN] = "none is visible";
+      int n = mokk_gpu_count(why);
+      if (n > 0)
+        return open_gpus(s, n, err);
+      if (want)
+        return mokk_fail(err, MOK_EDEVICE, "no usable CUDA device: %s", why);
+      LOG_INFO(INIT, "backend auto: no usable CUDA device (%s); using cpu", why);
+    }
   }
-#endif
   /* the CPU backend always exists */
   return mokk_cpu_create((int)s->cfg.cpu_threads, &s->backend, err);
 }
@@ -108,7 +108,7 @@ int main(int argc, char **argv)
   if (srv.ngpus > 0)
     srv.cfg.executor_threads = 1;
   for (int i = 0; i < (srv.ngpus > 0 ? srv.ngpus : 1) && rc == 0; i++)
-    rc = mokd_executor_create(&loop, (int)srv.cfg.executor_threads, mokd_session_job_done,
+    rc = mokd_executor_create(&loop, (int)srv.cfg.executor_threads,
                               srv.ngpus > 0 ? &srv.gpus[i].exec : &srv.exec);
   if (rc != 0) {
     LOG_ERROR(INIT, "executor: %s", mok_strerror(rc));
@@ -138,8 +138,8 @@ int main(int argc, char **argv)
     for (int i = 0; i < srv.ngpus; i++)
       snprintf(list + strlen(list), sizeof list - strlen(list), "%s%d", i ? "," : "",
                srv.gpus[i].ordinal);
-    snprintf(status, sizeof status, "READY=1\nSTATUS=serving on %s, backend cuda (device%s %s)",
-             srv.cfg.socket, srv.ngpus > 1 ? "s" : "", list);
+    snprintf(status, sizeof status, "READY=1\nSTATUS=serving on %s, backend %s (device%s %s)",
+             srv.cfg.socket, mokk_backend_name(srv.backend), srv.ngpus > 1 ? "s" : "", list);
   }
   else
     snprintf(status, sizeof status, "READY=1\nSTATUS=serving on %s, backend %s (%d threads)",
@@ -150,7 +150,7 @@ int main(int argc, char **argv)
 
   uv_run(&loop, UV_RUN_DEFAULT);
 
-  mokd_retired_drain(&srv);
+  mokd_server_reap_all(&srv);
   rc = uv_loop_close(&loop);
   destroy_backends(&srv);
   if (rc != 0) {

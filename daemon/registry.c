@@ -1,356 +1,189 @@
-/* registry.c - a session's arenas: memfds the daemon creates and shares,
- * buffers clients import, output arenas with a first-fit block allocator, and
- * the validation of every tensor a request names. */
-#include <errno.h>
-#include <fcntl.h>
+/* registry.c - see registry.h. */
+#include "registry.h"
+
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include "log.h"
-#include "mokd.h"
 
 #define OUT_ALIGN 256
 #define OUT_ARENA_MIN (64u << 20)
 
-int mokd_quota_take(mokd_session *s, uint64_t bytes, int gpu, char *err)
+static const char *const quota_names[2] = {"session_quota_bytes", "session_gpu_quota_bytes"};
+
+void mokd_registry_init(mokd_registry *r, mokk_backend *b, uint64_t *next_id,
+                        uint64_t max_arena_bytes, uint64_t host_quota, uint64_t device_quota,
+                        mok_usage *session, mok_usage *daemon)
 {
-  uint64_t q = (uint64_t)(gpu ? s->srv->cfg.session_gpu_quota_bytes
-                              : s->srv->cfg.session_quota_bytes);
-  uint64_t *held = gpu ? &s->gpu_bytes : &s->bytes;
+  memset(r, 0, sizeof *r);
+  r->next_id = next_id;
+  r->max_arena_bytes = max_arena_bytes;
+  r->quota[MOKD_HOST] = host_quota;
+  r->quota[MOKD_DEVICE] = device_quota;
+  r->usage[0] = session;
+  r->usage[1] = daemon;
+  mokd_registry_place(r, b);
+}
+
+void mokd_registry_place(mokd_registry *r, mokk_backend *b)
+{
+  r->backend = b;
+  r->device = mokk_backend_device(b);
+}
+
+void mokd_registry_clear(mokd_registry *r)
+{
+  while (r->arenas != NULL)
+    mokd_arena_free(r, r->arenas);
+}
+
+int mokd_quota_take(mokd_registry *r, uint64_t bytes, int which, char *err)
+{
+  uint64_t q = r->quota[which], *held = &r->held[which];
   if (q > 0 && (*held + bytes > q || *held + bytes < *held))
     return mokk_fail(err, MOK_EDQUOT, "session would hold %llu bytes of %s memory; its quota "
-                     "is %llu (%s)", (unsigned long long)(*held + bytes), gpu ? "GPU" : "host",
-                     (unsigned long long)q,
-                     gpu ? "session_gpu_quota_bytes" : "session_quota_bytes");
+                     "is %llu (%s)", (unsigned long long)(*held + bytes),
+                     which == MOKD_DEVICE ? "GPU" : "host", (unsigned long long)q,
+                     quota_names[which]);
   *held += bytes;
-  if (gpu)
-    s->usage.gpu_bytes += bytes, s->srv->usage.gpu_bytes += bytes;
+  for (int i = 0; i < 2 && which == MOKD_DEVICE; i++)
+    if (r->usage[i] != NULL)
+      r->usage[i]->gpu_bytes += bytes;
   return 0;
 }
 
-void mokd_quota_give(mokd_session *s, uint64_t bytes, int gpu)
+void mokd_quota_give(mokd_registry *r, uint64_t bytes, int which)
 {
-  if (gpu) {
-    s->gpu_bytes -= bytes;
-    s->usage.gpu_bytes -= bytes, s->srv->usage.gpu_bytes -= bytes;
-  } else {
-    s->bytes -= bytes;
-  }
+  r->held[which] -= bytes;
+  for (int i = 0; i < 2 && which == MOKD_DEVICE; i++)
+    if (r->usage[i] != NULL)
+      r->usage[i]->gpu_bytes -= bytes;
 }
 
-static void account(mokd_session *s, const mokd_arena *a, int sign)
+static void account(mokd_registry *r, const mokd_arena *a, int sign)
 {
-  mok_usage *u[2] = {&s->usage, &s->srv->usage};
-  for (int i = 0; i < 2; i++) {
-    u[i]->arenas += (uint64_t)(int64_t)sign;
-    u[i]->arena_bytes += (uint64_t)((int64_t)sign * (int64_t)a->bytes);
-  }
-}
-
-static void link_arena(mokd_session *s, mokd_arena *a)
-{
-  a->id = ++s->srv->next_id;
-  a->next = s->arenas;
-  s->arenas = a;
-  account(s, a, +1);
-}
-
-int mokd_arena_new_memfd(mokd_session *s, size_t bytes, mokd_arena_kind kind,
-                         mokd_arena **out, char *err)
-{
-  mokd_arena *a;
-  int fd, rc;
-
-  if (bytes == 0)
-    return mokk_fail(err, MOK_EZEROSIZE, "arena size is 0");
-  if (bytes > (uint64_t)s->srv->cfg.max_arena_bytes)
-    return mokk_fail(err, MOK_EINVAL, "arena of %zu bytes is larger than max_arena_bytes "
-                     "(%lld)", bytes, (long long)s->srv->cfg.max_arena_bytes);
-  if ((rc = mokd_quota_take(s, bytes, 0, err)))
-    return rc;
-  a = calloc(1, sizeof *a);
-  fd = memfd_create("mokd-arena", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-  if (a == NULL || fd < 0 || ftruncate(fd, (off_t)bytes) != 0 ||
-      fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
-    rc = mokk_fail(err, MOK_ENOMEM, "cannot create a %zu-byte arena: %s", bytes,
-                   strerror(errno));
-    goto fail;
-  }
-  a->base = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (a->base == MAP_FAILED) {
-    rc = mokk_fail(err, MOK_ENOMEM, "cannot map a %zu-byte arena: %s", bytes,
-                   strerror(errno));
-    goto fail;
-  }
-  a->fd = fd;
-  a->bytes = bytes;
-  a->kind = kind;
-  if (kind == ARENA_OUTPUT) {
-    a->free = malloc(4 * sizeof *a->free);
-    if (a->free == NULL) {
-      munmap(a->base, bytes);
-      rc = mokk_fail(err, MOK_ENOMEM, "out of memory");
-      goto fail;
+  for (int i = 0; i < 2; i++)
+    if (r->usage[i] != NULL) {
+      r->usage[i]->arenas += (uint64_t)(int64_t)sign;
+      r->usage[i]->arena_bytes += (uint64_t)((int64_t)sign * (int64_t)a->bytes);
     }
-    a->free[0] = (mokd_span){0, bytes};
+}
+
+/* A new arena around buf, linked into the registry. */
+static mokd_arena *arena_link(mokd_registry *r, mokk_buffer *buf, mokd_arena_kind kind, int fd)
+{
+  mokd_arena *a = calloc(1, sizeof *a);
+  if (a == NULL)
+    return NULL;
+  if (kind == ARENA_OUTPUT) {
+    if ((a->free = malloc(4 * sizeof *a->free)) == NULL) {
+      free(a);
+      return NULL;
+    }
+    a->free[0] = (mokd_span){0, buf->bytes};
     a->nfree = 1, a->capfree = 4;
   }
-  link_arena(s, a);
-  *out = a;
+  a->id = ++*r->next_id;
+  a->kind = kind;
+  a->fd = fd;
+  a->buf = buf;
+  a->base = buf->base;
+  a->bytes = buf->bytes;
+  a->device = buf->device;
+  a->next = r->arenas;
+  r->arenas = a;
+  account(r, a, +1);
+  return a;
+}
+
+static int size_ok(const mokd_registry *r, size_t bytes, const char *what, char *err)
+{
+  if (bytes == 0)
+    return mokk_fail(err, MOK_EZEROSIZE, "%s size is 0", what);
+  if (bytes > r->max_arena_bytes)
+    return mokk_fail(err, MOK_EINVAL, "%s of %zu bytes is larger than max_arena_bytes (%llu)",
+                     what, bytes, (unsigned long long)r->max_arena_bytes);
+  return 0;
+}
+
+int mokd_arena_new(mokd_registry *r, size_t bytes, mokd_arena_kind kind, mokd_arena **out,
+                   char *err)
+{
+  int which = r->device >= 0 ? MOKD_DEVICE : MOKD_HOST, fd = -1, rc;
+  mokk_buffer *buf;
+  char why[MOK_ERRLEN];
+
+  if ((rc = size_ok(r, bytes, "arena", err)) || (rc = mokd_quota_take(r, bytes, which, err)))
+    return rc;
+  if ((rc = mokk_buffer_alloc(r->backend, bytes, &buf, &fd, err))) {
+    mokd_quota_give(r, bytes, which);
+    return rc;
+  }
+  /* the quota counts what the device really holds: the size rounded up */
+  if (buf->bytes > bytes && (rc = mokd_quota_take(r, buf->bytes - bytes, which, err)))
+    goto fail;
+  if ((*out = arena_link(r, buf, kind, fd)) == NULL) {
+    mokd_quota_give(r, buf->bytes - bytes, which);
+    rc = mokk_fail(err, MOK_ENOMEM, "out of memory");
+    goto fail;
+  }
   return 0;
 
 fail:
+  mokd_quota_give(r, bytes, which);
   if (fd >= 0)
     close(fd);
-  free(a);
-  mokd_quota_give(s, bytes, 0);
+  mokk_buffer_release(r->backend, buf, why);
   return rc;
 }
 
-#ifdef MOKD_HAVE_CUDA
-static int arena_new_gpu(mokd_session *s, size_t bytes, mokd_arena_kind kind,
-                         mokd_arena **out, char *err)
+int mokd_arena_import(mokd_registry *r, const mokk_import *src, mokd_arena **out, char *err)
 {
-  mokd_arena *a;
-  int fd = -1, rc;
-
-  if (bytes == 0)
-    return mokk_fail(err, MOK_EZEROSIZE, "arena size is 0");
-  if (bytes > (uint64_t)s->srv->cfg.max_arena_bytes)
-    return mokk_fail(err, MOK_EINVAL, "arena of %zu bytes is larger than max_arena_bytes "
-                     "(%lld)", bytes, (long long)s->srv->cfg.max_arena_bytes);
-  if ((a = calloc(1, sizeof *a)) == NULL)
-    return mokk_fail(err, MOK_ENOMEM, "out of memory");
-  if ((rc = mokk_gpu_mem_create(s->cuda_device - 1, bytes, &a->gpu, &fd, err))) {
-    free(a);
-    return rc;
-  }
-  /* the quota counts what the GPU really holds: the size rounded up */
-  if ((rc = mokd_quota_take(s, a->gpu.bytes, 1, err))) {
-    mokk_gpu_mem_free(&a->gpu);
-    close(fd);
-    free(a);
-    return rc;
-  }
-  a->base = a->gpu.ptr;
-  a->bytes = a->gpu.bytes;
-  a->device = s->cuda_device;
-  a->fd = fd;
-  a->kind = kind;
-  if (kind == ARENA_OUTPUT) {
-    if ((a->free = malloc(4 * sizeof *a->free)) == NULL) {
-      mokd_quota_give(s, a->bytes, 1);
-      mokk_gpu_mem_free(&a->gpu);
-      close(fd);
-      free(a);
-      return mokk_fail(err, MOK_ENOMEM, "out of memory");
-    }
-    a->free[0] = (mokd_span){0, a->bytes};
-    a->nfree = 1, a->capfree = 4;
-  }
-  link_arena(s, a);
-  *out = a;
-  return 0;
-}
-#endif
-
-int mokd_arena_new(mokd_session *s, size_t bytes, mokd_arena_kind kind, mokd_arena **out,
-                   char *err)
-{
-#ifdef MOKD_HAVE_CUDA
-  if (s->cuda_device > 0)
-    return arena_new_gpu(s, bytes, kind, out, err);
-#endif
-  return mokd_arena_new_memfd(s, bytes, kind, out, err);
-}
-
-int mokd_arena_import(mokd_session *s, int fd, size_t bytes, mokd_arena **out, char *err)
-{
-  struct stat st;
-  int seals;
-  mokd_arena *a;
-  void *base;
-
-  if (bytes == 0)
-    return mokk_fail(err, MOK_EZEROSIZE, "imported buffer size is 0");
-  if (bytes > (uint64_t)s->srv->cfg.max_arena_bytes)
-    return mokk_fail(err, MOK_EINVAL, "buffer of %zu bytes is larger than max_arena_bytes",
-                     bytes);
-  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode))
-    return mokk_fail(err, MOK_EINVAL, "the fd sent with ImportBuffer is not a memfd or "
-                     "regular file");
-  if ((uint64_t)st.st_size < bytes)
-    return mokk_fail(err, MOK_ERANGE, "the fd holds %lld bytes, fewer than the %zu named",
-                     (long long)st.st_size, bytes);
-  /* a client that could shrink the file under us would fault the daemon */
-  seals = fcntl(fd, F_GET_SEALS);
-  if (seals < 0 || !(seals & F_SEAL_SHRINK))
-    return mokk_fail(err, MOK_EINVAL, "imported buffers must be memfds sealed with "
-                     "F_SEAL_SHRINK (memfd_create with MFD_ALLOW_SEALING, then F_ADD_SEALS)");
-  base = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (base == MAP_FAILED)
-    return mokk_fail(err, MOK_EINVAL, "cannot map the imported fd: %s", strerror(errno));
-  a = calloc(1, sizeof *a);
-  if (a == NULL) {
-    munmap(base, bytes);
-    return mokk_fail(err, MOK_ENOMEM, "out of memory");
-  }
-  a->kind = ARENA_IMPORTED;
-  a->fd = -1;
-  a->base = base;
-  a->bytes = bytes;
-  link_arena(s, a);
-  *out = a;
-  return 0;
-}
-
-int mokd_arena_import_gpu(mokd_session *s, const void *ipc, int fd, size_t bytes,
-                          mokd_arena **out, char *err)
-{
-#ifdef MOKD_HAVE_CUDA
-  mokd_arena *a;
+  mokk_buffer *buf;
+  char why[MOK_ERRLEN];
   int rc;
 
-  if (s->cuda_device <= 0)
+  if (src->kind != MOKK_IMPORT_HOST_FD && r->device < 0)
     return mokk_fail(err, MOK_ENOTSUP, "this daemon runs the %s backend; it imports GPU "
-                     "memory only on the cuda backend", mokk_backend_name(s->backend));
-  if (bytes == 0)
-    return mokk_fail(err, MOK_EZEROSIZE, "imported buffer size is 0");
-  if (bytes > (uint64_t)s->srv->cfg.max_arena_bytes)
-    return mokk_fail(err, MOK_EINVAL, "buffer of %zu bytes is larger than max_arena_bytes",
-                     bytes);
-  if ((a = calloc(1, sizeof *a)) == NULL)
-    return mokk_fail(err, MOK_ENOMEM, "out of memory");
-  rc = ipc != NULL ? mokk_gpu_import_ipc(s->cuda_device - 1, ipc, bytes, &a->imp, err)
-                   : mokk_gpu_import_fd(s->cuda_device - 1, fd, bytes, &a->imp, err);
-  if (rc) {
-    free(a);
+                     "memory only on the cuda backend", mokk_backend_name(r->backend));
+  if ((rc = size_ok(r, src->bytes, "imported buffer", err)))
     return rc;
+  if ((rc = mokk_buffer_import(r->backend, src, &buf, err)))
+    return rc;
+  if ((*out = arena_link(r, buf, ARENA_IMPORTED, -1)) == NULL) {
+    mokk_buffer_release(r->backend, buf, why);
+    return mokk_fail(err, MOK_ENOMEM, "out of memory");
   }
-  a->kind = ARENA_IMPORTED;
-  a->fd = -1;
-  a->base = a->imp.ptr;
-  a->bytes = bytes;
-  a->device = s->cuda_device;
-  link_arena(s, a);
-  *out = a;
   return 0;
-#else
-  (void)s, (void)ipc, (void)fd, (void)bytes, (void)out;
-  return mokk_fail(err, MOK_ENOTSUP, "this mokd was built without CUDA; it cannot import "
-                   "GPU memory");
-#endif
 }
 
-mokd_arena *mokd_arena_find(mokd_session *s, uint64_t id)
+mokd_arena *mokd_arena_find(const mokd_registry *r, uint64_t id)
 {
-  for (mokd_arena *a = s->arenas; a != NULL; a = a->next)
+  for (mokd_arena *a = r->arenas; a != NULL; a = a->next)
     if (a->id == id)
       return a;
   return NULL;
 }
 
-static void arena_release(mokd_arena *a)
+void mokd_arena_free(mokd_registry *r, mokd_arena *a)
 {
-#ifdef MOKD_HAVE_CUDA
-  if (a->device > 0 && a->kind == ARENA_IMPORTED)
-    mokk_gpu_import_free_now(&a->imp);
-  else if (a->device > 0)
-    mokk_gpu_mem_free_now(&a->gpu);
-  else
-#endif
-    munmap(a->base, a->bytes);
-  if (a->fd >= 0)
-    close(a->fd);
-  free(a->free);
-  free(a);
-}
-
-#ifdef MOKD_HAVE_CUDA
-static void on_reap(uv_timer_t *t)
-{
-  mokd_server *srv = t->data;
-  mokd_arena **pp = &srv->retired;
-  while (*pp != NULL) {
-    mokd_arena *a = *pp;
-    if (mokk_cuda_fence_passed(a->fence)) {
-      *pp = a->next;
-      mokk_cuda_fence_free(a->fence);
-      arena_release(a);
-    } else {
-      pp = &a->next;
-    }
-  }
-  if (srv->retired == NULL)
-    uv_timer_stop(t);
-}
-
-/* Hands a GPU arena to the reaper; 0, or -1 when it must go now. */
-static int retire(mokd_server *srv, mokk_backend *b, mokd_arena *a)
-{
+  mokd_arena **pp = &r->arenas;
   char err[MOK_ERRLEN];
-  if (mokk_cuda_fence(b, &a->fence, err) != 0) {
-    LOG_WARN(SESS, "%s; freeing arena %llu after a device wait", err,
-             (unsigned long long)a->id);
-    return -1;
-  }
-  a->next = srv->retired;
-  srv->retired = a;
-  if (!srv->stopped) {
-    if (!srv->reaper_on) {
-      uv_timer_init(srv->loop, &srv->reaper);
-      srv->reaper.data = srv;
-      srv->reaper_on = 1;
-    }
-    uv_timer_start(&srv->reaper, on_reap, 1, 1);
-  }
-  return 0;
-}
-#endif
 
-void mokd_retired_stop(mokd_server *srv)
-{
-  if (srv->reaper_on)
-    uv_close((uv_handle_t *)&srv->reaper, NULL);
-  srv->reaper_on = 0;
-}
-
-void mokd_retired_drain(mokd_server *srv)
-{
-#ifdef MOKD_HAVE_CUDA
-  for (int i = 0; srv->retired != NULL && i < srv->ngpus; i++)
-    mokk_cuda_sync(srv->gpus[i].backend, (char[MOK_ERRLEN]){0});
-  while (srv->retired != NULL) {
-    mokd_arena *a = srv->retired;
-    srv->retired = a->next;
-    mokk_cuda_fence_free(a->fence);
-    arena_release(a);
-  }
-#else
-  (void)srv;
-#endif
-}
-
-void mokd_arena_free(mokd_session *s, mokd_arena *a)
-{
-  mokd_arena **pp = &s->arenas;
   while (*pp != NULL && *pp != a)
     pp = &(*pp)->next;
   if (*pp == a)
     *pp = a->next;
-  account(s, a, -1);
+  account(r, a, -1);
   if (a->kind != ARENA_IMPORTED)
-    mokd_quota_give(s, a->bytes, a->device > 0);
-#ifdef MOKD_HAVE_CUDA
-  if (a->device > 0 && retire(s->srv, s->backend, a) == 0)
-    return;
-  if (a->device > 0)
-    mokk_cuda_sync(s->backend, (char[MOK_ERRLEN]){0});
-#endif
-  arena_release(a);
+    mokd_quota_give(r, a->bytes, a->device >= 0 ? MOKD_DEVICE : MOKD_HOST);
+  if (a->fd >= 0)
+    close(a->fd);
+  if (mokk_buffer_release(r->backend, a->buf, err) != 0)
+    LOG_WARN(SESS, "%s; freed arena %llu after a device wait", err, (unsigned long long)a->id);
+  free(a->free);
+  free(a);
 }
 
 /* len bytes from the front of free span i of a */
@@ -365,7 +198,7 @@ static void span_take(mokd_arena *a, size_t i, size_t len, mokd_span *out)
   a->used += len;
 }
 
-int mokd_out_alloc(mokd_session *s, size_t len, mokd_arena **arena, mokd_span *span,
+int mokd_out_alloc(mokd_registry *r, size_t len, mokd_arena **arena, mokd_span *span,
                    char *err)
 {
   mokd_arena *a;
@@ -379,13 +212,13 @@ int mokd_out_alloc(mokd_session *s, size_t len, mokd_arena **arena, mokd_span *s
     len = OUT_ALIGN;
   /* best fit over every output arena: small outputs must not split the
    * room that a large one (weight gradients) comes back to each step */
-  for (a = s->arenas; a != NULL; a = a->next)
+  for (a = r->arenas; a != NULL; a = a->next)
     if (a->kind == ARENA_OUTPUT)
       for (size_t i = 0; i < a->nfree; i++)
         if (a->free[i].len >= len && (best == NULL || a->free[i].len < best->free[besti].len))
           best = a, besti = i;
   if (best == NULL) {
-    if ((rc = mokd_arena_new(s, len > OUT_ARENA_MIN ? len : OUT_ARENA_MIN, ARENA_OUTPUT, &best,
+    if ((rc = mokd_arena_new(r, len > OUT_ARENA_MIN ? len : OUT_ARENA_MIN, ARENA_OUTPUT, &best,
                              err)))
       return rc;
     besti = 0;
@@ -395,7 +228,7 @@ int mokd_out_alloc(mokd_session *s, size_t len, mokd_arena **arena, mokd_span *s
   return 0;
 }
 
-void mokd_out_release(mokd_session *s, mokd_arena *a, mokd_span sp)
+void mokd_out_release(mokd_arena *a, mokd_span sp)
 {
   size_t i = 0;
 
@@ -426,7 +259,6 @@ void mokd_out_release(mokd_session *s, mokd_arena *a, mokd_span sp)
     a->nfree--;
   }
   /* output arenas stay until the session ends: the client keeps them mapped */
-  (void)s;
 }
 
 static size_t dtype_size(Mokd__DType d)
@@ -449,7 +281,7 @@ static const char *dtype_name(Mokd__DType d)
   }
 }
 
-int mokd_ref_resolve(mokd_session *s, const char *what, const Mokd__TensorRef *r,
+int mokd_ref_resolve(const mokd_registry *reg, const char *what, const Mokd__TensorRef *r,
                      Mokd__DType dtype, int ndim, int64_t *shape, void **ptr,
                      mokd_arena **arena_out, char *err)
 {
@@ -458,13 +290,13 @@ int mokd_ref_resolve(mokd_session *s, const char *what, const Mokd__TensorRef *r
 
   if (r == NULL)
     return mokk_fail(err, MOK_EINVAL, "%s: tensor is missing", what);
-  if ((a = mokd_arena_find(s, r->arena)) == NULL)
+  if ((a = mokd_arena_find(reg, r->arena)) == NULL)
     return mokk_fail(err, MOK_ENOENT, "%s: arena %llu is not an arena of this session",
                      what, (unsigned long long)r->arena);
-  if (s->cuda_device > 0 && a->device == 0)
-    return mokk_fail(err, MOK_EDEVICE, "%s: arena %llu is host memory; the cuda backend "
+  if (reg->device >= 0 && a->device < 0)
+    return mokk_fail(err, MOK_EDEVICE, "%s: arena %llu is host memory; the %s backend "
                      "reads tensors in GPU arenas (CreateArena on this daemon)", what,
-                     (unsigned long long)r->arena);
+                     (unsigned long long)r->arena, mokk_backend_name(reg->backend));
   if (r->dtype != dtype)
     return mokk_fail(err, MOK_EDTYPE, "%s: dtype is %s; it must be %s", what,
                      dtype_name(r->dtype), dtype_name(dtype));

@@ -1,5 +1,6 @@
 /* server.c - the listening socket, peer admission, signals, the systemd
- * watchdog and the drain at shutdown. */
+ * watchdog, the reaper of the GPUs' released memory and the drain at
+ * shutdown. */
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -8,20 +9,12 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "executor.h"
 #include "log.h"
 #include "mokd.h"
 #include "notify.h"
-
-uint64_t mokd_now_ns(void)
-{
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
 
 static int parse_ids(const char *list, unsigned *out, int max, int *n, char *err,
                      size_t errlen, const char *what)
@@ -262,6 +255,41 @@ int mokd_server_start(mokd_server *srv, char *err, size_t errlen)
   return 0;
 }
 
+/* ---- released GPU memory ------------------------------------------------ */
+
+static int reap_all(mokd_server *srv, int wait)
+{
+  int left = 0;
+  for (int i = 0; i < srv->ngpus; i++)
+    left += mokk_backend_reap(srv->gpus[i].backend, wait);
+  return left;
+}
+
+static void on_reap(uv_timer_t *t)
+{
+  if (reap_all(t->data, 0) == 0)
+    uv_timer_stop(t);
+}
+
+void mokd_server_reap(mokd_server *srv)
+{
+  if (reap_all(srv, 0) == 0 || srv->stopped)
+    return; /* after the stop, mokd_server_reap_all frees the rest */
+  if (!srv->reaper_on) {
+    uv_timer_init(srv->loop, &srv->reaper);
+    srv->reaper.data = srv;
+    srv->reaper_on = 1;
+  }
+  uv_timer_start(&srv->reaper, on_reap, 1, 1);
+}
+
+void mokd_server_reap_all(mokd_server *srv)
+{
+  reap_all(srv, 1);
+}
+
+/* ---- shutdown ------------------------------------------------------------- */
+
 static void mokd_server_drain(mokd_server *srv)
 {
   if (srv->draining)
@@ -297,7 +325,9 @@ void mokd_server_maybe_stop(mokd_server *srv)
   uv_close((uv_handle_t *)&srv->sig_hup, NULL);
   if (srv->watchdog_on)
     uv_close((uv_handle_t *)&srv->watchdog, NULL);
-  mokd_retired_stop(srv);
+  if (srv->reaper_on)
+    uv_close((uv_handle_t *)&srv->reaper, NULL);
+  srv->reaper_on = 0;
   if (srv->exec != NULL)
     mokd_executor_close(srv->exec);
   for (int i = 0; i < srv->ngpus; i++)

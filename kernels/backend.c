@@ -1,5 +1,6 @@
-/* backend.c - argument checks in front of every backend's entry points. */
-#include "backend.h"
+/* backend.c - argument checks in front of every backend's entry points, and
+ * the defaults of the optional ones: host memory, steps done on return. */
+#include "backend_impl.h"
 
 int mokk_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
                  const mokk_fwd_rank *ranks, mokk_ctx **ctx, char *err)
@@ -47,4 +48,70 @@ void mokk_backend_destroy(mokk_backend *b)
 const char *mokk_backend_name(const mokk_backend *b)
 {
   return b != NULL ? b->iface->name : "none";
+}
+
+int mokk_backend_device(const mokk_backend *b)
+{
+  return b != NULL ? b->device : -1;
+}
+
+int mokk_buffer_alloc(mokk_backend *b, size_t bytes, mokk_buffer **out, int *fd, char *err)
+{
+  *out = NULL;
+  *fd = -1;
+  if (b->iface->buffer_alloc == NULL)
+    return mokk_host_alloc(bytes, out, fd, err);
+  return b->iface->buffer_alloc(b, bytes, out, fd, err);
+}
+
+int mokk_buffer_import(mokk_backend *b, const mokk_import *src, mokk_buffer **out, char *err)
+{
+  *out = NULL;
+  if (src->kind == MOKK_IMPORT_HOST_FD)
+    return mokk_host_import(src->fd, src->bytes, out, err);
+  if (b->iface->buffer_import == NULL)
+    return mokk_fail(err, MOK_ENOTSUP, "the %s backend imports no device memory",
+                     b->iface->name);
+  return b->iface->buffer_import(b, src, out, err);
+}
+
+int mokk_buffer_release(mokk_backend *b, mokk_buffer *buf, char *err)
+{
+  if (buf == NULL)
+    return 0;
+  /* host memory is read by no queued work: steps on host memory have returned */
+  if (buf->device < 0 || b->iface->buffer_release == NULL) {
+    mokk_host_free(buf);
+    return 0;
+  }
+  return b->iface->buffer_release(b, buf, err);
+}
+
+int mokk_backend_reap(mokk_backend *b, int wait)
+{
+  return b != NULL && b->iface->reap != NULL ? b->iface->reap(b, wait) : 0;
+}
+
+int mokk_step_begin(mokk_backend *b, mokk_events **ev, const void *ready, char *err)
+{
+  int rc;
+
+  if (b->iface->step_begin == NULL)
+    return 0;
+  if (*ev == NULL && (rc = b->iface->events_new(b, ev, err)) != 0)
+    return rc;
+  return b->iface->step_begin(b, *ev, ready, err);
+}
+
+int mokk_step_end(mokk_backend *b, mokk_events *ev, int32_t *status, void *done, char *err)
+{
+  if (ev == NULL || b->iface->step_end == NULL)
+    return 0;
+  return b->iface->step_end(b, ev, status, done, err);
+}
+
+void mokk_events_free(mokk_backend *b, mokk_events *ev)
+{
+  if (b != NULL && ev != NULL)
+    b->iface->events_free(b, ev);
 }

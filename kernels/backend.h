@@ -1,5 +1,7 @@
-/* backend.h - the one interface the daemon talks to: a small table of function
- * pointers per backend (cpu always exists; cuda when built). Arguments are
+/* backend.h - the one interface the daemon talks to (ggml-backend's model):
+ * every backend computes the layer of layer.h, and device backends also own
+ * the memory steps run on and the ordering with client processes. The table
+ * of function pointers behind it is private (backend_impl.h); arguments are
  * validated here, once, before a backend sees them. */
 #ifndef MOKK_BACKEND_H
 #define MOKK_BACKEND_H
@@ -11,25 +13,8 @@ extern "C" {
 #endif
 
 typedef struct mokk_backend mokk_backend;
-typedef struct mokk_ctx mokk_ctx; /* what a forward saves for its backward */
-
-typedef struct mokk_backend_iface {
-  const char *name;
-  /* One step over shape->P ranks of T tokens. ctx may be NULL (inference);
-   * otherwise *ctx receives the saved state, which keeps pointers to the
-   * weights: they must stay valid and unchanged until the backward. */
-  int (*forward)(mokk_backend *b, const mokk_shape *s, int64_t T,
-                 const mokk_fwd_rank *ranks, mokk_ctx **ctx, char *err);
-  int (*backward)(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
-                  const mokk_bwd_rank *ranks, char *err);
-  void (*ctx_free)(mokk_backend *b, mokk_ctx *ctx);
-  size_t (*ctx_bytes)(const mokk_ctx *ctx);
-  void (*destroy)(mokk_backend *b);
-} mokk_backend_iface;
-
-struct mokk_backend {
-  const mokk_backend_iface *iface;
-};
+typedef struct mokk_ctx mokk_ctx;       /* what a forward saves for its backward */
+typedef struct mokk_events mokk_events; /* one client's ordering state (device backends) */
 
 /* Every backend's context starts with this header. */
 struct mokk_ctx {
@@ -37,10 +22,42 @@ struct mokk_ctx {
   int64_t T;
 };
 
+/* An interprocess event or memory handle (cudaIpc*Handle_t), in bytes. */
+#define MOKK_IPC_BYTES 64
+
+/* Memory that steps read and write, shareable with a client process: host
+ * memory (a memfd) or one device's. Backends' buffers start with this. */
+typedef struct mokk_buffer {
+  void *base;    /* mapped here: a device address for device memory */
+  size_t bytes;  /* what it holds (device allocations are rounded up) */
+  int device;    /* CUDA ordinal; -1 = host memory */
+} mokk_buffer;
+
+/* Client memory to map: a sealed memfd (host memory, any backend), or the
+ * device memory of another process. */
+typedef enum {
+  MOKK_IMPORT_HOST_FD,   /* fd: a memfd sealed with F_SEAL_SHRINK */
+  MOKK_IMPORT_CUDA_IPC,  /* ipc_handle: a cudaIpcMemHandle_t of a cudaMalloc allocation */
+  MOKK_IMPORT_CUMEM_FD   /* fd: a cuMem allocation exported as a POSIX fd */
+} mokk_import_kind;
+
+typedef struct mokk_import {
+  mokk_import_kind kind;
+  int fd;
+  const void *ipc_handle; /* MOKK_IPC_BYTES */
+  size_t bytes;
+} mokk_import;
+
 /* threads <= 0 means one per online CPU. */
 int mokk_cpu_create(int threads, mokk_backend **out, char *err);
 int mokk_cpu_threads(const mokk_backend *b);
 
+/* ---- compute -------------------------------------------------------------- */
+
+/* One step over shape->P ranks of T tokens. ctx may be NULL (inference);
+ * otherwise *ctx receives the saved state, which keeps pointers to the
+ * weights: they must stay valid and unchanged until the backward. On a
+ * device backend the step is queued on the device when these return. */
 int mokk_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
                  const mokk_fwd_rank *ranks, mokk_ctx **ctx, char *err);
 int mokk_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
@@ -49,6 +66,35 @@ void mokk_ctx_free(mokk_backend *b, mokk_ctx *ctx);
 size_t mokk_ctx_bytes(const mokk_backend *b, const mokk_ctx *ctx);
 void mokk_backend_destroy(mokk_backend *b);
 const char *mokk_backend_name(const mokk_backend *b);
+/* Where the backend computes and makes its memory: a CUDA ordinal, -1 = host. */
+int mokk_backend_device(const mokk_backend *b);
+
+/* ---- memory --------------------------------------------------------------- */
+
+/* A new buffer of at least bytes, and *fd, an exported handle to send to the
+ * client (the caller closes it). */
+int mokk_buffer_alloc(mokk_backend *b, size_t bytes, mokk_buffer **out, int *fd, char *err);
+int mokk_buffer_import(mokk_backend *b, const mokk_import *src, mokk_buffer **out, char *err);
+/* Frees buf once the work queued on b so far has run (host memory: now); the
+ * caller never waits. A nonzero return says the fence could not be made and
+ * the buffer went after a wait for the device (err says why). */
+int mokk_buffer_release(mokk_backend *b, mokk_buffer *buf, char *err);
+/* Frees the released buffers whose work has run; wait != 0 waits for the
+ * device first (shutdown). Returns how many still wait. */
+int mokk_backend_reap(mokk_backend *b, int wait);
+
+/* ---- ordering with a client process (no host waits) --------------------- */
+
+/* Before a step: makes *ev on first use; on a device backend the step then
+ * waits on the device for the client's ready event (ready: an IPC event
+ * handle, or NULL). Nothing to do on the CPU backend, where *ev stays NULL. */
+int mokk_step_begin(mokk_backend *b, mokk_events **ev, const void *ready, char *err);
+/* After a step (ev from mokk_step_begin, not NULL): queues the write of the
+ * step's status to status (a device int32: 0, or MOK_EEXPERT when an expert
+ * id was out of range) and records the done event, whose IPC handle goes to
+ * done (MOKK_IPC_BYTES). Reports launch errors only. */
+int mokk_step_end(mokk_backend *b, mokk_events *ev, int32_t *status, void *done, char *err);
+void mokk_events_free(mokk_backend *b, mokk_events *ev);
 
 #ifdef __cplusplus
 }

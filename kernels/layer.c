@@ -9,6 +9,18 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "mok.h"
+
+/* libmok's public weight order and gradient modes are these, by value */
+_Static_assert(MOK_W_GATE == (int)MOKK_W_GATE && MOK_W_UP == (int)MOKK_W_UP &&
+                   MOK_W_DOWN == (int)MOKK_W_DOWN && MOK_S_GATE == (int)MOKK_S_GATE &&
+                   MOK_S_UP == (int)MOKK_S_UP && MOK_S_DOWN == (int)MOKK_S_DOWN &&
+                   MOK_NWEIGHTS == (int)MOKK_NWEIGHTS,
+               "mok.h and layer.h order the weights differently");
+_Static_assert(MOK_GRAD_BF16 == (int)MOKK_GRAD_BF16 &&
+                   MOK_GRAD_FP32_ACCUM == (int)MOKK_GRAD_FP32_ACCUM,
+               "mok.h and layer.h number the gradient modes differently");
+
 int mokk_fail(char *err, int code, const char *fmt, ...)
 {
   if (err != NULL) {

@@ -10,9 +10,9 @@
 
 #include <protobuf-c/protobuf-c.h>
 
-#define MOKW_PROTOCOL_VERSION 1
 #define MOKW_PREFIX 4
-#define MOKW_DEFAULT_MAX_FRAME (1u << 20)
+/* A cudaIpcEventHandle_t or cudaIpcMemHandle_t on the wire. */
+#define MOKW_IPC_BYTES 64
 
 typedef struct mokw_framer {
   uint8_t *buf;

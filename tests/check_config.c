@@ -110,7 +110,7 @@ START_TEST(bad_env_and_flags)
   ck_assert_int_eq(load(5, argv6), MOK_EINVAL);
   ck_assert_msg(strstr(err, "must be CUDA ordinals") != NULL, "got: %s", err);
   char *argv7[] = {"mokd", "--config", "/dev/null", "--backend", "cuda", "--devices", "1,0"};
-#ifdef MOKD_HAVE_CUDA
+#ifdef MOKK_HAVE_CUDA
   ck_assert_int_eq(load(7, argv7), MOKD_CONFIG_RUN);
   ck_assert_str_eq(cfg.backend, "cuda");
   ck_assert_str_eq(cfg.devices, "1,0");

@@ -11,10 +11,11 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "backend.h"
+#include "backend_impl.h"
 #include "bf16.h"
 #include "ops.h"
 #include "pool.h"
+#include "swiglu.h"
 
 #define ROW_BLOCK 32
 #define COL_BLOCK 64
@@ -77,11 +78,6 @@ static void *xmalloc(size_t n, size_t size, size_t *acct)
   if (acct != NULL)
     *acct += n * size;
   return malloc(n * size);
-}
-
-static float silu(float g)
-{
-  return g / (1.0f + expf(-g));
 }
 
 /* ---- tiling -------------------------------------------------------------- */
@@ -185,14 +181,8 @@ static void fwd_gate_up(void *arg, int64_t ti)
   mokc_gemm_nt(A, H, wg, H, t->n, nc, H, g, I);
   mokc_gemm_nt(A, H, wu, H, t->n, nc, H, u, I);
   for (int64_t m = 0; m < t->n; m++)
-    for (int64_t j = 0; j < nc; j++) {
-      float gv = g[m * I + j], uv = u[m * I + j];
-      if (L > 0.0f) {
-        gv = fminf(gv, L);
-        uv = fminf(fmaxf(uv, -L), L);
-      }
-      h[m * I + j] = mokk_f32_to_bf16(silu(gv) * uv);
-    }
+    for (int64_t j = 0; j < nc; j++)
+      h[m * I + j] = mokk_f32_to_bf16(mokk_swiglu(g[m * I + j], u[m * I + j], L));
 }
 
 /* y = bf16(h . w_down^T); expert rows go straight to their pair's slot */
@@ -408,15 +398,8 @@ static void bwd_swiglu(void *arg, int64_t ti)
   for (int64_t m = 0; m < t->n; m++)
     for (int64_t j = t->c0; j < t->c1; j++) {
       float gr = g[m * I + j], ur = u[m * I + j], dh = dg[m * I + j];
-      float gv = gr, uv = ur, sg, sl;
-      if (L > 0.0f) {
-        gv = fminf(gr, L);
-        uv = fminf(fmaxf(ur, -L), L);
-      }
-      sg = 1.0f / (1.0f + expf(-gv));
-      sl = silu(gv);
-      dg[m * I + j] = (L > 0.0f && gr > L) ? 0.0f : dh * uv * (sg * (1.0f + gv * (1.0f - sg)));
-      du[m * I + j] = (L > 0.0f && (ur > L || ur < -L)) ? 0.0f : dh * sl;
+      dg[m * I + j] = mokk_swiglu_dg(gr, ur, dh, L);
+      du[m * I + j] = mokk_swiglu_du(gr, ur, dh, L);
     }
 }
 
@@ -688,6 +671,7 @@ int mokk_cpu_create(int threads, mokk_backend **out, char *err)
   if (cb == NULL)
     return mokk_fail(err, MOK_ENOMEM, "out of memory for the CPU backend");
   cb->base.iface = &cpu_iface;
+  cb->base.device = -1;
   if (mokc_pool_create(threads, &cb->pool) != 0) {
     free(cb);
     return mokk_fail(err, MOK_ENOMEM, "could not start %d CPU worker threads", threads);

@@ -9,49 +9,11 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "cuda_backend.h"
+#include "cuda_priv.h"
 #include "gemm.cuh"
 #include "gemm_sm90.cuh"
 
 #define SCHED_THREADS 256
-
-typedef struct cuda_backend {
-  mokk_backend base;
-  int device, sms, max_blocks;
-  int arch;      /* compute capability major.minor as 10 * major + minor; 0 until asked */
-  cudaStream_t stream;
-  int *status;   /* device: bit 0 = an expert id out of range */
-} cuda_backend;
-
-typedef struct cuda_ctx {
-  mokk_ctx hdr;
-  const bf16 *x;
-  const bf16 *w[MOKK_NWEIGHTS];
-  int *count, *row_start, *tile_off, *slot, *src;
-  float *row_w;       /* [TK] router weight of each row */
-  bf16 *xr;           /* [TK, H] dispatched rows */
-  float *g, *u;       /* [TK, I] gate and up before the clamp */
-  bf16 *h;            /* [TK, I] */
-  bf16 *y;            /* [TK, H] expert output per row */
-  float *gs, *us;     /* [T, I_s] */
-  bf16 *hs;           /* [T, I_s] */
-  void *block;        /* one allocation holding all of the above */
-  size_t bytes;
-} cuda_ctx;
-
-
-static int cuda_fail(char *err, cudaError_t e, const char *what)
-{
-  return mokk_fail(err, MOK_EDEVICE, "%s: %s (%s)", what, cudaGetErrorString(e),
-                   cudaGetErrorName(e));
-}
-
-#define CK(call)                                          \
-  do {                                                    \
-    cudaError_t e_ = (call);                              \
-    if (e_ != cudaSuccess)                                \
-      return cuda_fail(err, e_, #call);                   \
-  } while (0)
 
 /* ---- schedule ------------------------------------------------------------ */
 
@@ -398,13 +360,6 @@ static size_t carve(size_t *off, size_t n)
   return at;
 }
 
-static void ctx_release(cuda_backend *cb, cuda_ctx *c)
-{
-  if (c->block != NULL)
-    cudaFreeAsync(c->block, cb->stream); /* stream-ordered: after the queued work */
-  free(c);
-}
-
 static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
                         const mokk_fwd_rank *ranks, mokk_ctx **out_ctx, char *err)
 {
@@ -620,139 +575,16 @@ out:
   return rc;
 }
 
-/* ---- the backend --------------------------------------------------------- */
+/* ---- entries for the backend's table (cuda_backend.cu) ------------------ */
 
-static void cuda_ctx_free(mokk_backend *b, mokk_ctx *ctx)
+int cuda_forward_entry(mokk_backend *b, const mokk_shape *s, int64_t T,
+                       const mokk_fwd_rank *ranks, mokk_ctx **out_ctx, char *err)
 {
-  ctx_release((cuda_backend *)b, (cuda_ctx *)ctx);
+  return cuda_forward(b, s, T, ranks, out_ctx, err);
 }
 
-static size_t cuda_ctx_bytes(const mokk_ctx *ctx)
+int cuda_backward_entry(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
+                        const mokk_bwd_rank *ranks, char *err)
 {
-  return ((const cuda_ctx *)ctx)->bytes;
-}
-
-static void cuda_destroy(mokk_backend *b)
-{
-  cuda_backend *cb = (cuda_backend *)b;
-  cudaSetDevice(cb->device);
-  if (cb->stream != NULL) {
-    cudaStreamSynchronize(cb->stream);
-    cudaStreamDestroy(cb->stream);
-  }
-  if (cb->status != NULL)
-    cudaFree(cb->status);
-  free(cb);
-}
-
-static const mokk_backend_iface cuda_iface = {
-    "cuda", cuda_forward, cuda_backward, cuda_ctx_free, cuda_ctx_bytes, cuda_destroy,
-};
-
-extern "C" int mokk_cuda_devices(char *err)
-{
-  int n = 0;
-  cudaError_t e = cudaGetDeviceCount(&n);
-  if (e == cudaErrorNoDevice)
-    return 0;
-  if (e != cudaSuccess)
-    return cuda_fail(err, e, "cudaGetDeviceCount");
-  return n;
-}
-
-extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
-{
-  cuda_backend *cb;
-  cudaMemPool_t pool;
-  uint64_t keep = UINT64_MAX;
-  int n = mokk_cuda_devices(err);
-
-  *out = NULL;
-  if (n < 0)
-    return n;
-  if (device < 0 || device >= n)
-    return mokk_fail(err, MOK_EDEVICE, "CUDA device %d does not exist (%d visible)", device, n);
-  if ((cb = (cuda_backend *)calloc(1, sizeof *cb)) == NULL)
-    return mokk_fail(err, MOK_ENOMEM, "out of memory");
-  cb->base.iface = &cuda_iface;
-  cb->device = device;
-#define CKC(call)                                         \
-  do {                                                    \
-    cudaError_t e_ = (call);                              \
-    if (e_ != cudaSuccess) {                              \
-      int rc_ = cuda_fail(err, e_, #call);                \
-      cuda_destroy(&cb->base);                            \
-      return rc_;                                         \
-    }                                                     \
-  } while (0)
-  CKC(cudaSetDevice(device));
-  CKC(cudaDeviceGetAttribute(&cb->sms, cudaDevAttrMultiProcessorCount, device));
-  CKC(cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking));
-  CKC(cudaMalloc((void **)&cb->status, sizeof(int)));
-  CKC(cudaMemset(cb->status, 0, sizeof(int)));
-  /* keep freed step memory in the pool instead of returning it each time */
-  CKC(cudaDeviceGetDefaultMemPool(&pool, device));
-  CKC(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
-#undef CKC
-  *out = &cb->base;
-  return 0;
-}
-
-extern "C" void mokk_cuda_set_max_blocks(mokk_backend *b, int blocks)
-{
-  ((cuda_backend *)b)->max_blocks = blocks > 0 ? blocks : 0;
-}
-
-extern "C" int mokk_cuda_max_blocks(const mokk_backend *b)
-{
-  return ((const cuda_backend *)b)->max_blocks;
-}
-
-extern "C" int mokk_cuda_device(const mokk_backend *b)
-{
-  return ((const cuda_backend *)b)->device;
-}
-
-extern "C" void *mokk_cuda_stream(mokk_backend *b)
-{
-  return ((cuda_backend *)b)->stream;
-}
-
-extern "C" int mokk_cuda_sync(mokk_backend *b, char *err)
-{
-  cuda_backend *cb = (cuda_backend *)b;
-  int status = 0;
-
-  CK(cudaSetDevice(cb->device));
-  CK(cudaStreamSynchronize(cb->stream));
-  CK(cudaMemcpy(&status, cb->status, sizeof status, cudaMemcpyDeviceToHost));
-  if (status) {
-    CK(cudaMemset(cb->status, 0, sizeof(int)));
-    return mokk_fail(err, MOK_EEXPERT, "topk_ids held an expert id outside [0, E); those "
-                     "pairs were dropped");
-  }
-  return 0;
-}
-
-/* The step's status as the client reads it, then a clean flag for the next. */
-__global__ void k_status(int *flag, int32_t *out)
-{
-  *out = *flag ? MOK_EEXPERT : 0;
-  *flag = 0;
-}
-
-int mokk_cuda_events_record(mokk_cuda_events *ev, cudaStream_t stream, void *handle,
-                            char *err);
-
-extern "C" int mokk_cuda_finish(mokk_backend *b, mokk_cuda_events *ev, int32_t *status,
-                                void *handle, char *err)
-{
-  cuda_backend *cb = (cuda_backend *)b;
-
-  CK(cudaSetDevice(cb->device));
-  if (status != NULL) {
-    k_status<<<1, 1, 0, cb->stream>>>(cb->status, status);
-    CK(cudaGetLastError());
-  }
-  return mokk_cuda_events_record(ev, cb->stream, handle, err);
+  return cuda_backward(b, ctx, mode, ranks, err);
 }

@@ -6,7 +6,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "cuda_backend.h"
+#include "cuda_priv.h"
 
 typedef CUresult (*fn_create)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *,
                               unsigned long long);
@@ -70,6 +70,16 @@ static int load(char *err)
   return 0;
 }
 
+/* Makes device current (with a context) and the driver's entry points ready. */
+static int use_device(int device, char *err)
+{
+  cudaError_t e;
+  if ((e = cudaSetDevice(device)) != cudaSuccess || (e = cudaFree(0)) != cudaSuccess)
+    return mokk_fail(err, MOK_EDEVICE, "cannot use CUDA device %d: %s (%s)", device,
+                     cudaGetErrorString(e), cudaGetErrorName(e));
+  return load(err);
+}
+
 /* Maps h at va read-write for device; nothing stays mapped on failure. */
 static CUresult map_rw(CUdeviceptr va, size_t bytes, CUmemGenericAllocationHandle h, int device)
 {
@@ -94,12 +104,6 @@ static void unmap_release(CUdeviceptr va, size_t bytes, CUmemGenericAllocationHa
   drv.release(h);
 }
 
-static int drv_fail(char *err, CUresult r, const char *what)
-{
-  return mokk_fail(err, r == CUDA_ERROR_OUT_OF_MEMORY ? MOK_ENOMEM : MOK_EDEVICE,
-                   "%s failed (CUresult %d)", what, (int)r);
-}
-
 extern "C" int mokk_gpu_mem_create(int device, size_t bytes, mokk_gpu_mem *m, int *fd, char *err)
 {
   CUmemAllocationProp prop;
@@ -111,9 +115,7 @@ extern "C" int mokk_gpu_mem_create(int device, size_t bytes, mokk_gpu_mem *m, in
 
   memset(m, 0, sizeof *m);
   *fd = -1;
-  if (cudaSetDevice(device) != cudaSuccess || cudaFree(0) != cudaSuccess)
-    return mokk_fail(err, MOK_EDEVICE, "cannot use CUDA device %d", device);
-  if ((rc = load(err)))
+  if ((rc = use_device(device, err)))
     return rc;
   memset(&prop, 0, sizeof prop);
   prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
@@ -121,7 +123,7 @@ extern "C" int mokk_gpu_mem_create(int device, size_t bytes, mokk_gpu_mem *m, in
   prop.location.id = device;
   prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
   if ((r = drv.gran(&g, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)) != CUDA_SUCCESS)
-    return drv_fail(err, r, "cuMemGetAllocationGranularity");
+    return CU_FAIL(r, "cuMemGetAllocationGranularity");
   bytes = (bytes + g - 1) / g * g;
   r = drv.create(&h, bytes, &prop, 0);
   if (r == CUDA_ERROR_OUT_OF_MEMORY) {
@@ -140,19 +142,19 @@ extern "C" int mokk_gpu_mem_create(int device, size_t bytes, mokk_gpu_mem *m, in
                      "on device %d (%zu of %zu bytes free)", bytes, device, avail, total);
   }
   if (r != CUDA_SUCCESS)
-    return drv_fail(err, r, "cuMemCreate");
+    return CU_FAIL(r, "cuMemCreate");
   if ((r = drv.reserve(&va, bytes, g, 0, 0)) != CUDA_SUCCESS) {
     drv.release(h);
-    return drv_fail(err, r, "cuMemAddressReserve");
+    return CU_FAIL(r, "cuMemAddressReserve");
   }
   if ((r = map_rw(va, bytes, h, device)) != CUDA_SUCCESS) {
     drv.afree(va, bytes);
     drv.release(h);
-    return drv_fail(err, r, "mapping a GPU arena");
+    return CU_FAIL(r, "mapping a GPU arena");
   }
   if ((r = drv.exportfd(&out, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)) != CUDA_SUCCESS) {
     unmap_release(va, bytes, h);
-    return drv_fail(err, r, "exporting a GPU arena");
+    return CU_FAIL(r, "exporting a GPU arena");
   }
   m->ptr = (void *)va;
   m->bytes = bytes;
@@ -172,7 +174,7 @@ extern "C" void mokk_gpu_mem_free(mokk_gpu_mem *m)
   mokk_gpu_mem_free_now(m);
 }
 
-extern "C" void mokk_gpu_mem_free_now(mokk_gpu_mem *m)
+void mokk_gpu_mem_free_now(mokk_gpu_mem *m)
 {
   if (m->ptr == NULL || !drv.ready)
     return;
@@ -182,7 +184,7 @@ extern "C" void mokk_gpu_mem_free_now(mokk_gpu_mem *m)
 
 /* ---- client memory ------------------------------------------------------- */
 
-extern "C" int mokk_gpu_import_ipc(int device, const void *ipc_handle, size_t bytes,
+int mokk_gpu_import_ipc(int device, const void *ipc_handle, size_t bytes,
                                    mokk_gpu_import *m, char *err)
 {
   cudaIpcMemHandle_t h;
@@ -194,9 +196,7 @@ extern "C" int mokk_gpu_import_ipc(int device, const void *ipc_handle, size_t by
   int rc;
 
   memset(m, 0, sizeof *m);
-  if (cudaSetDevice(device) != cudaSuccess || cudaFree(0) != cudaSuccess)
-    return mokk_fail(err, MOK_EDEVICE, "cannot use CUDA device %d", device);
-  if ((rc = load(err)))
+  if ((rc = use_device(device, err)))
     return rc;
   memcpy(&h, ipc_handle, sizeof h);
   if ((e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess)) != cudaSuccess) {
@@ -210,7 +210,7 @@ extern "C" int mokk_gpu_import_ipc(int device, const void *ipc_handle, size_t by
   if ((r = drv.range(&base, &size, (CUdeviceptr)p)) != CUDA_SUCCESS || size < bytes) {
     cudaIpcCloseMemHandle(p);
     if (r != CUDA_SUCCESS)
-      return drv_fail(err, r, "cuMemGetAddressRange");
+      return CU_FAIL(r, "cuMemGetAddressRange");
     return mokk_fail(err, MOK_ERANGE, "the CUDA allocation holds %zu bytes, fewer than the "
                      "%zu named", size, bytes);
   }
@@ -221,7 +221,7 @@ extern "C" int mokk_gpu_import_ipc(int device, const void *ipc_handle, size_t by
   return 0;
 }
 
-extern "C" int mokk_gpu_import_fd(int device, int fd, size_t bytes, mokk_gpu_import *m,
+int mokk_gpu_import_fd(int device, int fd, size_t bytes, mokk_gpu_import *m,
                                   char *err)
 {
   CUmemGenericAllocationHandle h = 0;
@@ -230,9 +230,7 @@ extern "C" int mokk_gpu_import_fd(int device, int fd, size_t bytes, mokk_gpu_imp
   int rc;
 
   memset(m, 0, sizeof *m);
-  if (cudaSetDevice(device) != cudaSuccess || cudaFree(0) != cudaSuccess)
-    return mokk_fail(err, MOK_EDEVICE, "cannot use CUDA device %d", device);
-  if ((rc = load(err)))
+  if ((rc = use_device(device, err)))
     return rc;
   if ((r = drv.import(&h, (void *)(intptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)) !=
       CUDA_SUCCESS)
@@ -240,7 +238,7 @@ extern "C" int mokk_gpu_import_fd(int device, int fd, size_t bytes, mokk_gpu_imp
                      "(cuMemImportFromShareableHandle: CUresult %d)", (int)r);
   if ((r = drv.reserve(&va, bytes, 0, 0, 0)) != CUDA_SUCCESS) {
     drv.release(h);
-    return drv_fail(err, r, "cuMemAddressReserve");
+    return CU_FAIL(r, "cuMemAddressReserve");
   }
   /* mapping more than the allocation holds fails here, not later on a fault */
   if ((r = map_rw(va, bytes, h, device)) != CUDA_SUCCESS) {
@@ -257,7 +255,7 @@ extern "C" int mokk_gpu_import_fd(int device, int fd, size_t bytes, mokk_gpu_imp
   return 0;
 }
 
-extern "C" void mokk_gpu_import_free_now(mokk_gpu_import *m)
+void mokk_gpu_import_free_now(mokk_gpu_import *m)
 {
   if (m->ptr == NULL)
     return;

@@ -5,9 +5,13 @@
 #include <cuda_runtime.h>
 #include <string.h>
 
-#include "cuda_backend.h"
+#include "cuda_priv.h"
 
 #define READY_SLOTS 8
+
+static_assert(sizeof(cudaIpcEventHandle_t) == MOKK_IPC_BYTES &&
+                  sizeof(cudaIpcMemHandle_t) == MOKK_IPC_BYTES,
+              "CUDA IPC handles are not MOKK_IPC_BYTES");
 
 typedef struct ready_event {
   cudaIpcEventHandle_t handle;
@@ -15,7 +19,7 @@ typedef struct ready_event {
   unsigned long long used; /* for evicting the least recently used */
 } ready_event;
 
-struct mokk_cuda_events {
+struct mokk_events {
   int device;
   cudaEvent_t done;
   cudaIpcEventHandle_t done_handle;
@@ -24,37 +28,29 @@ struct mokk_cuda_events {
   unsigned long long clock;
 };
 
-static int ipc_fail(char *err, cudaError_t e, const char *what)
+int mokk_cuda_events_create(mokk_backend *b, mokk_events **out, char *err)
 {
-  return mokk_fail(err, MOK_EDEVICE, "%s: %s (%s)", what, cudaGetErrorString(e),
-                   cudaGetErrorName(e));
-}
-
-extern "C" int mokk_cuda_events_create(mokk_backend *b, mokk_cuda_events **out, char *err)
-{
-  mokk_cuda_events *ev = (mokk_cuda_events *)calloc(1, sizeof *ev);
-  cudaError_t e;
+  mokk_events *ev = (mokk_events *)calloc(1, sizeof *ev);
+  int rc = 0;
 
   *out = NULL;
   if (ev == NULL)
     return mokk_fail(err, MOK_ENOMEM, "out of memory");
   ev->device = mokk_cuda_device(b);
-  if ((e = cudaSetDevice(ev->device)) != cudaSuccess ||
-      (e = cudaEventCreateWithFlags(&ev->done, cudaEventDisableTiming |
-                                                   cudaEventInterprocess)) != cudaSuccess) {
-    free(ev);
-    return ipc_fail(err, e, "creating the done event");
-  }
-  if ((e = cudaIpcGetEventHandle(&ev->done_handle, ev->done)) != cudaSuccess) {
-    cudaEventDestroy(ev->done);
-    free(ev);
-    return ipc_fail(err, e, "cudaIpcGetEventHandle");
-  }
+  CUDA_CHECK_GOTO(cudaSetDevice(ev->device), rc, fail);
+  CUDA_CHECK_GOTO(cudaEventCreateWithFlags(&ev->done, cudaEventDisableTiming |
+                                                          cudaEventInterprocess), rc, fail);
+  CUDA_CHECK_GOTO(cudaIpcGetEventHandle(&ev->done_handle, ev->done), rc, fail);
   *out = ev;
   return 0;
+fail:
+  if (ev->done != NULL)
+    cudaEventDestroy(ev->done);
+  free(ev);
+  return rc;
 }
 
-extern "C" void mokk_cuda_events_free(mokk_cuda_events *ev)
+void mokk_cuda_events_free(mokk_events *ev)
 {
   if (ev == NULL)
     return;
@@ -67,14 +63,13 @@ extern "C" void mokk_cuda_events_free(mokk_cuda_events *ev)
   free(ev);
 }
 
-extern "C" int mokk_cuda_wait(mokk_backend *b, mokk_cuda_events *ev, const void *handle,
+int mokk_cuda_wait(mokk_backend *b, mokk_events *ev, const void *handle,
                               char *err)
 {
   ready_event *r = NULL;
   cudaError_t e;
 
-  if ((e = cudaSetDevice(ev->device)) != cudaSuccess)
-    return ipc_fail(err, e, "cudaSetDevice");
+  CUDA_CHECK(cudaSetDevice(ev->device));
   for (int i = 0; i < ev->nready; i++)
     if (memcmp(&ev->ready[i].handle, handle, sizeof(cudaIpcEventHandle_t)) == 0)
       r = &ev->ready[i];
@@ -100,52 +95,42 @@ extern "C" int mokk_cuda_wait(mokk_backend *b, mokk_cuda_events *ev, const void 
     r->ev = opened;
   }
   r->used = ++ev->clock;
-  if ((e = cudaStreamWaitEvent((cudaStream_t)mokk_cuda_stream(b), r->ev, 0)) != cudaSuccess)
-    return ipc_fail(err, e, "cudaStreamWaitEvent on the ready event");
+  CUDA_CHECK(cudaStreamWaitEvent((cudaStream_t)mokk_cuda_stream(b), r->ev, 0));
   return 0;
 }
 
-int mokk_cuda_events_record(mokk_cuda_events *ev, cudaStream_t stream, void *handle,
+int mokk_cuda_events_record(mokk_events *ev, cudaStream_t stream, void *handle,
                             char *err)
 {
-  cudaError_t e = cudaEventRecord(ev->done, stream);
-  if (e != cudaSuccess)
-    return ipc_fail(err, e, "recording the done event");
+  CUDA_CHECK(cudaEventRecord(ev->done, stream));
   memcpy(handle, &ev->done_handle, sizeof ev->done_handle);
   return 0;
 }
 
 /* ---- fences --------------------------------------------------------------- */
 
-extern "C" int mokk_cuda_fence(mokk_backend *b, void **fence, char *err)
+int mokk_cuda_fence(mokk_backend *b, cudaEvent_t *fence, char *err)
 {
   cudaEvent_t ev;
-  cudaError_t e;
+  int rc = 0;
 
   *fence = NULL;
-  if ((e = cudaSetDevice(mokk_cuda_device(b))) != cudaSuccess ||
-      (e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming)) != cudaSuccess)
-    return ipc_fail(err, e, "creating a fence");
-  if ((e = cudaEventRecord(ev, (cudaStream_t)mokk_cuda_stream(b))) != cudaSuccess) {
-    cudaEventDestroy(ev);
-    return ipc_fail(err, e, "recording a fence");
-  }
+  CUDA_CHECK(cudaSetDevice(mokk_cuda_device(b)));
+  CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  CUDA_CHECK_GOTO(cudaEventRecord(ev, (cudaStream_t)mokk_cuda_stream(b)), rc, fail);
   *fence = ev;
   return 0;
+fail:
+  cudaEventDestroy(ev);
+  return rc;
 }
 
-extern "C" int mokk_cuda_fence_passed(void *fence)
+int mokk_cuda_fence_passed(cudaEvent_t fence)
 {
-  cudaError_t e = cudaEventQuery((cudaEvent_t)fence);
+  cudaError_t e = cudaEventQuery(fence);
   if (e == cudaErrorNotReady)
     return 0;
   if (e != cudaSuccess)
     cudaGetLastError(); /* a broken device runs nothing more: the memory can go */
   return 1;
-}
-
-extern "C" void mokk_cuda_fence_free(void *fence)
-{
-  if (fence != NULL)
-    cudaEventDestroy((cudaEvent_t)fence);
 }

@@ -1,0 +1,102 @@
+/* arenas.c - requests about a session's memory: CreateArena (memory the
+ * daemon makes on the session's backend and shares, its fd going back with
+ * the reply), ImportBuffer (client memory mapped once) and DestroyArena. The
+ * memory itself is the registry's (registry.c) and the backend's. */
+#include <stdint.h>
+#include <unistd.h>
+
+#include "log.h"
+#include "mokd.h"
+
+int mokd_h_create_arena(mokd_session *s, const Mokd__Request *q, const int *fds, int nfds,
+                        char *err)
+{
+  Mokd__Response r = MOKD__RESPONSE__INIT;
+  Mokd__ArenaCreated ac = MOKD__ARENA_CREATED__INIT;
+  mokd_arena *a;
+  int rc;
+
+  (void)fds, (void)nfds;
+  if (q->create_arena->bytes > SIZE_MAX / 2)
+    return mokk_fail(err, MOK_EOVERFLOW, "arena size %llu overflows",
+                     (unsigned long long)q->create_arena->bytes);
+  if ((rc = mokd_arena_new(&s->reg, (size_t)q->create_arena->bytes, ARENA_DAEMON, &a, err)))
+    return rc;
+  ac.arena = a->id;
+  ac.bytes = a->bytes;
+  ac.device = a->device + 1; /* the wire: ordinal + 1, 0 = host */
+  r.id = q->id;
+  r.body_case = MOKD__RESPONSE__BODY_ARENA_CREATED;
+  r.arena_created = &ac;
+  mokd_send(s, &r, &a->fd, 1);
+  close(a->fd); /* the client has it now; the mapping keeps the memory */
+  a->fd = -1;
+  LOG_DEBUG(SESS, "session %llu: arena %llu of %zu bytes", (unsigned long long)s->id,
+            (unsigned long long)a->id, a->bytes);
+  return 0;
+}
+
+/* A memfd or a cuMem allocation comes as an fd; a CUDA IPC handle in the body. */
+int mokd_import_fds(const Mokd__Request *q)
+{
+  Mokd__ImportKind k = q->import_buffer->kind;
+  return k == MOKD__IMPORT_KIND__IMPORT_MEMFD || k == MOKD__IMPORT_KIND__IMPORT_CUMEM_FD;
+}
+
+int mokd_h_import_buffer(mokd_session *s, const Mokd__Request *q, const int *fds, int nfds,
+                         char *err)
+{
+  const Mokd__ImportBuffer *ib = q->import_buffer;
+  Mokd__Response r = MOKD__RESPONSE__INIT;
+  Mokd__BufferImported bi = MOKD__BUFFER_IMPORTED__INIT;
+  mokk_import src = {0};
+  mokd_arena *a;
+  int rc;
+
+  switch (ib->kind) {
+  case MOKD__IMPORT_KIND__IMPORT_MEMFD: src.kind = MOKK_IMPORT_HOST_FD; break;
+  case MOKD__IMPORT_KIND__IMPORT_CUMEM_FD: src.kind = MOKK_IMPORT_CUMEM_FD; break;
+  case MOKD__IMPORT_KIND__IMPORT_CUDA_IPC: src.kind = MOKK_IMPORT_CUDA_IPC; break;
+  default:
+    return mokk_fail(err, MOK_EINVAL, "ImportBuffer kind %d is not one this daemon knows",
+                     (int)ib->kind);
+  }
+  if (src.kind == MOKK_IMPORT_CUDA_IPC && ib->cuda_ipc_handle.len != MOKK_IPC_BYTES)
+    return mokk_fail(err, MOK_EINVAL, "cuda_ipc_handle holds %zu bytes; a cudaIpcMemHandle_t "
+                     "has %d", ib->cuda_ipc_handle.len, MOKK_IPC_BYTES);
+  if (ib->bytes > SIZE_MAX / 2)
+    return mokk_fail(err, MOK_EOVERFLOW, "buffer size overflows");
+  src.fd = nfds > 0 ? fds[0] : -1;
+  src.ipc_handle = ib->cuda_ipc_handle.data;
+  src.bytes = (size_t)ib->bytes;
+  if ((rc = mokd_arena_import(&s->reg, &src, &a, err)))
+    return rc;
+  bi.arena = a->id;
+  bi.device = a->device + 1; /* the wire: ordinal + 1, 0 = host */
+  r.id = q->id;
+  r.body_case = MOKD__RESPONSE__BODY_BUFFER_IMPORTED;
+  r.buffer_imported = &bi;
+  mokd_send(s, &r, NULL, 0);
+  return 0;
+}
+
+int mokd_h_destroy_arena(mokd_session *s, const Mokd__Request *q, const int *fds, int nfds,
+                         char *err)
+{
+  mokd_arena *a = mokd_arena_find(&s->reg, q->destroy_arena->arena);
+
+  (void)fds, (void)nfds;
+  if (a == NULL)
+    return mokk_fail(err, MOK_ENOENT, "arena %llu is not an arena of this session",
+                     (unsigned long long)q->destroy_arena->arena);
+  if (a->kind == ARENA_OUTPUT)
+    return mokk_fail(err, MOK_EPERM, "arena %llu holds daemon outputs; release their "
+                     "contexts and results instead", (unsigned long long)a->id);
+  if (a->users > 0)
+    return mokk_fail(err, MOK_EBUSY, "arena %llu holds weights of %d live forward "
+                     "contexts; release them first", (unsigned long long)a->id, a->users);
+  mokd_arena_free(&s->reg, a);
+  mokd_server_reap(s->srv);
+  mokd_send_done(s, q->id);
+  return 0;
+}

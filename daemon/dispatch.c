@@ -1,0 +1,91 @@
+/* dispatch.c - one row per request body: its handler, how many fds it takes,
+ * whether it may come before Hello, whether a draining daemon refuses it.
+ * Requests of a session run strictly in order: while a step is in flight the
+ * queue waits, so a reply never overtakes an earlier one. */
+#include "mokd.h"
+
+typedef struct route {
+  const char *name;
+  mokd_handler handler;
+  int (*fds)(const Mokd__Request *q); /* NULL: takes none */
+  int before_hello;
+  int refused_draining; /* new work: a draining daemon only finishes what it has */
+} route;
+
+#define ROUTE(body) [MOKD__REQUEST__BODY_##body]
+
+static const route routes[] = {
+    ROUTE(HELLO) = {"Hello", mokd_h_hello, NULL, 1, 0},
+    ROUTE(CREATE_ARENA) = {"CreateArena", mokd_h_create_arena, NULL, 0, 1},
+    ROUTE(IMPORT_BUFFER) = {"ImportBuffer", mokd_h_import_buffer, mokd_import_fds, 0, 0},
+    ROUTE(DESTROY_ARENA) = {"DestroyArena", mokd_h_destroy_arena, NULL, 0, 0},
+    ROUTE(CREATE_LAYER) = {"CreateLayer", mokd_h_create_layer, NULL, 0, 1},
+    ROUTE(SET_WEIGHTS) = {"SetWeights", mokd_h_set_weights, NULL, 0, 0},
+    ROUTE(FORWARD) = {"Forward", mokd_h_forward, NULL, 0, 1},
+    ROUTE(BACKWARD) = {"Backward", mokd_h_backward, NULL, 0, 1},
+    ROUTE(RELEASE) = {"Release", mokd_h_release, NULL, 0, 0},
+    ROUTE(DESTROY_LAYER) = {"DestroyLayer", mokd_h_destroy_layer, NULL, 0, 0},
+    ROUTE(STATS) = {"Stats", mokd_h_stats, NULL, 0, 0},
+    ROUTE(PING) = {"Ping", mokd_h_ping, NULL, 0, 0},
+};
+
+static const route *route_of(const Mokd__Request *q)
+{
+  size_t b = (size_t)q->body_case;
+  return b < sizeof routes / sizeof routes[0] && routes[b].handler != NULL ? &routes[b] : NULL;
+}
+
+int mokd_dispatch_fds(const Mokd__Request *q)
+{
+  const route *r = route_of(q);
+  return r != NULL && r->fds != NULL ? r->fds(q) : 0;
+}
+
+static int handle(mokd_session *s, const mokd_pending *p, char *err)
+{
+  const Mokd__Request *q = p->req;
+  const route *r;
+  uint32_t unknown;
+
+  if (p->bad == MOK_EPROTO)
+    return mokk_fail(err, MOK_EPROTO, q == NULL ? "frame is not a packed Request "
+                     "(garbage or a zero-length frame)" : "malformed request");
+  if (p->bad == MOK_EINVAL)
+    return mokk_fail(err, MOK_EINVAL, "a file descriptor came with a request that takes "
+                     "none; it was closed and the request not run");
+  if ((unknown = mokw_unknown_field(&q->base)) != 0)
+    return mokk_fail(err, MOK_EPROTO, "request carries unknown field %u; this daemon "
+                     "speaks protocol %d", unknown, MOK_PROTOCOL_VERSION);
+  if ((r = route_of(q)) == NULL)
+    return mokk_fail(err, MOK_EPROTO, "request has no body, or a body this daemon does "
+                     "not know");
+  if (!s->hello_done && !r->before_hello)
+    return mokk_fail(err, MOK_EPROTO, "send Hello first");
+  if (s->srv->draining && r->refused_draining)
+    return mokk_fail(err, MOK_ESHUTDOWN, "mokd is shutting down; no new work is taken");
+  if (p->nfds < mokd_dispatch_fds(q))
+    return mokk_fail(err, MOK_EINVAL, "%s needs exactly one fd (SCM_RIGHTS) on its own frame",
+                     r->name);
+  return r->handler(s, q, p->fds, p->nfds, err);
+}
+
+void mokd_session_pump(mokd_session *s)
+{
+  while (!s->closing && s->busy == NULL && s->pend_head != NULL) {
+    mokd_pending *p = s->pend_head;
+    char err[MOK_ERRLEN] = "";
+    int rc;
+
+    s->pend_head = p->next;
+    if (s->pend_head == NULL)
+      s->pend_tail = NULL;
+    s->npending--;
+    s->usage.requests++;
+    s->srv->usage.requests++;
+    rc = handle(s, p, err);
+    if (rc != 0)
+      mokd_reply_error(s, p->req != NULL ? p->req->id : p->bad_id, rc, err);
+    mokd_pending_free(p);
+  }
+  mokd_session_arm(s);
+}

@@ -1,0 +1,90 @@
+/* registry.h - what one session holds in memory: its arenas (made by the
+ * session's backend, imported from the client, or holding daemon outputs),
+ * the quotas they are charged to, the best-fit allocator of output blocks and
+ * the validation of every tensor a request names. It knows nothing of sockets
+ * or the server, so tests drive it with the CPU backend alone. */
+#ifndef MOKD_REGISTRY_H
+#define MOKD_REGISTRY_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "backend.h"
+#include "mok.h"
+#include "proto/mokd.pb-c.h"
+
+typedef enum { ARENA_DAEMON, ARENA_IMPORTED, ARENA_OUTPUT } mokd_arena_kind;
+
+typedef struct mokd_span {
+  size_t off, len;
+} mokd_span;
+
+typedef struct mokd_arena {
+  uint64_t id;
+  mokd_arena_kind kind;
+  int fd;            /* the export to send the client, until sent; -1 after */
+  mokk_buffer *buf;  /* the memory, the backend's */
+  void *base;        /* buf's, for short */
+  size_t bytes;
+  int device;        /* CUDA ordinal; -1 = host memory */
+  int users;         /* contexts and results pointing into it */
+  mokd_span *free;   /* output arenas: free ranges, sorted by offset */
+  size_t nfree, capfree, used;
+  struct mokd_arena *next;
+} mokd_arena;
+
+enum { MOKD_HOST, MOKD_DEVICE }; /* the two quotas */
+
+typedef struct mokd_registry {
+  mokk_backend *backend;   /* makes the memory of new arenas; steps run on it */
+  int device;              /* the backend's device: CUDA ordinal, -1 = host */
+  uint64_t *next_id;       /* ids come from the daemon's one counter */
+  uint64_t max_arena_bytes;
+  uint64_t quota[2];       /* [MOKD_HOST], [MOKD_DEVICE]; 0 = no limit */
+  uint64_t held[2];
+  mok_usage *usage[2];     /* counters kept up to date: the session's, the daemon's */
+  mokd_arena *arenas;
+} mokd_registry;
+
+void mokd_registry_init(mokd_registry *r, mokk_backend *b, uint64_t *next_id,
+                        uint64_t max_arena_bytes, uint64_t host_quota, uint64_t device_quota,
+                        mok_usage *session, mok_usage *daemon);
+/* The backend (and so the device) new arenas are made on. */
+void mokd_registry_place(mokd_registry *r, mokk_backend *b);
+/* Frees every arena. */
+void mokd_registry_clear(mokd_registry *r);
+
+/* An arena of at least bytes on the registry's backend (GPU memory on a
+ * device backend, a memfd on the CPU); its fd stays open until sent. */
+int mokd_arena_new(mokd_registry *r, size_t bytes, mokd_arena_kind kind, mokd_arena **out,
+                   char *err);
+/* Client memory: a memfd on any backend, GPU memory on a device backend. */
+int mokd_arena_import(mokd_registry *r, const mokk_import *src, mokd_arena **out, char *err);
+mokd_arena *mokd_arena_find(const mokd_registry *r, uint64_t id);
+/* Device memory goes once the work queued before the call has run (the loop
+ * never waits for the GPU: see mokk_buffer_release); host memory goes at once. */
+void mokd_arena_free(mokd_registry *r, mokd_arena *a);
+
+/* A block of len bytes in an output arena, best fit over all of them. A new
+ * output arena keeps its fd open until the first reply that names it carries
+ * the fd to the client. */
+int mokd_out_alloc(mokd_registry *r, size_t len, mokd_arena **arena, mokd_span *span,
+                   char *err);
+void mokd_out_release(mokd_arena *a, mokd_span span);
+
+/* Validates a wire tensor against the registry's arenas. shape entries < 0
+ * are free (and filled in); *ptr gets the mapped address, *arena (may be
+ * NULL) its arena. */
+int mokd_ref_resolve(const mokd_registry *r, const char *what, const Mokd__TensorRef *t,
+                     Mokd__DType dtype, int ndim, int64_t *shape, void **ptr,
+                     mokd_arena **arena, char *err);
+Mokd__TensorRef *mokd_ref_new(uint64_t arena, uint64_t offset, Mokd__DType dtype, int ndim,
+                              const int64_t *shape);
+Mokd__TensorRef *mokd_ref_copy(const Mokd__TensorRef *t);
+void mokd_ref_free(Mokd__TensorRef *t);
+
+/* Charges bytes of host (MOKD_HOST) or device memory to the quota. */
+int mokd_quota_take(mokd_registry *r, uint64_t bytes, int which, char *err);
+void mokd_quota_give(mokd_registry *r, uint64_t bytes, int which);
+
+#endif

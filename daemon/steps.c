@@ -1,0 +1,479 @@
+/* steps.c - Forward and Backward, from request to reply: the tensors are
+ * checked and resolved, the outputs get a block of an output arena, the step
+ * is queued on the session's executor (step_work runs it on the backend,
+ * between mokk_step_begin and mokk_step_end), and step_done sends the reply
+ * that names the outputs. Release frees contexts and results. On a device
+ * backend the reply leaves while the device still works: it carries the done
+ * event, and a status word for the errors only the device can see. */
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "mokd.h"
+
+struct mokd_step {
+  mokd_work work;           /* first: the executor's part */
+  mokd_session *sess;
+  uint64_t req_id;
+  int backward;
+  mokk_backend *backend;
+  mokk_shape shape;
+  int64_t T;
+  mokk_fwd_rank fr;
+  mokk_bwd_rank br;
+  mokk_grad_mode mode;
+  mokk_ctx *ctx;
+  int want_ctx;
+  mokk_events **events;     /* the session's, made by the first step that needs them */
+  int has_ready;
+  uint8_t ready[MOKK_IPC_BYTES]; /* the client's ready event */
+  uint8_t done[MOKK_IPC_BYTES];  /* the done event, filled by step_work */
+  int has_done;
+  int32_t *status;               /* device word the step's status goes to */
+  Mokd__TensorRef *status_ref;
+  mokd_result *res;
+  Mokd__TensorRef *refs[2 + MOKK_NWEIGHTS]; /* output refs to send back */
+  int nrefs;
+  int rc;
+  char err[MOK_ERRLEN];
+};
+
+/* ---- results -------------------------------------------------------------- */
+
+static mokd_result *result_find(mokd_session *s, uint64_t id)
+{
+  for (mokd_result *r = s->results; r != NULL; r = r->next)
+    if (r->id == id)
+      return r;
+  return NULL;
+}
+
+static mokd_result *result_new(mokd_session *s, int is_context)
+{
+  mokd_result *r = calloc(1, sizeof *r);
+  if (r == NULL)
+    return NULL;
+  r->id = ++s->srv->next_id;
+  r->is_context = is_context;
+  r->next = s->results;
+  s->results = r;
+  if (is_context)
+    s->usage.contexts++, s->srv->usage.contexts++;
+  else
+    s->usage.results++, s->srv->usage.results++;
+  return r;
+}
+
+void mokd_result_free(mokd_session *s, mokd_result *r)
+{
+  mokd_result **pp = &s->results;
+  while (*pp != NULL && *pp != r)
+    pp = &(*pp)->next;
+  if (*pp == r)
+    *pp = r->next;
+  if (r->ctx != NULL)
+    mokk_ctx_free(s->backend, r->ctx);
+  for (int i = 0; i < r->npinned; i++)
+    r->pinned[i]->users--;
+  mokd_quota_give(&s->reg, r->ctx_bytes, s->device >= 0 ? MOKD_DEVICE : MOKD_HOST);
+  if (r->is_context) {
+    s->usage.contexts--, s->srv->usage.contexts--;
+    s->usage.context_bytes -= r->ctx_bytes, s->srv->usage.context_bytes -= r->ctx_bytes;
+  } else {
+    s->usage.results--, s->srv->usage.results--;
+  }
+  mokd_out_release(r->out_arena, r->out);
+  free(r);
+}
+
+/* Output tensors of one request, laid out in one block: sizes in, offsets out. */
+static int alloc_outputs(mokd_session *s, mokd_result *r, int n, const size_t *bytes,
+                         size_t *offs, char *err)
+{
+  size_t total = 0;
+  int rc;
+  for (int i = 0; i < n; i++) {
+    offs[i] = total;
+    total += (bytes[i] + 255) / 256 * 256;
+  }
+  if ((rc = mokd_out_alloc(&s->reg, total, &r->out_arena, &r->out, err)))
+    return rc;
+  for (int i = 0; i < n; i++)
+    offs[i] += r->out.off;
+  return 0;
+}
+
+/* ---- a step --------------------------------------------------------------- */
+
+static mokd_step *step_new(mokd_session *s, uint64_t id)
+{
+  mokd_step *j = calloc(1, sizeof *j);
+  if (j != NULL) {
+    j->sess = s;
+    j->req_id = id;
+    j->backend = s->backend;
+    j->events = &s->events;
+  }
+  return j;
+}
+
+static void step_free(mokd_step *j)
+{
+  for (int i = 0; i < j->nrefs; i++)
+    mokd_ref_free(j->refs[i]);
+  mokd_ref_free(j->status_ref);
+  free(j);
+}
+
+static int check_ready(mokd_session *s, const ProtobufCBinaryData *ev, char *err)
+{
+  if (ev->len == 0)
+    return 0;
+  if (s->device < 0)
+    return mokk_fail(err, MOK_EINVAL, "ready_event is a CUDA event; this daemon runs the %s "
+                     "backend", mokk_backend_name(s->backend));
+  if (ev->len != MOKK_IPC_BYTES)
+    return mokk_fail(err, MOK_EINVAL, "ready_event holds %zu bytes; a cudaIpcEventHandle_t "
+                     "has %d", ev->len, MOKK_IPC_BYTES);
+  return 0;
+}
+
+static void set_ready(mokd_step *j, const ProtobufCBinaryData *ev)
+{
+  if (ev->len == MOKK_IPC_BYTES) {
+    memcpy(j->ready, ev->data, MOKK_IPC_BYTES);
+    j->has_ready = 1;
+  }
+}
+
+/* On a device backend each step also returns a status word (i32 [1]), last
+ * in its block of outputs. */
+static int status_slot(mokd_session *s, mokd_step *j, mokd_result *r, size_t off, char *err)
+{
+  static const int64_t one[1] = {1};
+  if (s->device < 0)
+    return 0;
+  j->status = (int32_t *)((char *)r->out_arena->base + off);
+  if ((j->status_ref = mokd_ref_new(r->out_arena->id, off, MOKD__DTYPE__DTYPE_I32, 1, one)) ==
+      NULL)
+    return mokk_fail(err, MOK_ENOMEM, "out of memory");
+  return 0;
+}
+
+/* On an executor thread. A device step is only queued here: it waits on the
+ * device for the client's ready event, and the done event recorded after it
+ * goes back with the reply. Nothing here waits for the device. */
+static void step_work(mokd_work *w)
+{
+  mokd_step *j = (mokd_step *)w;
+  int rc = mokk_step_begin(j->backend, j->events, j->has_ready ? j->ready : NULL, j->err);
+
+  if (rc == 0 && j->backward)
+    rc = mokk_backward(j->backend, j->ctx, j->mode, &j->br, j->err);
+  else if (rc == 0)
+    rc = mokk_forward(j->backend, &j->shape, j->T, &j->fr, j->want_ctx ? &j->ctx : NULL,
+                      j->err);
+  if (rc == 0 && *j->events != NULL &&
+      (rc = mokk_step_end(j->backend, *j->events, j->status, j->done, j->err)) == 0)
+    j->has_done = 1;
+  if (rc != 0 && !j->backward && j->ctx != NULL) {
+    mokk_ctx_free(j->backend, j->ctx);
+    j->ctx = NULL;
+  }
+  j->rc = rc;
+}
+
+static void send_step_reply(mokd_session *s, mokd_step *j)
+{
+  mokd_result *r = j->res;
+  Mokd__Response resp = MOKD__RESPONSE__INIT;
+  Mokd__NewArena na = MOKD__NEW_ARENA__INIT, *nap = &na;
+  Mokd__Timing tm = MOKD__TIMING__INIT;
+  Mokd__ForwardDone fd = MOKD__FORWARD_DONE__INIT;
+  Mokd__BackwardDone bd = MOKD__BACKWARD_DONE__INIT;
+  ProtobufCBinaryData done = {j->has_done ? MOKK_IPC_BYTES : 0, j->done};
+
+  tm.queued_ns = j->work.t_start - j->work.t_queued;
+  tm.compute_ns = j->work.t_end - j->work.t_start;
+  resp.id = j->req_id;
+  if (r->out_arena->fd >= 0) { /* first reply naming this output arena */
+    na.arena = r->out_arena->id;
+    na.bytes = r->out_arena->bytes;
+    na.device = r->out_arena->device + 1; /* the wire: ordinal + 1, 0 = host */
+    resp.n_new_arenas = 1;
+    resp.new_arenas = &nap;
+  }
+  if (j->backward) {
+    bd.result = r->id;
+    bd.d_x = j->refs[0];
+    bd.d_topk_weights = j->refs[1];
+    bd.n_grads = (size_t)(j->nrefs - 2);
+    bd.grads = j->refs + 2;
+    bd.timing = &tm;
+    bd.status = j->status_ref;
+    bd.done_event = done;
+    resp.body_case = MOKD__RESPONSE__BODY_BACKWARD_DONE;
+    resp.backward_done = &bd;
+  } else {
+    fd.context = r->id;
+    fd.out = j->refs[0];
+    fd.timing = &tm;
+    fd.status = j->status_ref;
+    fd.done_event = done;
+    resp.body_case = MOKD__RESPONSE__BODY_FORWARD_DONE;
+    resp.forward_done = &fd;
+  }
+  if (resp.n_new_arenas > 0) {
+    mokd_send(s, &resp, &r->out_arena->fd, 1);
+    close(r->out_arena->fd);
+    r->out_arena->fd = -1;
+  } else {
+    mokd_send(s, &resp, NULL, 0);
+  }
+}
+
+/* On the loop thread, once step_work has run. */
+static void step_done(mokd_work *w)
+{
+  mokd_step *j = (mokd_step *)w;
+  mokd_session *s = j->sess;
+  mokd_result *r = j->res;
+  int rc = j->rc;
+
+  s->busy = NULL;
+  if (rc == 0 && !j->backward && j->ctx != NULL) {
+    r->ctx = j->ctx;
+    r->ctx_bytes = mokk_ctx_bytes(s->backend, j->ctx);
+    rc = mokd_quota_take(&s->reg, r->ctx_bytes, s->device >= 0 ? MOKD_DEVICE : MOKD_HOST,
+                         j->err);
+    if (rc != 0)
+      r->ctx_bytes = 0;
+    else
+      s->usage.context_bytes += r->ctx_bytes, s->srv->usage.context_bytes += r->ctx_bytes;
+  }
+  if (j->backward)
+    s->usage.backwards++, s->srv->usage.backwards++;
+  else
+    s->usage.forwards++, s->srv->usage.forwards++;
+  if (s->closing) {
+    mokd_server *srv = s->srv;
+    mokd_result_free(s, r);
+    step_free(j);
+    mokd_session_maybe_destroy(s);
+    mokd_server_maybe_stop(srv);
+    return;
+  }
+  if (rc != 0) {
+    mokd_reply_error(s, j->req_id, rc, j->err);
+    mokd_result_free(s, r);
+  } else {
+    send_step_reply(s, j);
+  }
+  step_free(j);
+  mokd_session_pump(s);
+  mokd_server_maybe_stop(s->srv);
+}
+
+static void step_queue(mokd_session *s, mokd_step *j)
+{
+  s->busy = j;
+  mokd_executor_queue(s->exec, &j->work, step_work, step_done);
+}
+
+/* ---- requests ------------------------------------------------------------- */
+
+int mokd_h_forward(mokd_session *s, const Mokd__Request *q, const int *fds, int nfds,
+                   char *err)
+{
+  const Mokd__Forward *f = q->forward;
+  mokd_layer *l = mokd_layer_find(s, f->layer);
+  mokd_arena *warenas[MOKK_NWEIGHTS];
+  int64_t dx[2], di[2];
+  void *px, *pi, *pw;
+  mokd_step *j;
+  mokd_result *r;
+  size_t bytes[2], off[2];
+  int rc;
+
+  (void)fds, (void)nfds;
+  if (l == NULL)
+    return mokk_fail(err, MOK_ENOENT, "layer %llu does not exist in this session",
+                     (unsigned long long)f->layer);
+  if (!l->has_weights)
+    return mokk_fail(err, MOK_EINVAL, "layer %llu has no weights; send SetWeights first",
+                     (unsigned long long)l->id);
+  dx[0] = -1, dx[1] = l->shape.H;
+  if ((rc = mokd_ref_resolve(&s->reg, "x", f->x, MOKD__DTYPE__DTYPE_BF16, 2, dx, &px, NULL,
+                             err)))
+    return rc;
+  di[0] = dx[0], di[1] = l->shape.K;
+  if ((rc = mokd_ref_resolve(&s->reg, "topk_ids", f->topk_ids, MOKD__DTYPE__DTYPE_I32, 2, di,
+                             &pi, NULL, err)))
+    return rc;
+  if ((rc = mokd_ref_resolve(&s->reg, "topk_weights", f->topk_weights, MOKD__DTYPE__DTYPE_F32,
+                             2, di, &pw, NULL, err)))
+    return rc;
+  if ((rc = check_ready(s, &f->ready_event, err)))
+    return rc;
+  if ((j = step_new(s, q->id)) == NULL || (r = result_new(s, 1)) == NULL) {
+    free(j);
+    return mokk_fail(err, MOK_ENOMEM, "out of memory");
+  }
+  j->res = r;
+  j->shape = l->shape;
+  j->T = dx[0];
+  j->want_ctx = !f->inference;
+  j->fr.x = px, j->fr.topk_ids = pi, j->fr.topk_weights = pw;
+  r->layer = l->id;
+  r->T = dx[0];
+  if ((rc = mokd_weights_resolve(s, l, j->fr.w, warenas, err)))
+    goto fail;
+  bytes[0] = (size_t)(j->T * l->shape.H) * 2;
+  bytes[1] = sizeof(int32_t);
+  if ((rc = alloc_outputs(s, r, s->device >= 0 ? 2 : 1, bytes, off, err)))
+    goto fail;
+  j->fr.out = (uint16_t *)((char *)r->out_arena->base + off[0]);
+  j->refs[j->nrefs++] = mokd_ref_new(r->out_arena->id, off[0], MOKD__DTYPE__DTYPE_BF16, 2, dx);
+  if (j->refs[0] == NULL) {
+    rc = mokk_fail(err, MOK_ENOMEM, "out of memory");
+    goto fail;
+  }
+  if ((rc = status_slot(s, j, r, off[1], err)))
+    goto fail;
+  set_ready(j, &f->ready_event);
+  if (j->want_ctx)
+    for (int i = 0; i < mokd_weight_count(&l->shape); i++) {
+      r->pinned[r->npinned++] = warenas[i];
+      warenas[i]->users++;
+    }
+  step_queue(s, j);
+  return 0;
+
+fail:
+  mokd_result_free(s, r);
+  step_free(j);
+  return rc;
+}
+
+int mokd_h_backward(mokd_session *s, const Mokd__Request *q, const int *fds, int nfds,
+                    char *err)
+{
+  const Mokd__Backward *b = q->backward;
+  mokd_result *c = result_find(s, b->context), *r;
+  int64_t dx[2], dtw[2], gs[MOKK_NWEIGHTS][3];
+  int gnd[MOKK_NWEIGHTS];
+  void *pd;
+  size_t bytes[3 + MOKK_NWEIGHTS], offs[3 + MOKK_NWEIGHTS];
+  mokd_step *j;
+  const mokk_shape *sh;
+  int nw, nout, rc;
+
+  (void)fds, (void)nfds;
+  if (c == NULL || !c->is_context || c->ctx == NULL)
+    return mokk_fail(err, MOK_ECONTEXT, "context %llu is unknown, released, or from an "
+                     "inference forward", (unsigned long long)b->context);
+  sh = &c->ctx->shape;
+  nw = mokd_weight_count(sh);
+  dx[0] = c->T, dx[1] = sh->H;
+  if ((rc = mokd_ref_resolve(&s->reg, "d_out", b->d_out, MOKD__DTYPE__DTYPE_BF16, 2, dx, &pd,
+                             NULL, err)))
+    return rc;
+  if ((rc = check_ready(s, &b->ready_event, err)))
+    return rc;
+  mokd_layer *l = mokd_layer_find(s, c->layer);
+  mokk_grad_mode mode = l != NULL ? l->mode : MOKK_GRAD_BF16;
+  if (mode == MOKK_GRAD_FP32_ACCUM && (int)b->n_grads != nw)
+    return mokk_fail(err, MOK_EINVAL, "the layer accumulates fp32 gradients: Backward "
+                     "needs %d gradient buffers, got %zu", nw, b->n_grads);
+  if (mode == MOKK_GRAD_BF16 && b->n_grads != 0 && (int)b->n_grads != nw)
+    return mokk_fail(err, MOK_EINVAL, "Backward names %zu gradient buffers; the layer has "
+                     "%d weights (or send none to get them back)", b->n_grads, nw);
+  if ((j = step_new(s, q->id)) == NULL || (r = result_new(s, 0)) == NULL) {
+    free(j);
+    return mokk_fail(err, MOK_ENOMEM, "out of memory");
+  }
+  j->res = r;
+  j->backward = 1;
+  j->ctx = c->ctx;
+  j->mode = mode;
+  j->br.d_out = pd;
+  r->layer = c->layer;
+  r->T = c->T;
+  for (int i = 0; i < (int)b->n_grads; i++) {
+    void *pg;
+    gnd[i] = mokd_weight_dims(sh, i, gs[i]);
+    rc = mokd_ref_resolve(&s->reg, mokd_weight_name(i), b->grads[i],
+                          mode == MOKK_GRAD_FP32_ACCUM ? MOKD__DTYPE__DTYPE_F32
+                                                       : MOKD__DTYPE__DTYPE_BF16,
+                          gnd[i], gs[i], &pg, NULL, err);
+    if (rc)
+      goto fail;
+    if (mode == MOKK_GRAD_FP32_ACCUM)
+      j->br.g_f32[i] = pg;
+    else
+      j->br.g_bf16[i] = pg;
+  }
+  nout = 2;
+  bytes[0] = (size_t)(c->T * sh->H) * 2;
+  bytes[1] = (size_t)(c->T * sh->K) * 4;
+  if (b->n_grads == 0)
+    for (int i = 0; i < nw; i++) {
+      gnd[i] = mokd_weight_dims(sh, i, gs[i]);
+      bytes[nout++] = (size_t)mokk_weight_elems(sh, i) * 2;
+    }
+  bytes[nout] = sizeof(int32_t);
+  if ((rc = alloc_outputs(s, r, nout + (s->device >= 0), bytes, offs, err)))
+    goto fail;
+  if ((rc = status_slot(s, j, r, offs[nout], err)))
+    goto fail;
+  set_ready(j, &b->ready_event);
+  dtw[0] = c->T, dtw[1] = sh->K;
+  j->br.d_x = (uint16_t *)((char *)r->out_arena->base + offs[0]);
+  j->br.d_topk_weights = (float *)((char *)r->out_arena->base + offs[1]);
+  j->refs[j->nrefs++] = mokd_ref_new(r->out_arena->id, offs[0], MOKD__DTYPE__DTYPE_BF16, 2, dx);
+  j->refs[j->nrefs++] = mokd_ref_new(r->out_arena->id, offs[1], MOKD__DTYPE__DTYPE_F32, 2, dtw);
+  for (int i = 0; i < nout - 2; i++) {
+    j->br.g_bf16[i] = (uint16_t *)((char *)r->out_arena->base + offs[2 + i]);
+    j->refs[j->nrefs++] = mokd_ref_new(r->out_arena->id, offs[2 + i], MOKD__DTYPE__DTYPE_BF16,
+                                       gnd[i], gs[i]);
+  }
+  for (int i = 0; i < j->nrefs; i++)
+    if (j->refs[i] == NULL) {
+      rc = mokk_fail(err, MOK_ENOMEM, "out of memory");
+      goto fail;
+    }
+  step_queue(s, j);
+  return 0;
+
+fail:
+  mokd_result_free(s, r);
+  step_free(j);
+  return rc;
+}
+
+int mokd_h_release(mokd_session *s, const Mokd__Request *q, const int *fds, int nfds,
+                   char *err)
+{
+  const Mokd__Release *rl = q->release;
+  Mokd__Response r = MOKD__RESPONSE__INIT;
+  Mokd__Released done = MOKD__RELEASED__INIT;
+
+  (void)fds, (void)nfds;
+  for (size_t i = 0; i < rl->n_ids; i++) {
+    if (result_find(s, rl->ids[i]) == NULL)
+      return mokk_fail(err, MOK_ECONTEXT, "id %llu is not a live context or result of this "
+                       "session; nothing was released", (unsigned long long)rl->ids[i]);
+    for (size_t k = 0; k < i; k++)
+      if (rl->ids[k] == rl->ids[i])
+        return mokk_fail(err, MOK_EINVAL, "id %llu is named twice; nothing was released",
+                         (unsigned long long)rl->ids[i]);
+  }
+  for (size_t i = 0; i < rl->n_ids; i++)
+    mokd_result_free(s, result_find(s, rl->ids[i]));
+  done.count = (uint32_t)rl->n_ids;
+  r.id = q->id;
+  r.body_case = MOKD__RESPONSE__BODY_RELEASED;
+  r.released = &done;
+  mokd_send(s, &r, NULL, 0);
+  return 0;
+}

@@ -1,0 +1,252 @@
+/* cuda_backend.cu - the CUDA backend's table and lifecycle: one device, one
+ * non-blocking stream that every step runs on, the device word where steps
+ * flag errors only the GPU can see, and the backend's buffers, freed behind
+ * fences so that no host thread waits for the GPU. The steps themselves are in
+ * cuda_moe.cu, GPU memory in gpumem.cu, events and fences in ipc.cu. */
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "cuda_priv.h"
+
+static void cuda_ctx_free(mokk_backend *b, mokk_ctx *ctx)
+{
+  ctx_release((cuda_backend *)b, (cuda_ctx *)ctx);
+}
+
+static size_t cuda_ctx_bytes(const mokk_ctx *ctx)
+{
+  return ((const cuda_ctx *)ctx)->bytes;
+}
+
+/* ---- memory ------------------------------------------------------------- */
+
+static int cuda_buffer_alloc(mokk_backend *b, size_t bytes, mokk_buffer **out, int *fd,
+                             char *err)
+{
+  cuda_buffer *buf = (cuda_buffer *)calloc(1, sizeof *buf);
+  int rc;
+
+  if (buf == NULL)
+    return mokk_fail(err, MOK_ENOMEM, "out of memory");
+  if ((rc = mokk_gpu_mem_create(b->device, bytes, &buf->mem, fd, err)) != 0) {
+    free(buf);
+    return rc;
+  }
+  buf->base = (mokk_buffer){buf->mem.ptr, buf->mem.bytes, b->device};
+  *out = &buf->base;
+  return 0;
+}
+
+static int cuda_buffer_import(mokk_backend *b, const mokk_import *src, mokk_buffer **out,
+                              char *err)
+{
+  cuda_buffer *buf = (cuda_buffer *)calloc(1, sizeof *buf);
+  int rc;
+
+  if (buf == NULL)
+    return mokk_fail(err, MOK_ENOMEM, "out of memory");
+  rc = src->kind == MOKK_IMPORT_CUDA_IPC
+           ? mokk_gpu_import_ipc(b->device, src->ipc_handle, src->bytes, &buf->imp, err)
+           : mokk_gpu_import_fd(b->device, src->fd, src->bytes, &buf->imp, err);
+  if (rc != 0) {
+    free(buf);
+    return rc;
+  }
+  buf->imported = 1;
+  buf->base = (mokk_buffer){buf->imp.ptr, src->bytes, b->device};
+  *out = &buf->base;
+  return 0;
+}
+
+static void buffer_free_now(cuda_buffer *buf)
+{
+  if (buf->imported)
+    mokk_gpu_import_free_now(&buf->imp);
+  else
+    mokk_gpu_mem_free_now(&buf->mem);
+  if (buf->fence != NULL)
+    cudaEventDestroy(buf->fence);
+  free(buf);
+}
+
+/* The loop never waits for the GPU: the buffer goes once a fence behind the
+ * work queued so far has passed (cuda_reap). */
+static int cuda_buffer_release(mokk_backend *b, mokk_buffer *mb, char *err)
+{
+  cuda_backend *cb = (cuda_backend *)b;
+  cuda_buffer *buf = (cuda_buffer *)mb;
+  int rc = mokk_cuda_fence(b, &buf->fence, err);
+
+  if (rc != 0) {
+    cudaSetDevice(cb->device);
+    cudaStreamSynchronize(cb->stream);
+    buffer_free_now(buf);
+    return rc;
+  }
+  buf->next = cb->retired;
+  cb->retired = buf;
+  return 0;
+}
+
+static int cuda_reap(mokk_backend *b, int wait)
+{
+  cuda_backend *cb = (cuda_backend *)b;
+  cuda_buffer **pp = &cb->retired;
+  int left = 0;
+
+  if (wait && cb->retired != NULL) {
+    cudaSetDevice(cb->device);
+    cudaStreamSynchronize(cb->stream);
+  }
+  while (*pp != NULL) {
+    cuda_buffer *buf = *pp;
+    if (wait || mokk_cuda_fence_passed(buf->fence)) {
+      *pp = buf->next;
+      buffer_free_now(buf);
+    } else {
+      pp = &buf->next;
+      left++;
+    }
+  }
+  return left;
+}
+
+/* ---- steps and their ordering with the client --------------------------- */
+
+static int cuda_events_new(mokk_backend *b, mokk_events **out, char *err)
+{
+  return mokk_cuda_events_create(b, out, err);
+}
+
+static void cuda_events_free(mokk_backend *b, mokk_events *ev)
+{
+  (void)b;
+  mokk_cuda_events_free(ev);
+}
+
+static int cuda_step_begin(mokk_backend *b, mokk_events *ev, const void *ready, char *err)
+{
+  return ready != NULL ? mokk_cuda_wait(b, ev, ready, err) : 0;
+}
+
+/* The step's status as the client reads it, then a clean flag for the next. */
+__global__ void k_status(int *flag, int32_t *out)
+{
+  *out = *flag ? MOK_EEXPERT : 0;
+  *flag = 0;
+}
+
+static int cuda_step_end(mokk_backend *b, mokk_events *ev, int32_t *status, void *done,
+                         char *err)
+{
+  cuda_backend *cb = (cuda_backend *)b;
+
+  CUDA_CHECK(cudaSetDevice(cb->device));
+  if (status != NULL) {
+    k_status<<<1, 1, 0, cb->stream>>>(cb->status, status);
+    CUDA_CHECK(cudaGetLastError());
+  }
+  return mokk_cuda_events_record(ev, cb->stream, done, err);
+}
+
+/* ---- lifecycle ----------------------------------------------------------- */
+
+static void cuda_destroy(mokk_backend *b)
+{
+  cuda_backend *cb = (cuda_backend *)b;
+  cudaSetDevice(cb->device);
+  if (cb->stream != NULL) {
+    cudaStreamSynchronize(cb->stream);
+    cuda_reap(b, 1);
+    cudaStreamDestroy(cb->stream);
+  }
+  if (cb->status != NULL)
+    cudaFree(cb->status);
+  free(cb);
+}
+
+/* forward and backward are cuda_moe.cu's */
+static const mokk_backend_iface cuda_iface = {
+    "cuda", cuda_forward_entry, cuda_backward_entry, cuda_ctx_free, cuda_ctx_bytes,
+    cuda_destroy, cuda_buffer_alloc, cuda_buffer_import, cuda_buffer_release, cuda_reap,
+    cuda_events_new, cuda_events_free, cuda_step_begin, cuda_step_end,
+};
+
+extern "C" int mokk_cuda_devices(char *err)
+{
+  int n = 0;
+  cudaError_t e = cudaGetDeviceCount(&n);
+  if (e == cudaErrorNoDevice)
+    return 0;
+  if (e != cudaSuccess) /* no driver, or too old: a fact of the machine, said plainly */
+    return mokk_fail(err, MOK_EDEVICE, "cudaGetDeviceCount: %s (%s)", cudaGetErrorString(e),
+                     cudaGetErrorName(e));
+  return n;
+}
+
+extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
+{
+  cuda_backend *cb;
+  cudaMemPool_t pool;
+  uint64_t keep = UINT64_MAX;
+  int n = mokk_cuda_devices(err), rc = 0;
+
+  *out = NULL;
+  if (n < 0)
+    return n;
+  if (device < 0 || device >= n)
+    return mokk_fail(err, MOK_EDEVICE, "CUDA device %d does not exist (%d visible)", device, n);
+  if ((cb = (cuda_backend *)calloc(1, sizeof *cb)) == NULL)
+    return mokk_fail(err, MOK_ENOMEM, "out of memory");
+  cb->base.iface = &cuda_iface;
+  cb->base.device = device;
+  cb->device = device;
+  CUDA_CHECK_GOTO(cudaSetDevice(device), rc, fail);
+  CUDA_CHECK_GOTO(cudaDeviceGetAttribute(&cb->sms, cudaDevAttrMultiProcessorCount, device), rc,
+                  fail);
+  CUDA_CHECK_GOTO(cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking), rc, fail);
+  CUDA_CHECK_GOTO(cudaMalloc((void **)&cb->status, sizeof(int)), rc, fail);
+  CUDA_CHECK_GOTO(cudaMemset(cb->status, 0, sizeof(int)), rc, fail);
+  /* keep freed step memory in the pool instead of returning it each time */
+  CUDA_CHECK_GOTO(cudaDeviceGetDefaultMemPool(&pool, device), rc, fail);
+  CUDA_CHECK_GOTO(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep), rc,
+                  fail);
+  *out = &cb->base;
+  return 0;
+fail:
+  cuda_destroy(&cb->base);
+  return rc;
+}
+
+extern "C" void mokk_cuda_set_max_blocks(mokk_backend *b, int blocks)
+{
+  ((cuda_backend *)b)->max_blocks = blocks > 0 ? blocks : 0;
+}
+
+extern "C" int mokk_cuda_device(const mokk_backend *b)
+{
+  return ((const cuda_backend *)b)->device;
+}
+
+extern "C" void *mokk_cuda_stream(mokk_backend *b)
+{
+  return ((cuda_backend *)b)->stream;
+}
+
+extern "C" int mokk_cuda_sync(mokk_backend *b, char *err)
+{
+  cuda_backend *cb = (cuda_backend *)b;
+  int status = 0;
+
+  CUDA_CHECK(cudaSetDevice(cb->device));
+  CUDA_CHECK(cudaStreamSynchronize(cb->stream));
+  CUDA_CHECK(cudaMemcpy(&status, cb->status, sizeof status, cudaMemcpyDeviceToHost));
+  if (status) {
+    CUDA_CHECK(cudaMemset(cb->status, 0, sizeof(int)));
+    return mokk_fail(err, MOK_EEXPERT, "topk_ids held an expert id outside [0, E); those "
+                     "pairs were dropped");
+  }
+  return 0;
+}
+

@@ -1,0 +1,107 @@
+/* cuda_priv.h - what the CUDA backend's files share: the backend and context
+ * structs, and the helpers between the step code (cuda_moe.cu), the backend's
+ * lifecycle (cuda_backend.cu), GPU memory (gpumem.cu) and events (ipc.cu). */
+#ifndef MOKK_CUDA_PRIV_H
+#define MOKK_CUDA_PRIV_H
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdlib.h>
+
+#include "backend_impl.h"
+#include "check.cuh"
+#include "cuda_backend.h"
+
+typedef struct cuda_buffer cuda_buffer;
+
+typedef struct cuda_backend {
+  mokk_backend base;
+  int device, sms, max_blocks;
+  int arch;             /* compute capability as 10 major + minor; 0 until asked */
+  cudaStream_t stream;
+  int *status;          /* device: bit 0 = an expert id out of range */
+  cuda_buffer *retired; /* released, waiting for their fence (loop thread only) */
+} cuda_backend;
+
+typedef struct cuda_ctx {
+  mokk_ctx hdr;
+  const __nv_bfloat16 *x;
+  const __nv_bfloat16 *w[MOKK_NWEIGHTS];
+  int *count, *row_start, *tile_off, *slot, *src;
+  float *row_w;              /* [TK] router weight of each row */
+  __nv_bfloat16 *xr;         /* [TK, H] dispatched rows */
+  float *g, *u;              /* [TK, I] gate and up before the clamp */
+  __nv_bfloat16 *h;          /* [TK, I] */
+  __nv_bfloat16 *y;          /* [TK, H] expert output per row */
+  float *gs, *us;            /* [T, I_s] */
+  __nv_bfloat16 *hs;         /* [T, I_s] */
+  void *block;               /* one allocation holding all of the above */
+  size_t bytes;
+} cuda_ctx;
+
+/* the step code's names for the checks of check.cuh */
+#define cuda_fail(err, e, what) mokk_cuda_fail_at((err), (e), (what), __FILE__, __LINE__)
+#define CK(call) CUDA_CHECK(call)
+
+static inline void ctx_release(cuda_backend *cb, cuda_ctx *c)
+{
+  if (c->block != NULL)
+    cudaFreeAsync(c->block, cb->stream); /* stream-ordered: after the queued work */
+  free(c);
+}
+
+/* The iface's forward and backward entries: cuda_moe.cu's cuda_forward and
+ * cuda_backward, reached from the table in cuda_backend.cu. */
+int cuda_forward_entry(mokk_backend *b, const mokk_shape *s, int64_t T,
+                       const mokk_fwd_rank *ranks, mokk_ctx **out_ctx, char *err);
+int cuda_backward_entry(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
+                        const mokk_bwd_rank *ranks, char *err);
+
+/* ---- GPU memory (gpumem.cu) --------------------------------------------- */
+
+/* Client GPU memory opened in this process: a legacy IPC handle of a
+ * cudaMalloc allocation, or a cuMem allocation's POSIX fd. */
+typedef struct mokk_gpu_import {
+  void *ptr;
+  size_t bytes;
+  unsigned long long handle; /* cuMem imports */
+  int device;
+  int legacy;                /* opened with cudaIpcOpenMemHandle */
+} mokk_gpu_import;
+
+int mokk_gpu_import_ipc(int device, const void *ipc_handle, size_t bytes, mokk_gpu_import *m,
+                        char *err);
+int mokk_gpu_import_fd(int device, int fd, size_t bytes, mokk_gpu_import *m, char *err);
+/* Unmap and release now: the caller has made sure no queued work uses them. */
+void mokk_gpu_mem_free_now(mokk_gpu_mem *m);
+void mokk_gpu_import_free_now(mokk_gpu_import *m);
+
+/* A buffer of the backend: a GPU arena it made, or client memory it opened. */
+struct cuda_buffer {
+  mokk_buffer base;
+  int imported;
+  mokk_gpu_mem mem;
+  mokk_gpu_import imp;
+  cudaEvent_t fence;    /* once released: the queued work it waits for */
+  cuda_buffer *next;
+};
+
+/* ---- ordering with client processes (ipc.cu) ---------------------------- */
+
+/* The done event the daemon records after each step of a session
+ * (interprocess, exported once) and the client's ready events, opened once
+ * each. Used from one thread at a time. */
+int mokk_cuda_events_create(mokk_backend *b, mokk_events **out, char *err);
+void mokk_cuda_events_free(mokk_events *ev);
+/* The next step on b's stream waits for the client's event (its IPC handle). */
+int mokk_cuda_wait(mokk_backend *b, mokk_events *ev, const void *handle, char *err);
+/* Records the session's done event on stream; handle gets its IPC handle. */
+int mokk_cuda_events_record(mokk_events *ev, cudaStream_t stream, void *handle,
+                            char *err);
+
+/* A fence marks all work queued so far on b's stream. */
+int mokk_cuda_fence(mokk_backend *b, cudaEvent_t *fence, char *err);
+/* 1 once passed (or broken: nothing will wait on it any more), 0 not yet. */
+int mokk_cuda_fence_passed(cudaEvent_t fence);
+
+#endif

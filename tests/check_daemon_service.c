@@ -1,0 +1,220 @@
+/* check_daemon_service.c - mokd as a service: drain on SIGTERM, one daemon
+ * per socket, a bad config stops start-up, the allow-list, sd_notify and the
+ * watchdog. */
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "daemon_fixture.h"
+#include "frame.h"
+#include "ref.h"
+#include "testbed.h"
+
+START_TEST(sigterm_finishes_in_flight_work)
+{
+  mok_client *c = connect_ok();
+  mok_layer_desc d = {.hidden = 512, .intermediate = 512, .experts = 8, .top_k = 4};
+  mok_testbed tb;
+  ck_assert_int_eq(mok_testbed_setup(c, &d, 2048, 5, &tb), 0);
+  pid_t killer = fork();
+  if (killer == 0) {
+    usleep(100000);
+    kill(daemon_pid, SIGTERM);
+    _exit(0);
+  }
+  mok_forward_result f;
+  int rc = mok_forward(c, tb.layer, &tb.x, &tb.ids, &tb.tw, 0, &f);
+  waitpid(killer, NULL, 0);
+  ck_assert_msg(rc == 0, "in-flight forward: %s", mok_last_error(c));
+  uint64_t rtt;
+  ck_assert_int_ne(mok_ping(c, &rtt), 0); /* and then the daemon is gone */
+  mok_close(c);
+  int st;
+  ck_assert_int_eq(waitpid(daemon_pid, &st, 0), daemon_pid);
+  ck_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+  /* the fixture's teardown must not wait for it again */
+  daemon_pid = spawn_daemon(sock, "--executor-threads=1", logpath);
+  wait_for_socket(sock, daemon_pid);
+}
+END_TEST
+
+START_TEST(second_daemon_and_stale_socket)
+{
+  char log2[128], path2[128];
+  snprintf(log2, sizeof log2, "%s/second.log", dir);
+  pid_t p = spawn_daemon(sock, "--executor-threads=1", log2);
+  int st;
+  ck_assert_int_eq(waitpid(p, &st, 0), p);
+  ck_assert(WIFEXITED(st) && WEXITSTATUS(st) != 0);
+  FILE *f = fopen(log2, "r");
+  char buf[2048] = "";
+  ck_assert_uint_gt(fread(buf, 1, sizeof buf - 1, f), 0);
+  fclose(f);
+  ck_assert_msg(strstr(buf, "another mokd is serving") != NULL, "log: %s", buf);
+
+  /* a socket file nobody listens on is removed and the daemon starts */
+  snprintf(path2, sizeof path2, "%s/stale.sock", dir);
+  struct sockaddr_un sa = {.sun_family = AF_UNIX};
+  strcpy(sa.sun_path, path2);
+  int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+  ck_assert_int_eq(bind(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+  close(fd);
+  p = spawn_daemon(path2, "--executor-threads=1", log2);
+  wait_for_socket(path2, p);
+  struct stat sst;
+  ck_assert_int_eq(stat(path2, &sst), 0);
+  ck_assert_int_eq(sst.st_mode & 0777, 0660);
+  st = stop_daemon(p);
+  ck_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+  ck_assert_int_ne(access(path2, F_OK), 0); /* removed on the way out */
+  unlink(log2);
+}
+END_TEST
+
+START_TEST(config_error_stops_startup)
+{
+  char conf[128], cmd[512];
+  snprintf(conf, sizeof conf, "%s/bad.conf", dir);
+  FILE *f = fopen(conf, "w");
+  fputs("[mokd]\nexecutor_threads = 2\nmax_frame_bytes = -5\n", f);
+  fclose(f);
+  snprintf(cmd, sizeof cmd, "%s --config %s --socket %s/x.sock 2>&1", mokd_bin(), conf, dir);
+  FILE *pp = popen(cmd, "r");
+  char out[1024] = "";
+  size_t n = fread(out, 1, sizeof out - 1, pp);
+  int st = pclose(pp);
+  out[n] = 0;
+  ck_assert(WIFEXITED(st) && WEXITSTATUS(st) == 2);
+  char want[192];
+  snprintf(want, sizeof want, "%s:3: max_frame_bytes", conf);
+  ck_assert_msg(strstr(out, want) != NULL, "output: %s", out);
+  unlink(conf);
+}
+END_TEST
+
+START_TEST(other_uid_is_refused)
+{
+  /* only root can become another uid; CI runs as root */
+  pid_t child = fork();
+  if (child == 0) {
+    if (setgid(65534) != 0 || setuid(65534) != 0)
+      _exit(3);
+    mok_client *c;
+    int rc = mok_connect(sock, "intruder", &c);
+    int ok = rc == MOK_EPERM || rc == MOK_ENOENT || rc == MOK_EIO;
+    mok_close(c);
+    _exit(ok ? 0 : 4);
+  }
+  int st;
+  waitpid(child, &st, 0);
+  ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 0, "child status %d", st);
+}
+END_TEST
+
+/* Reads datagrams from the notify socket until one contains `what`. */
+static void expect_notify(int fd, const char *what)
+{
+  char buf[512];
+  for (;;) {
+    struct pollfd pf = {fd, POLLIN, 0};
+    ck_assert_msg(poll(&pf, 1, 5000) == 1, "no \"%s\" from mokd within 5 s", what);
+    ssize_t n = recv(fd, buf, sizeof buf - 1, 0);
+    ck_assert_int_gt(n, 0);
+    buf[n] = 0;
+    if (strstr(buf, what) != NULL)
+      return;
+  }
+}
+
+START_TEST(systemd_notify_and_watchdog)
+{
+  char npath[128], conf[128];
+  snprintf(npath, sizeof npath, "%s/notify", dir);
+  snprintf(conf, sizeof conf, "%s/hup.conf", dir);
+  struct sockaddr_un sa = {.sun_family = AF_UNIX};
+  strcpy(sa.sun_path, npath);
+  int nfd = socket(AF_UNIX, SOCK_DGRAM, 0);
+  ck_assert_int_eq(bind(nfd, (struct sockaddr *)&sa, sizeof sa), 0);
+  FILE *f = fopen(conf, "w");
+  fputs("[mokd]\nlog_level = info\n", f);
+  fclose(f);
+
+  pid_t pid = fork();
+  if (pid == 0) {
+    int lfd = open(logpath, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    dup2(lfd, 2);
+    setenv("NOTIFY_SOCKET", npath, 1);
+    setenv("WATCHDOG_USEC", "200000", 1);
+    unsetenv("WATCHDOG_PID");
+    execl(mokd_bin(), "mokd", "--socket", sock, "--config", conf, (char *)NULL);
+    _exit(127);
+  }
+  expect_notify(nfd, "READY=1");
+  ck_assert_int_eq(access(sock, F_OK), 0); /* READY comes after the socket is bound */
+  expect_notify(nfd, "WATCHDOG=1");
+  expect_notify(nfd, "WATCHDOG=1");
+
+  /* SIGHUP re-reads the log level from the file */
+  f = fopen(conf, "w");
+  fputs("[mokd]\nlog_level = debug\n", f);
+  fclose(f);
+  kill(pid, SIGHUP);
+  int seen = 0;
+  for (int i = 0; i < 200 && !seen; i++) {
+    char buf[8192] = "";
+    FILE *lf = fopen(logpath, "r");
+    size_t n = fread(buf, 1, sizeof buf - 1, lf);
+    fclose(lf);
+    buf[n] = 0;
+    seen = strstr(buf, "SIGHUP: log level now debug") != NULL;
+    usleep(10000);
+  }
+  ck_assert_msg(seen, "no SIGHUP reload in the log");
+
+  kill(pid, SIGTERM);
+  expect_notify(nfd, "STOPPING=1");
+  int st;
+  ck_assert_int_eq(waitpid(pid, &st, 0), pid);
+  ck_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+  close(nfd);
+  unlink(npath), unlink(conf), unlink(logpath);
+}
+END_TEST
+
+Suite *daemon_service_suite(void)
+{
+  Suite *s = suite_create("daemon_service");
+  TCase *tc = tcase_create("lifecycle");
+  tcase_add_checked_fixture(tc, setup, teardown);
+  tcase_set_timeout(tc, 120);
+  tcase_add_test(tc, sigterm_finishes_in_flight_work);
+  tcase_add_test(tc, second_daemon_and_stale_socket);
+  tcase_add_test(tc, config_error_stops_startup);
+  suite_add_tcase(s, tc);
+  tc = tcase_create("systemd");
+  tcase_add_checked_fixture(tc, plain_setup, plain_teardown);
+  tcase_set_timeout(tc, 30);
+  tcase_add_test(tc, systemd_notify_and_watchdog);
+  suite_add_tcase(s, tc);
+  if (geteuid() == 0) {
+    tc = tcase_create("access");
+    tcase_add_checked_fixture(tc, setup, teardown);
+    tcase_add_test(tc, other_uid_is_refused);
+    suite_add_tcase(s, tc);
+  } else {
+    fprintf(stderr, "check_daemon: not root: the allow-list test (another uid) is not run\n");
+  }
+  return s;
+}

@@ -1,0 +1,313 @@
+/* check_daemon_steps.c - steps through the socket: results equal the
+ * in-process engine bit for bit, clients run concurrently, a killed client
+ * leaves nothing, outputs reuse their room, quotas hold. */
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "daemon_fixture.h"
+#include "frame.h"
+#include "ref.h"
+#include "testbed.h"
+
+/* ---- results through the socket equal the engine ------------------------- */
+
+typedef struct engine_out {
+  uint16_t *out, *d_x, *g16[MOK_NWEIGHTS];
+  float *d_tw, *g32[MOK_NWEIGHTS];
+} engine_out;
+
+static void engine_run(mok_client *c, const mok_testbed *tb, int bwd, mokk_grad_mode mode,
+                       engine_out *o)
+{
+  mokk_backend *b;
+  char err[MOK_ERRLEN];
+  mokk_shape s = {.H = tb->d.hidden, .I = tb->d.intermediate, .E = tb->d.experts,
+                  .K = tb->d.top_k, .I_s = tb->d.shared_intermediate, .P = 1,
+                  .swiglu_limit = tb->d.swiglu_limit};
+  size_t TH = (size_t)(tb->T * s.H);
+  mokk_fwd_rank fr = {0};
+  mokk_bwd_rank br = {0};
+  mokk_ctx *ctx = NULL;
+
+  memset(o, 0, sizeof *o);
+  o->out = malloc(TH * 2), o->d_x = malloc(TH * 2);
+  o->d_tw = malloc((size_t)(tb->T * s.K) * 4);
+  fr.x = mok_tensor_ptr(c, &tb->x), fr.topk_ids = mok_tensor_ptr(c, &tb->ids);
+  fr.topk_weights = mok_tensor_ptr(c, &tb->tw), fr.out = o->out;
+  br.d_out = mok_tensor_ptr(c, &tb->d_out), br.d_x = o->d_x, br.d_topk_weights = o->d_tw;
+  for (int w = 0; w < tb->nweights; w++) {
+    size_t n = mok_tensor_bytes(&tb->w[w]) / 2;
+    fr.w[w] = mok_tensor_ptr(c, &tb->w[w]);
+    br.g_bf16[w] = o->g16[w] = malloc(n * 2);
+    br.g_f32[w] = o->g32[w] = calloc(n, 4);
+  }
+  ck_assert_int_eq(mokk_cpu_create(1, &b, err), 0);
+  ck_assert_int_eq(mokk_forward(b, &s, tb->T, &fr, bwd ? &ctx : NULL, err), 0);
+  if (bwd)
+    ck_assert_int_eq(mokk_backward(b, ctx, mode, &br, err), 0);
+  mokk_ctx_free(b, ctx);
+  mokk_backend_destroy(b);
+}
+
+static void engine_free(engine_out *o)
+{
+  free(o->out), free(o->d_x), free(o->d_tw);
+  for (int w = 0; w < MOK_NWEIGHTS; w++)
+    free(o->g16[w]), free(o->g32[w]);
+}
+
+START_TEST(forward_backward_equal_engine)
+{
+  mok_client *c = connect_ok();
+  mok_layer_desc d = {.hidden = 96, .intermediate = 64, .experts = 8, .top_k = 2,
+                      .shared_intermediate = 48, .swiglu_limit = 0.75f};
+  mok_testbed tb;
+  mok_forward_result f;
+  mok_backward_result b;
+  engine_out e;
+
+  ck_assert_int_eq(mok_testbed_setup(c, &d, 100, 3, &tb), 0);
+  engine_run(c, &tb, 1, MOKK_GRAD_BF16, &e);
+  ck_assert_int_eq(mok_forward(c, tb.layer, &tb.x, &tb.ids, &tb.tw, 0, &f), 0);
+  ck_assert_int_eq(mok_backward(c, f.context, &tb.d_out, NULL, 0, &b), 0);
+  ck_assert(memcmp(f.out_ptr, e.out, (size_t)(100 * 96) * 2) == 0);
+  ck_assert(memcmp(b.d_x_ptr, e.d_x, (size_t)(100 * 96) * 2) == 0);
+  ck_assert(memcmp(b.d_topk_weights_ptr, e.d_tw, (size_t)(100 * 2) * 4) == 0);
+  ck_assert_int_eq(b.ngrads, 6);
+  for (int w = 0; w < 6; w++)
+    ck_assert_msg(memcmp(b.grad_ptrs[w], e.g16[w], mok_tensor_bytes(&tb.w[w])) == 0,
+                  "gradient %d", w);
+  engine_free(&e);
+
+  /* fp32 accumulation into client buffers: twice from zero gives 2 * once */
+  mok_testbed t2;
+  d.grad_mode = MOK_GRAD_FP32_ACCUM;
+  ck_assert_int_eq(mok_testbed_setup(c, &d, 37, 4, &t2), 0);
+  engine_run(c, &t2, 1, MOKK_GRAD_FP32_ACCUM, &e);
+  ck_assert_int_eq(mok_forward(c, t2.layer, &t2.x, &t2.ids, &t2.tw, 0, &f), 0);
+  ck_assert_int_eq(mok_backward(c, f.context, &t2.d_out, t2.g32, 6, &b), 0);
+  ck_assert_int_eq(b.ngrads, 0);
+  for (int w = 0; w < 6; w++)
+    ck_assert(memcmp(mok_tensor_ptr(c, &t2.g32[w]), e.g32[w], mok_tensor_bytes(&t2.g32[w])) ==
+              0);
+  ck_assert_int_eq(mok_backward(c, f.context, &t2.d_out, t2.g32, 6, &b), 0);
+  const float *g = mok_tensor_ptr(c, &t2.g32[MOK_W_DOWN]);
+  for (size_t i = 0; i < mok_tensor_bytes(&t2.g32[MOK_W_DOWN]) / 4; i++)
+    ck_assert(g[i] == e.g32[MOK_W_DOWN][i] + e.g32[MOK_W_DOWN][i]);
+  engine_free(&e);
+  mok_close(c);
+}
+END_TEST
+
+typedef struct worker_arg {
+  int index, failures, done;
+} worker_arg;
+
+static void *client_worker(void *p)
+{
+  worker_arg *a = p;
+  mok_client *c;
+  mok_layer_desc d = {.hidden = 64, .intermediate = 32, .experts = 8, .top_k = 2,
+                      .shared_intermediate = a->index % 2 ? 16 : 0};
+  mok_testbed tb;
+  engine_out e;
+
+  if (mok_connect(sock, "worker", &c) != 0 ||
+      mok_testbed_setup(c, &d, 40 + a->index, (uint64_t)a->index, &tb) != 0) {
+    a->failures = 50;
+    return NULL;
+  }
+  engine_run(c, &tb, 0, MOKK_GRAD_BF16, &e);
+  for (int i = 0; i < 50; i++) {
+    mok_forward_result f;
+    if (mok_forward(c, tb.layer, &tb.x, &tb.ids, &tb.tw, 1, &f) != 0 ||
+        memcmp(f.out_ptr, e.out, (size_t)(tb.T * 64) * 2) != 0 ||
+        mok_release(c, &f.context, 1) != 0)
+      a->failures++;
+    else
+      a->done++;
+  }
+  engine_free(&e);
+  mok_close(c);
+  return NULL;
+}
+
+START_TEST(eight_concurrent_clients)
+{
+  pthread_t th[8];
+  worker_arg args[8] = {0};
+  for (int i = 0; i < 8; i++) {
+    args[i].index = i;
+    pthread_create(&th[i], NULL, client_worker, &args[i]);
+  }
+  for (int i = 0; i < 8; i++) {
+    pthread_join(th[i], NULL);
+    ck_assert_msg(args[i].failures == 0 && args[i].done == 50,
+                  "client %d: %d of 50 right, %d failed", i, args[i].done, args[i].failures);
+  }
+  mok_client *c = connect_ok();
+  mok_stats st;
+  ck_assert_int_eq(mok_stats_get(c, &st), 0);
+  ck_assert_uint_ge(st.daemon.forwards, 400);
+  mok_close(c);
+}
+END_TEST
+
+static void wait_idle(mok_client *c, mok_stats *st)
+{
+  for (int i = 0; i < 500; i++) {
+    ck_assert_int_eq(mok_stats_get(c, st), 0);
+    if (st->daemon.sessions == 1 && st->daemon.arenas == 0)
+      return;
+    usleep(10000);
+  }
+}
+
+START_TEST(killed_client_leaks_nothing)
+{
+  int pfd[2];
+  ck_assert_int_eq(pipe(pfd), 0);
+  pid_t child = fork();
+  if (child == 0) {
+    /* a big forward, so the kill lands while the daemon computes it */
+    mok_client *c;
+    mok_layer_desc d = {.hidden = 512, .intermediate = 512, .experts = 8, .top_k = 4,
+                        .shared_intermediate = 256};
+    mok_testbed tb;
+    mok_forward_result f;
+    if (mok_connect(sock, "victim", &c) != 0 || mok_testbed_setup(c, &d, 4096, 9, &tb) != 0)
+      _exit(1);
+    if (write(pfd[1], "x", 1) != 1)
+      _exit(1);
+    mok_forward(c, tb.layer, &tb.x, &tb.ids, &tb.tw, 0, &f);
+    _exit(0);
+  }
+  char ch;
+  ck_assert_int_eq(read(pfd[0], &ch, 1), 1);
+  usleep(50000);
+  kill(child, SIGKILL);
+  waitpid(child, NULL, 0);
+
+  mok_client *c = connect_ok();
+  mok_stats st;
+  wait_idle(c, &st);
+  ck_assert_uint_eq(st.daemon.sessions, 1);
+  ck_assert_uint_eq(st.daemon.arenas, 0);
+  ck_assert_uint_eq(st.daemon.arena_bytes, 0);
+  ck_assert_uint_eq(st.daemon.contexts, 0);
+  ck_assert_uint_eq(st.daemon.context_bytes, 0);
+  ck_assert_uint_eq(st.daemon.layers, 0);
+  /* and the next client is served */
+  mok_layer_desc d = {.hidden = 64, .intermediate = 32, .experts = 4, .top_k = 2};
+  mok_testbed tb;
+  mok_forward_result f;
+  ck_assert_int_eq(mok_testbed_setup(c, &d, 16, 1, &tb), 0);
+  ck_assert_int_eq(mok_forward(c, tb.layer, &tb.x, &tb.ids, &tb.tw, 1, &f), 0);
+  mok_close(c);
+}
+END_TEST
+
+
+/* Outputs of each step go back into the room the last one of their size
+ * left: a small forward output must not split the block the weight
+ * gradients come back to (else each backward needs a new arena). */
+START_TEST(outputs_reuse_their_room)
+{
+  mok_client *c = connect_ok();
+  mok_layer_desc d = {.hidden = 1024, .intermediate = 1024, .experts = 16, .top_k = 2};
+  mok_testbed tb;
+  mok_forward_result f1, f2;
+  mok_backward_result b1, b2;
+  mok_stats st0, st;
+
+  ck_assert_int_eq(mok_testbed_setup(c, &d, 4, 3, &tb), 0);
+  ck_assert_int_eq(mok_forward(c, tb.layer, &tb.x, &tb.ids, &tb.tw, 0, &f1), 0);
+  ck_assert_int_eq(mok_backward(c, f1.context, &tb.d_out, NULL, 0, &b1), 0);
+  ck_assert(b1.grads[0].arena != f1.out.arena); /* 96 MB of gradients: an arena of its own */
+  ck_assert_int_eq(mok_stats_get(c, &st0), 0);
+  ck_assert_int_eq(mok_release(c, &b1.result, 1), 0);
+  ck_assert_int_eq(mok_forward(c, tb.layer, &tb.x, &tb.ids, &tb.tw, 0, &f2), 0);
+  ck_assert_uint_eq(f2.out.arena, f1.out.arena);
+  ck_assert_int_eq(mok_backward(c, f2.context, &tb.d_out, NULL, 0, &b2), 0);
+  ck_assert_uint_eq(b2.grads[0].arena, b1.grads[0].arena);
+  ck_assert_int_eq(mok_stats_get(c, &st), 0);
+  ck_assert_uint_eq(st.session.arenas, st0.session.arenas);
+  mok_close(c);
+}
+END_TEST
+
+START_TEST(expert_id_out_of_range_through_daemon)
+{
+  mok_client *c = connect_ok();
+  mok_layer_desc d = {.hidden = 64, .intermediate = 32, .experts = 4, .top_k = 2};
+  mok_testbed tb;
+  mok_forward_result f;
+  ck_assert_int_eq(mok_testbed_setup(c, &d, 8, 2, &tb), 0);
+  ((int32_t *)mok_tensor_ptr(c, &tb.ids))[5] = 4;
+  ck_assert_int_eq(mok_forward(c, tb.layer, &tb.x, &tb.ids, &tb.tw, 0, &f), MOK_EEXPERT);
+  ck_assert_ptr_nonnull(strstr(mok_last_error(c), "token 2 k 1: expert id 4"));
+  mok_stats st;
+  ck_assert_int_eq(mok_stats_get(c, &st), 0);
+  ck_assert_uint_eq(st.session.contexts, 0); /* the failed step left nothing */
+  ((int32_t *)mok_tensor_ptr(c, &tb.ids))[5] = 3;
+  ck_assert_int_eq(mok_forward(c, tb.layer, &tb.x, &tb.ids, &tb.tw, 0, &f), 0);
+  mok_close(c);
+}
+END_TEST
+
+START_TEST(session_quota_is_enforced)
+{
+  char q[128], log2[128];
+  snprintf(q, sizeof q, "%s/quota.sock", dir);
+  snprintf(log2, sizeof log2, "%s/quota.log", dir);
+  pid_t p = spawn_daemon(q, "--session-quota-bytes=96M", log2);
+  wait_for_socket(q, p);
+  mok_client *c;
+  mok_arena_info a, b;
+  ck_assert_int_eq(mok_connect(q, "quota", &c), 0);
+  ck_assert_int_eq(mok_arena_create(c, 32u << 20, &a), 0);
+  ck_assert_int_eq(mok_arena_create(c, 80u << 20, &b), MOK_EDQUOT);
+  ck_assert_ptr_nonnull(strstr(mok_last_error(c), "quota is 100663296"));
+  /* outputs count too: a forward needs a 64 MiB output arena, which no longer fits */
+  mok_layer_desc d = {.hidden = 64, .intermediate = 32, .experts = 4, .top_k = 2};
+  mok_testbed tb;
+  mok_forward_result f;
+  ck_assert_int_eq(mok_testbed_setup(c, &d, 8, 1, &tb), 0);
+  ck_assert_int_eq(mok_forward(c, tb.layer, &tb.x, &tb.ids, &tb.tw, 1, &f), MOK_EDQUOT);
+  ck_assert_int_eq(mok_arena_destroy(c, a.id), 0);
+  ck_assert_int_eq(mok_forward(c, tb.layer, &tb.x, &tb.ids, &tb.tw, 1, &f), 0);
+  mok_close(c);
+  int st = stop_daemon(p);
+  ck_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+  unlink(log2);
+}
+END_TEST
+
+Suite *daemon_steps_suite(void)
+{
+  Suite *s = suite_create("daemon_steps");
+  TCase *tc = tcase_create("steps");
+  tcase_add_checked_fixture(tc, setup, teardown);
+  tcase_set_timeout(tc, 120);
+  tcase_add_test(tc, forward_backward_equal_engine);
+  tcase_add_test(tc, eight_concurrent_clients);
+  tcase_add_test(tc, killed_client_leaks_nothing);
+  tcase_add_test(tc, expert_id_out_of_range_through_daemon);
+  tcase_add_test(tc, outputs_reuse_their_room);
+  tcase_add_test(tc, session_quota_is_enforced);
+  suite_add_tcase(s, tc);
+  return s;
+}

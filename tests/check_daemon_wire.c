@@ -1,0 +1,304 @@
+/* check_daemon_wire.c - what a client can get wrong on the wire, through
+ * raw frames and through libmok: each gets an error reply that says what,
+ * and the daemon keeps serving. */
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "daemon_fixture.h"
+#include "frame.h"
+#include "ref.h"
+#include "testbed.h"
+
+START_TEST(garbage_bytes)
+{
+  int fd = raw_connect();
+  static const uint8_t junk[] = {8, 0, 0, 0, 0xff, 0xfe, 0xfd, 0xfc, 0xfb, 0xfa, 0xf9, 0xf8};
+  raw_send(fd, junk, sizeof junk, -1);
+  expect_status(fd, MOK_EPROTO, "not a packed Request");
+  hello(fd); /* the connection still frames correctly */
+  uint8_t noise[4096];
+  uint64_t s = 5;
+  for (size_t i = 0; i < sizeof noise; i++)
+    noise[i] = (uint8_t)rng_next(&s);
+  raw_send(fd, noise, sizeof noise, -1);
+  close(fd);
+  still_serving();
+}
+END_TEST
+
+START_TEST(oversize_length_prefix)
+{
+  int fd = raw_connect();
+  static const uint8_t big[] = {0x00, 0x00, 0x00, 0x40}; /* 1 GiB */
+  raw_send(fd, big, sizeof big, -1);
+  expect_status(fd, MOK_EMSGSIZE, "over max_frame_bytes");
+  ck_assert_ptr_null(raw_reply(fd)); /* then the daemon hangs up */
+  close(fd);
+  still_serving();
+}
+END_TEST
+
+START_TEST(unknown_body_and_no_body)
+{
+  int fd = raw_connect();
+  hello(fd);
+  /* Request{id=7, field 60 (no such body) = empty message} */
+  static const uint8_t unknown[] = {5, 0, 0, 0, 0x08, 0x07, 0xe2, 0x03, 0x00};
+  raw_send(fd, unknown, 4, -1); /* in two writes: the prefix, then the payload */
+  raw_send(fd, unknown + 4, 5, -1);
+  expect_status(fd, MOK_EPROTO, "unknown field 60");
+  Mokd__Request req = MOKD__REQUEST__INIT;
+  req.id = 8;
+  raw_request(fd, &req, -1);
+  expect_status(fd, MOK_EPROTO, "no body");
+  static const uint8_t zero[] = {0, 0, 0, 0};
+  raw_send(fd, zero, 4, -1);
+  expect_status(fd, MOK_EPROTO, "not a packed Request");
+  close(fd);
+  still_serving();
+}
+END_TEST
+
+START_TEST(hello_comes_first)
+{
+  int fd = raw_connect();
+  Mokd__Request req = MOKD__REQUEST__INIT;
+  Mokd__Ping p = MOKD__PING__INIT;
+  req.id = 3, req.body_case = MOKD__REQUEST__BODY_PING, req.ping = &p;
+  raw_request(fd, &req, -1);
+  expect_status(fd, MOK_EPROTO, "send Hello first");
+  Mokd__Hello h = MOKD__HELLO__INIT;
+  h.protocol_version = 99;
+  req.body_case = MOKD__REQUEST__BODY_HELLO, req.hello = &h;
+  raw_request(fd, &req, -1);
+  expect_status(fd, MOK_EPROTO, "client speaks protocol 99");
+  close(fd);
+  /* one Hello per session: a second could move it off the GPU its arenas are on */
+  fd = raw_connect();
+  hello(fd);
+  h.protocol_version = MOK_PROTOCOL_VERSION;
+  raw_request(fd, &req, -1);
+  expect_status(fd, MOK_EPROTO, "said Hello already");
+  close(fd);
+}
+END_TEST
+
+/* A forward on a real layer with one tensor broken by `mutate`. */
+static void bad_forward(void (*mutate)(Mokd__Forward *, uint64_t), int code,
+                        const char *needle)
+{
+  mok_client *owner = connect_ok();
+  mok_layer_desc d = {.hidden = 64, .intermediate = 32, .experts = 4, .top_k = 2};
+  mok_testbed tb;
+  ck_assert_int_eq(mok_testbed_setup(owner, &d, 8, 2, &tb), 0);
+
+  int fd = raw_connect();
+  hello(fd);
+  /* the raw session needs its own arena and layer */
+  Mokd__Request req = MOKD__REQUEST__INIT;
+  Mokd__CreateArena ca = MOKD__CREATE_ARENA__INIT;
+  ca.bytes = 1 << 16;
+  req.id = 2, req.body_case = MOKD__REQUEST__BODY_CREATE_ARENA, req.create_arena = &ca;
+  raw_request(fd, &req, -1);
+  Mokd__Response *r = raw_reply(fd);
+  ck_assert(r != NULL && r->status == 0);
+  uint64_t arena = r->arena_created->arena;
+  mokd__response__free_unpacked(r, NULL);
+
+  Mokd__CreateLayer cl = MOKD__CREATE_LAYER__INIT;
+  cl.hidden = 64, cl.intermediate = 32, cl.experts = 4, cl.top_k = 2;
+  req.id = 3, req.body_case = MOKD__REQUEST__BODY_CREATE_LAYER, req.create_layer = &cl;
+  raw_request(fd, &req, -1);
+  r = raw_reply(fd);
+  ck_assert(r != NULL && r->status == 0);
+  uint64_t layer = r->layer_created->layer;
+  mokd__response__free_unpacked(r, NULL);
+
+  Mokd__TensorRef w[3];
+  int64_t sh[3][3] = {{4, 32, 64}, {4, 32, 64}, {4, 64, 32}};
+  Mokd__SetWeights sw = MOKD__SET_WEIGHTS__INIT;
+  for (int i = 0; i < 3; i++) {
+    mokd__tensor_ref__init(&w[i]);
+    w[i].arena = arena, w[i].offset = 0, w[i].dtype = MOKD__DTYPE__DTYPE_BF16;
+    w[i].n_shape = 3, w[i].shape = sh[i];
+  }
+  w[2].offset = 4 * 32 * 64 * 2;
+  sw.layer = layer, sw.w_gate = &w[0], sw.w_up = &w[0], sw.w_down = &w[2];
+  req.id = 4, req.body_case = MOKD__REQUEST__BODY_SET_WEIGHTS, req.set_weights = &sw;
+  raw_request(fd, &req, -1);
+  r = raw_reply(fd);
+  ck_assert_msg(r != NULL && r->status == 0, "set weights: %s", r ? r->message : "closed");
+  mokd__response__free_unpacked(r, NULL);
+
+  Mokd__TensorRef x, ids, tw;
+  int64_t sx[2] = {8, 64}, sk[2] = {8, 2};
+  mokd__tensor_ref__init(&x), mokd__tensor_ref__init(&ids), mokd__tensor_ref__init(&tw);
+  x.arena = ids.arena = tw.arena = arena;
+  x.offset = 40000, x.dtype = MOKD__DTYPE__DTYPE_BF16, x.n_shape = 2, x.shape = sx;
+  ids.offset = 42000, ids.dtype = MOKD__DTYPE__DTYPE_I32, ids.n_shape = 2, ids.shape = sk;
+  tw.offset = 43000, tw.dtype = MOKD__DTYPE__DTYPE_F32, tw.n_shape = 2, tw.shape = sk;
+  Mokd__Forward f = MOKD__FORWARD__INIT;
+  f.layer = layer, f.x = &x, f.topk_ids = &ids, f.topk_weights = &tw, f.inference = 1;
+  mutate(&f, tb.arena.id);
+  req.id = 5, req.body_case = MOKD__REQUEST__BODY_FORWARD, req.forward = &f;
+  raw_request(fd, &req, -1);
+  expect_status(fd, code, needle);
+  close(fd);
+  mok_close(owner);
+  still_serving();
+}
+
+static void keep(Mokd__Forward *f, uint64_t other)
+{
+  (void)f, (void)other;
+}
+static void wrong_dtype(Mokd__Forward *f, uint64_t other)
+{
+  (void)other;
+  f->x->dtype = MOKD__DTYPE__DTYPE_F32;
+}
+static void offset_out_of_range(Mokd__Forward *f, uint64_t other)
+{
+  (void)other;
+  f->x->offset = 65536 - 512;
+}
+static void other_sessions_arena(Mokd__Forward *f, uint64_t other)
+{
+  f->topk_weights->arena = other; /* a live arena of the other client */
+}
+
+START_TEST(valid_raw_forward_runs)
+{
+  /* the baseline of the bad-tensor cases: unmutated, the same request succeeds
+   * (all-zero ids route every token to expert 0) */
+  bad_forward(keep, 0, "");
+}
+END_TEST
+
+START_TEST(wrong_dtype_is_refused)
+{
+  bad_forward(wrong_dtype, MOK_EDTYPE, "x: dtype is f32; it must be bf16");
+}
+END_TEST
+
+START_TEST(offset_out_of_range_is_refused)
+{
+  bad_forward(offset_out_of_range, MOK_ERANGE, "lie outside arena");
+}
+END_TEST
+
+START_TEST(another_sessions_arena_is_refused)
+{
+  bad_forward(other_sessions_arena, MOK_ENOENT, "is not an arena of this session");
+}
+END_TEST
+
+START_TEST(fd_where_none_is_expected)
+{
+  int fd = raw_connect();
+  hello(fd);
+  Mokd__Request req = MOKD__REQUEST__INIT;
+  Mokd__Ping p = MOKD__PING__INIT;
+  req.id = 9, req.body_case = MOKD__REQUEST__BODY_PING, req.ping = &p;
+  int extra = memfd_create("stray", MFD_CLOEXEC);
+  raw_request(fd, &req, extra);
+  close(extra);
+  expect_status(fd, MOK_EINVAL, "file descriptor came with a request that takes none");
+  /* and an ImportBuffer without its fd */
+  Mokd__ImportBuffer ib = MOKD__IMPORT_BUFFER__INIT;
+  ib.bytes = 4096;
+  req.id = 10, req.body_case = MOKD__REQUEST__BODY_IMPORT_BUFFER, req.import_buffer = &ib;
+  raw_request(fd, &req, -1);
+  expect_status(fd, MOK_EINVAL, "needs exactly one fd");
+  close(fd);
+  still_serving();
+}
+END_TEST
+
+START_TEST(import_and_errors_through_libmok)
+{
+  mok_client *c = connect_ok();
+  mok_arena_info a;
+  int mfd = memfd_create("weights", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  ck_assert_int_eq(ftruncate(mfd, 8192), 0);
+  ck_assert_int_eq(mok_arena_import(c, mfd, 8192, &a), MOK_EINVAL); /* not sealed */
+  ck_assert_ptr_nonnull(strstr(mok_last_error(c), "F_SEAL_SHRINK"));
+  ck_assert_int_eq(fcntl(mfd, F_ADD_SEALS, F_SEAL_SHRINK), 0);
+  ck_assert_int_eq(mok_arena_import(c, mfd, 16384, &a), MOK_ERANGE); /* larger than the fd */
+  ck_assert_int_eq(mok_arena_import(c, mfd, 8192, &a), 0);
+  ((char *)a.ptr)[0] = 42;
+  char *mine = mmap(NULL, 8192, PROT_READ, MAP_SHARED, mfd, 0);
+  ck_assert_int_eq(mine[0], 42); /* the same memory on both sides */
+  munmap(mine, 8192);
+  close(mfd);
+
+  mok_layer_desc d = {.hidden = 64, .intermediate = 32, .experts = 6, .top_k = 2, .ep_size = 4};
+  uint64_t layer;
+  ck_assert_int_eq(mok_layer_create(c, &d, &layer), MOK_ENOTSUP);
+  d.ep_size = 1, d.experts = 0;
+  ck_assert_int_eq(mok_layer_create(c, &d, &layer), MOK_EZEROSIZE);
+  ck_assert_ptr_nonnull(strstr(mok_last_error(c), "E is 0"));
+  d.experts = 4, d.top_k = 5;
+  ck_assert_int_eq(mok_layer_create(c, &d, &layer), MOK_ESHAPE);
+  d.top_k = 2;
+  ck_assert_int_eq(mok_layer_create(c, &d, &layer), 0);
+  mok_tensor x = mok_tensor_make(a.id, 0, MOK_DTYPE_BF16, 2, (int64_t[]){1, 64});
+  mok_forward_result f;
+  ck_assert_int_eq(mok_forward(c, layer, &x, &x, &x, 1, &f), MOK_EINVAL);
+  ck_assert_ptr_nonnull(strstr(mok_last_error(c), "has no weights"));
+  uint64_t bogus = 999999;
+  ck_assert_int_eq(mok_release(c, &bogus, 1), MOK_ECONTEXT);
+  ck_assert_int_eq(mok_arena_destroy(c, a.id), 0);
+  ck_assert_int_eq(mok_arena_destroy(c, a.id), MOK_ENOENT);
+  mok_close(c);
+}
+END_TEST
+
+
+/* a GPU asked for from a daemon on the cpu backend is a clear error */
+START_TEST(device_on_cpu_backend_is_refused)
+{
+  mok_client *c = NULL;
+  ck_assert_int_eq(mok_connect_device(sock, "check_daemon", 0, &c), MOK_EDEVICE);
+  ck_assert_msg(strstr(mok_last_error(c), "has no CUDA device 0") != NULL, "%s",
+                mok_last_error(c));
+  mok_close(c);
+  c = connect_ok();
+  ck_assert_int_eq(mok_server_info(c)->device, -1);
+  mok_close(c);
+}
+END_TEST
+
+Suite *daemon_wire_suite(void)
+{
+  Suite *s = suite_create("daemon_wire");
+  TCase *tc = tcase_create("bad_input");
+  tcase_add_checked_fixture(tc, setup, teardown);
+  tcase_set_timeout(tc, 60);
+  tcase_add_test(tc, garbage_bytes);
+  tcase_add_test(tc, oversize_length_prefix);
+  tcase_add_test(tc, unknown_body_and_no_body);
+  tcase_add_test(tc, hello_comes_first);
+  tcase_add_test(tc, valid_raw_forward_runs);
+  tcase_add_test(tc, wrong_dtype_is_refused);
+  tcase_add_test(tc, offset_out_of_range_is_refused);
+  tcase_add_test(tc, another_sessions_arena_is_refused);
+  tcase_add_test(tc, fd_where_none_is_expected);
+  tcase_add_test(tc, import_and_errors_through_libmok);
+  tcase_add_test(tc, device_on_cpu_backend_is_refused);
+  suite_add_tcase(s, tc);
+  return s;
+}

@@ -1,0 +1,209 @@
+/* check_registry.c - a session's memory without a server: arenas on the CPU
+ * backend, the best-fit output allocator, tensor validation and quotas. */
+#include <fcntl.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "ref.h"
+#include "registry.h"
+
+static mokk_backend *cpu;
+static uint64_t next_id;
+static mok_usage sess, daemon_usage;
+static char err[MOK_ERRLEN];
+
+static void setup(void)
+{
+  ck_assert_int_eq(mokk_cpu_create(1, &cpu, err), 0);
+  next_id = 0;
+  memset(&sess, 0, sizeof sess);
+  memset(&daemon_usage, 0, sizeof daemon_usage);
+}
+
+static void teardown(void)
+{
+  mokk_backend_destroy(cpu);
+}
+
+static void reg_init(mokd_registry *r, uint64_t quota)
+{
+  mokd_registry_init(r, cpu, &next_id, 1u << 30, quota, 0, &sess, &daemon_usage);
+}
+
+static Mokd__TensorRef ref(uint64_t arena, uint64_t offset, Mokd__DType dt, int ndim,
+                           int64_t *shape)
+{
+  Mokd__TensorRef t = MOKD__TENSOR_REF__INIT;
+  t.arena = arena, t.offset = offset, t.dtype = dt;
+  t.n_shape = (size_t)ndim, t.shape = shape;
+  return t;
+}
+
+START_TEST(best_fit_reuses_the_smallest_hole)
+{
+  mokd_registry r;
+  mokd_arena *a[4];
+  mokd_span s[4], t;
+  size_t sizes[4] = {8192, 100, 4096, 256};
+
+  reg_init(&r, 0);
+  for (int i = 0; i < 4; i++)
+    ck_assert_int_eq(mokd_out_alloc(&r, sizes[i], &a[i], &s[i], err), 0);
+  ck_assert_ptr_eq(a[0], a[3]); /* one output arena holds them all */
+  ck_assert_int_eq(s[1].len, 256); /* sizes round up to 256 */
+  ck_assert_int_eq(s[2].off, 8192 + 256);
+  mokd_out_release(a[0], s[0]);
+  mokd_out_release(a[2], s[2]);
+  /* first fit would take the 8 KiB hole at 0; best fit the 4 KiB one */
+  ck_assert_int_eq(mokd_out_alloc(&r, 4000, &a[2], &t, err), 0);
+  ck_assert_uint_eq(t.off, 8192 + 256);
+  ck_assert_uint_eq(t.len, 4096);
+  mokd_out_release(a[2], t);
+  mokd_out_release(a[1], s[1]);
+  mokd_out_release(a[3], s[3]);
+  ck_assert_uint_eq(a[0]->used, 0);
+  ck_assert_uint_eq(a[0]->nfree, 1); /* the holes merged back into one */
+  ck_assert_uint_eq(sess.arenas, 1);
+  ck_assert_uint_eq(daemon_usage.arenas, 1);
+  mokd_registry_clear(&r);
+  ck_assert_uint_eq(sess.arenas, 0);
+  ck_assert_uint_eq(sess.arena_bytes, 0);
+}
+END_TEST
+
+START_TEST(overflowing_and_misplaced_refs_are_refused)
+{
+  mokd_registry r;
+  mokd_arena *a;
+  void *p;
+  int64_t huge[3] = {1 << 24, 1 << 24, 1 << 24}, want[3] = {-1, -1, -1};
+  int64_t one[2] = {4, 4}, w2[2] = {-1, -1};
+
+  reg_init(&r, 0);
+  ck_assert_int_eq(mokd_arena_new(&r, 4096, ARENA_DAEMON, &a, err), 0);
+  ck_assert_int_ge(a->fd, 0);
+  Mokd__TensorRef t = ref(a->id, 0, MOKD__DTYPE__DTYPE_F32, 3, huge);
+  ck_assert_int_eq(mokd_ref_resolve(&r, "x", &t, MOKD__DTYPE__DTYPE_F32, 3, want, &p, NULL,
+                                    err), MOK_EOVERFLOW);
+  ck_assert_ptr_nonnull(strstr(err, "x: size overflows"));
+  t = ref(a->id, UINT64_MAX - 15, MOKD__DTYPE__DTYPE_F32, 2, one);
+  ck_assert_int_eq(mokd_ref_resolve(&r, "x", &t, MOKD__DTYPE__DTYPE_F32, 2, w2, &p, NULL, err),
+                   MOK_ERANGE);
+  ck_assert_ptr_nonnull(strstr(err, "lie outside arena"));
+  t = ref(a->id, 4096 - 32, MOKD__DTYPE__DTYPE_F32, 2, one);
+  ck_assert_int_eq(mokd_ref_resolve(&r, "x", &t, MOKD__DTYPE__DTYPE_F32, 2, w2, &p, NULL, err),
+                   MOK_ERANGE);
+  t = ref(a->id, 2, MOKD__DTYPE__DTYPE_F32, 2, one);
+  ck_assert_int_eq(mokd_ref_resolve(&r, "x", &t, MOKD__DTYPE__DTYPE_F32, 2, w2, &p, NULL, err),
+                   MOK_EINVAL);
+  ck_assert_ptr_nonnull(strstr(err, "not a multiple of 4"));
+  t = ref(a->id, 0, MOKD__DTYPE__DTYPE_BF16, 2, one);
+  ck_assert_int_eq(mokd_ref_resolve(&r, "x", &t, MOKD__DTYPE__DTYPE_F32, 2, w2, &p, NULL, err),
+                   MOK_EDTYPE);
+  one[0] = 0;
+  t = ref(a->id, 0, MOKD__DTYPE__DTYPE_F32, 2, one);
+  ck_assert_int_eq(mokd_ref_resolve(&r, "x", &t, MOKD__DTYPE__DTYPE_F32, 2, w2, &p, NULL, err),
+                   MOK_ESHAPE);
+  one[0] = 4;
+  t = ref(a->id, 4096 - 64, MOKD__DTYPE__DTYPE_F32, 2, one);
+  ck_assert_int_eq(mokd_ref_resolve(&r, "x", &t, MOKD__DTYPE__DTYPE_F32, 2, w2, &p, NULL, err),
+                   0);
+  ck_assert_ptr_eq(p, (char *)a->base + 4096 - 64);
+  ck_assert_int_eq(w2[0], 4); /* free dimensions are filled in */
+  mokd_registry_clear(&r);
+}
+END_TEST
+
+START_TEST(another_sessions_arena_is_not_found)
+{
+  mokd_registry mine, other;
+  mokd_arena *a;
+  void *p;
+  int64_t shape[1] = {16}, want[1] = {-1};
+
+  reg_init(&mine, 0);
+  reg_init(&other, 0);
+  ck_assert_int_eq(mokd_arena_new(&other, 4096, ARENA_DAEMON, &a, err), 0);
+  ck_assert_ptr_null(mokd_arena_find(&mine, a->id));
+  Mokd__TensorRef t = ref(a->id, 0, MOKD__DTYPE__DTYPE_F32, 1, shape);
+  ck_assert_int_eq(mokd_ref_resolve(&mine, "w_gate", &t, MOKD__DTYPE__DTYPE_F32, 1, want, &p,
+                                    NULL, err), MOK_ENOENT);
+  ck_assert_ptr_nonnull(strstr(err, "is not an arena of this session"));
+  ck_assert_int_eq(mokd_ref_resolve(&other, "w_gate", &t, MOKD__DTYPE__DTYPE_F32, 1, want, &p,
+                                    NULL, err), 0);
+  mokd_registry_clear(&other);
+  mokd_registry_clear(&mine);
+}
+END_TEST
+
+START_TEST(quota_edges)
+{
+  mokd_registry r;
+  mokd_arena *a, *b;
+
+  reg_init(&r, 8192);
+  ck_assert_int_eq(mokd_arena_new(&r, 0, ARENA_DAEMON, &a, err), MOK_EZEROSIZE);
+  ck_assert_int_eq(mokd_arena_new(&r, (2u << 30), ARENA_DAEMON, &a, err), MOK_EINVAL);
+  ck_assert_ptr_nonnull(strstr(err, "max_arena_bytes"));
+  ck_assert_int_eq(mokd_arena_new(&r, 8192, ARENA_DAEMON, &a, err), 0); /* exactly the quota */
+  ck_assert_int_eq(mokd_arena_new(&r, 1, ARENA_DAEMON, &b, err), MOK_EDQUOT);
+  ck_assert_ptr_nonnull(strstr(err, "session would hold 8193 bytes of host memory; its quota "
+                                    "is 8192 (session_quota_bytes)"));
+  ck_assert_uint_eq(r.held[MOKD_HOST], 8192);
+  mokd_arena_free(&r, a);
+  ck_assert_uint_eq(r.held[MOKD_HOST], 0);
+  ck_assert_int_eq(mokd_arena_new(&r, 4096, ARENA_DAEMON, &b, err), 0);
+  ck_assert_int_eq(mokd_quota_take(&r, UINT64_MAX - 100, MOKD_HOST, err), MOK_EDQUOT);
+  ck_assert_uint_eq(r.held[MOKD_HOST], 4096);
+  /* no quota: only the sum's own overflow is refused */
+  r.quota[MOKD_HOST] = 0;
+  ck_assert_int_eq(mokd_quota_take(&r, 1u << 20, MOKD_HOST, err), 0);
+  mokd_quota_give(&r, 1u << 20, MOKD_HOST);
+  ck_assert_uint_eq(sess.gpu_bytes, 0);
+  mokd_registry_clear(&r);
+  ck_assert_uint_eq(r.held[MOKD_HOST], 0);
+}
+END_TEST
+
+START_TEST(host_imports_must_be_sealed)
+{
+  mokd_registry r;
+  mokd_arena *a;
+  int fd = memfd_create("t", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  mokk_import src = {MOKK_IMPORT_HOST_FD, fd, NULL, 4096};
+
+  reg_init(&r, 0);
+  ck_assert_int_eq(ftruncate(fd, 4096), 0);
+  ck_assert_int_eq(mokd_arena_import(&r, &src, &a, err), MOK_EINVAL);
+  ck_assert_ptr_nonnull(strstr(err, "F_SEAL_SHRINK"));
+  ck_assert_int_eq(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK), 0);
+  src.bytes = 8192;
+  ck_assert_int_eq(mokd_arena_import(&r, &src, &a, err), MOK_ERANGE);
+  src.bytes = 4096;
+  ck_assert_int_eq(mokd_arena_import(&r, &src, &a, err), 0);
+  ck_assert_int_eq(a->kind, ARENA_IMPORTED);
+  ck_assert_int_eq(a->device, -1);
+  ck_assert_uint_eq(r.held[MOKD_HOST], 0); /* the client's memory, not charged */
+  src.kind = MOKK_IMPORT_CUMEM_FD;
+  ck_assert_int_eq(mokd_arena_import(&r, &src, &a, err), MOK_ENOTSUP);
+  ck_assert_ptr_nonnull(strstr(err, "runs the cpu backend"));
+  mokd_registry_clear(&r);
+  close(fd);
+}
+END_TEST
+
+Suite *registry_suite(void)
+{
+  Suite *s = suite_create("registry");
+  TCase *tc = tcase_create("registry");
+  tcase_add_checked_fixture(tc, setup, teardown);
+  tcase_add_test(tc, best_fit_reuses_the_smallest_hole);
+  tcase_add_test(tc, overflowing_and_misplaced_refs_are_refused);
+  tcase_add_test(tc, another_sessions_arena_is_not_found);
+  tcase_add_test(tc, quota_edges);
+  tcase_add_test(tc, host_imports_must_be_sealed);
+  suite_add_tcase(s, tc);
+  return s;
+}
