@@ -248,6 +248,28 @@ install: all
 	install -m 644 client/include/mok.h client/include/mok_errno.h $(DESTDIR)$(PREFIX)/include
 	install -m 644 $(PC_FILE) $(DESTDIR)$(PREFIX)/lib/pkgconfig
 
+# ---- fuzzing: `make fuzz [FUZZ_SECONDS=N]`, with clang's libFuzzer ------------
+# Not part of check (clang is not a build dependency). New inputs go to
+# $(BUILD)/fuzz/corpus; the seeds in tests/fuzz/corpus are only read.
+.PHONY: fuzz
+FUZZ_CC      ?= clang
+FUZZ_SECONDS ?= 60
+FUZZ_DIR     := $(BUILD)/fuzz
+FUZZ_CFLAGS  := $(CSTD) -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all \
+                -Iclient/include -Iproto -I$(BUILD)
+FUZZ_FRAME   := $(FUZZ_DIR)/fuzz_frame
+
+fuzz:
+	@command -v $(FUZZ_CC) >/dev/null 2>&1 || { echo "fuzz: $(FUZZ_CC) not found; libFuzzer comes with clang (apt-get install clang, or set FUZZ_CC)" >&2; exit 1; }
+	@$(MAKE) --no-print-directory $(FUZZ_FRAME)
+	@mkdir -p $(FUZZ_DIR)/corpus/frame
+	$(FUZZ_FRAME) -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 \
+	  -artifact_prefix=$(FUZZ_DIR)/ $(FUZZ_DIR)/corpus/frame tests/fuzz/corpus/frame
+
+$(FUZZ_FRAME): tests/fuzz/fuzz_frame.c proto/frame.c proto/frame.h $(PROTO_C) $(PROTO_H)
+	@mkdir -p $(dir $@)
+	$(FUZZ_CC) $(FUZZ_CFLAGS) -o $@ tests/fuzz/fuzz_frame.c proto/frame.c $(PROTO_C) $(PROTOBUF_LIBS)
+
 clean:
 	rm -rf $(BUILD)
 
