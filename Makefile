@@ -54,6 +54,7 @@ UNIT_SRC   := tests/check_main.c tests/ref.c tests/check_bf16.c \
               tests/check_schedule.c tests/check_forward.c tests/check_backward.c \
               tests/check_determinism.c tests/check_ep.c tests/check_errors.c \
               tests/check_pool.c tests/check_frame.c tests/check_config.c
+UNIT_SRC   += tests/check_paths.c
 # config.c and log.c are unit-tested without the rest of the daemon
 UNIT_DAEMON := daemon/config.c daemon/log.c
 INTEG_SRC  := tests/check_daemon.c tests/ref.c

@@ -90,3 +90,4 @@ Suite *errors_suite(void);
 Suite *pool_suite(void);
 Suite *frame_suite(void);
 Suite *config_suite(void);
+Suite *paths_suite(void);
