@@ -55,6 +55,7 @@ UNIT_SRC   := tests/check_main.c tests/ref.c tests/check_bf16.c \
               tests/check_determinism.c tests/check_ep.c tests/check_errors.c \
               tests/check_pool.c tests/check_frame.c tests/check_config.c
 UNIT_SRC   += tests/check_paths.c
+UNIT_SRC   += tests/check_mokctl.c
 # config.c and log.c are unit-tested without the rest of the daemon
 UNIT_DAEMON := daemon/config.c daemon/log.c
 INTEG_SRC  := tests/check_daemon.c tests/ref.c
@@ -68,6 +69,7 @@ KERNEL_OBJ := $(call obj,$(KERNEL_SRC))
 DAEMON_OBJ := $(call obj,$(DAEMON_SRC))
 CLIENT_OBJ := $(call obj,$(CLIENT_SRC))
 UNIT_OBJ   := $(call obj,$(UNIT_SRC)) $(call obj,$(UNIT_DAEMON))
+UNIT_OBJ   += $(call obj,client/mokctl_opts.c)
 INTEG_OBJ  := $(call obj,$(INTEG_SRC))
 BENCH_OBJ  := $(call obj,$(BENCH_SRC))
 TOOL_OBJ   := $(call obj,client/testbed.c client/mokctl.c client/examples/mok_demo.c)
@@ -167,6 +169,7 @@ else
 $(MOKD_BIN): $(DAEMON_OBJ) $(LIBMOKK) $(LIBCOMMON)
 	$(CC) $(LDSAN) -o $@ $^ $(DAEMON_LIBS) $(LDLIBS)
 endif
+$(MOKCTL_BIN): $(call obj,client/mokctl_opts.c)
 $(MOKCTL_BIN): $(call obj,client/mokctl.c client/testbed.c) $(LIBMOK_A)
 	$(CC) $(LDSAN) -o $@ $^ $(PROTOBUF_LIBS) $(LDLIBS)
 $(DEMO_BIN): $(call obj,client/examples/mok_demo.c client/testbed.c) $(LIBMOK_A) $(LIBMOKK)
