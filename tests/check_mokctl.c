@@ -7,7 +7,7 @@
 #include "mokctl_opts.h"
 #include "ref.h"
 
-#define MAXARGS 16
+#define MAXARGS 32
 
 /* parses a NULL-terminated list of words after "mokctl" */
 static int parse(mokctl_opts *o, char *err, ...)
@@ -16,8 +16,10 @@ static int parse(mokctl_opts *o, char *err, ...)
   int argc = 1;
   va_list ap;
   va_start(ap, err);
-  for (char *w; (w = va_arg(ap, char *)) != NULL;)
+  for (char *w; (w = va_arg(ap, char *)) != NULL;) {
+    ck_assert_int_lt(argc, MAXARGS);
     argv[argc++] = w;
+  }
   va_end(ap);
   err[0] = 0;
   return mokctl_parse(argc, argv, o, err, MOK_ERRLEN);
