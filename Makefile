@@ -59,6 +59,8 @@ UNIT_SRC   := tests/check_main.c tests/ref.c tests/check_bf16.c \
               tests/check_determinism.c tests/check_ep.c tests/check_errors.c \
               tests/check_pool.c tests/check_frame.c tests/check_config.c \
               tests/check_registry.c
+UNIT_SRC   += tests/check_paths.c
+UNIT_SRC   += tests/check_mokctl.c
 # config.c, log.c and registry.c are unit-tested without the rest of the daemon
 UNIT_DAEMON := daemon/config.c daemon/log.c daemon/registry.c
 INTEG_SRC  := tests/check_daemon.c tests/daemon_fixture.c tests/check_daemon_steps.c \
@@ -74,6 +76,7 @@ KERNEL_OBJ := $(call obj,$(KERNEL_SRC))
 DAEMON_OBJ := $(call obj,$(DAEMON_SRC))
 CLIENT_OBJ := $(call obj,$(CLIENT_SRC))
 UNIT_OBJ   := $(call obj,$(UNIT_SRC)) $(call obj,$(UNIT_DAEMON))
+UNIT_OBJ   += $(call obj,client/mokctl_opts.c)
 INTEG_OBJ  := $(call obj,$(INTEG_SRC))
 BENCH_OBJ  := $(call obj,$(BENCH_SRC))
 TOOL_OBJ   := $(call obj,client/testbed.c client/mokctl.c client/examples/mok_demo.c)
@@ -180,6 +183,7 @@ else
 $(MOKD_BIN): $(DAEMON_OBJ) $(LIBMOKK) $(LIBCOMMON)
 	$(CC) $(LDSAN) -o $@ $^ $(DAEMON_LIBS) $(LDLIBS)
 endif
+$(MOKCTL_BIN): $(call obj,client/mokctl_opts.c)
 $(MOKCTL_BIN): $(call obj,client/mokctl.c client/testbed.c) $(LIBMOK_A)
 	$(CC) $(LDSAN) -o $@ $^ $(PROTOBUF_LIBS) $(LDLIBS)
 $(DEMO_BIN): $(call obj,client/examples/mok_demo.c client/testbed.c) $(LIBMOK_A) $(LIBMOKK)
@@ -271,6 +275,28 @@ install: all
 	ln -sf libmok.so.0 $(DESTDIR)$(PREFIX)/lib/libmok.so
 	install -m 644 client/include/mok.h client/include/mok_errno.h $(DESTDIR)$(PREFIX)/include
 	install -m 644 $(PC_FILE) $(DESTDIR)$(PREFIX)/lib/pkgconfig
+
+# ---- fuzzing: `make fuzz [FUZZ_SECONDS=N]`, with clang's libFuzzer ------------
+# Not part of check (clang is not a build dependency). New inputs go to
+# $(BUILD)/fuzz/corpus; the seeds in tests/fuzz/corpus are only read.
+.PHONY: fuzz
+FUZZ_CC      ?= clang
+FUZZ_SECONDS ?= 60
+FUZZ_DIR     := $(BUILD)/fuzz
+FUZZ_CFLAGS  := $(CSTD) -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all \
+                -Iclient/include -Iproto -I$(BUILD)
+FUZZ_FRAME   := $(FUZZ_DIR)/fuzz_frame
+
+fuzz:
+	@command -v $(FUZZ_CC) >/dev/null 2>&1 || { echo "fuzz: $(FUZZ_CC) not found; libFuzzer comes with clang (apt-get install clang, or set FUZZ_CC)" >&2; exit 1; }
+	@$(MAKE) --no-print-directory $(FUZZ_FRAME)
+	@mkdir -p $(FUZZ_DIR)/corpus/frame
+	$(FUZZ_FRAME) -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 \
+	  -artifact_prefix=$(FUZZ_DIR)/ $(FUZZ_DIR)/corpus/frame tests/fuzz/corpus/frame
+
+$(FUZZ_FRAME): tests/fuzz/fuzz_frame.c proto/frame.c proto/frame.h $(PROTO_C) $(PROTO_H)
+	@mkdir -p $(dir $@)
+	$(FUZZ_CC) $(FUZZ_CFLAGS) -o $@ tests/fuzz/fuzz_frame.c proto/frame.c $(PROTO_C) $(PROTOBUF_LIBS)
 
 clean:
 	rm -rf $(BUILD)

@@ -5,22 +5,8 @@
 #include <time.h>
 
 #include "mok.h"
+#include "mokctl_opts.h"
 #include "testbed.h"
-
-static void usage(FILE *out)
-{
-  fprintf(out,
-          "usage: mokctl [--socket PATH] COMMAND [options]\n"
-          "\n"
-          "  ping      round trip to the daemon\n"
-          "  status    daemon version, backend, limits, uptime\n"
-          "  stats     what the daemon holds and has served\n"
-          "  bench     run a layer through the daemon: latency percentiles, GFLOP/s\n"
-          "            [--T n] [--H n] [--I n] [--E n] [--K n] [--shared n] [--iters n]\n"
-          "\n"
-          "The socket defaults to $MOKD_SOCKET, else /run/mokd/mokd.sock as root,\n"
-          "else $XDG_RUNTIME_DIR/mokd.sock.\n");
-}
 
 static int die(mok_client *c, const char *what, int rc)
 {
@@ -49,37 +35,23 @@ static double pct(const uint64_t *v, int n, double p)
   return (double)v[i] * 1e-6;
 }
 
-static int bench(mok_client *c, int argc, char **argv)
+static int bench(mok_client *c, const mok_layer_desc *d, int64_t T, int iters)
 {
-  mok_layer_desc d = {.hidden = 1024, .intermediate = 512, .experts = 16, .top_k = 2};
-  int64_t T = 1024;
-  int iters = 20, rc;
+  int rc;
   mok_testbed tb;
 
-  for (int i = 0; i < argc; i++) {
-    int64_t *dst = NULL;
-    if (i + 1 >= argc) {
-      usage(stderr);
-      return 2;
-    }
-    if (!strcmp(argv[i], "--T")) dst = &T;
-    else if (!strcmp(argv[i], "--H")) dst = &d.hidden;
-    else if (!strcmp(argv[i], "--I")) dst = &d.intermediate;
-    else if (!strcmp(argv[i], "--E")) dst = &d.experts;
-    else if (!strcmp(argv[i], "--K")) dst = &d.top_k;
-    else if (!strcmp(argv[i], "--shared")) dst = &d.shared_intermediate;
-    else if (!strcmp(argv[i], "--iters")) { iters = atoi(argv[++i]); continue; }
-    else {
-      usage(stderr);
-      return 2;
-    }
-    *dst = atoll(argv[++i]);
+  if ((rc = mok_testbed_setup(c, d, T, 1, &tb)) != 0) {
+    fprintf(stderr, "mokctl: bench: %s (%s)\n", tb.err, mok_strerror(rc));
+    mok_close(c);
+    return 1;
   }
-  if (iters < 1)
-    iters = 1;
-  if ((rc = mok_testbed_setup(c, &d, T, 1, &tb)) != 0)
-    return die(c, "setting up the layer", rc);
   uint64_t *fw = calloc((size_t)iters, sizeof *fw), *bw = calloc((size_t)iters, sizeof *bw);
+  if (fw == NULL || bw == NULL) {
+    fprintf(stderr, "mokctl: bench: no memory for %d timings\n", iters);
+    free(fw), free(bw);
+    mok_close(c);
+    return 1;
+  }
   /* request round trips: without a stream, libmok returns once the step is
    * complete (the CUDA backend replies before its GPU work ends) */
   for (int it = 0; it < iters; it++) {
@@ -101,8 +73,8 @@ static int bench(mok_client *c, int argc, char **argv)
   qsort(bw, (size_t)iters, sizeof *bw, cmp_u64);
   double fl = mok_testbed_flops(&tb);
   printf("layer T=%lld H=%lld I=%lld E=%lld K=%lld I_s=%lld on %s, %d iterations\n",
-         (long long)T, (long long)d.hidden, (long long)d.intermediate, (long long)d.experts,
-         (long long)d.top_k, (long long)d.shared_intermediate, mok_server_info(c)->backend,
+         (long long)T, (long long)d->hidden, (long long)d->intermediate, (long long)d->experts,
+         (long long)d->top_k, (long long)d->shared_intermediate, mok_server_info(c)->backend,
          iters);
   printf("request round trips:\n");
   printf("forward  ms p50 %.2f p90 %.2f p99 %.2f   %.1f GFLOP/s at p50\n", pct(fw, iters, .5),
@@ -116,38 +88,35 @@ static int bench(mok_client *c, int argc, char **argv)
 
 int main(int argc, char **argv)
 {
-  const char *path = NULL, *cmd;
+  mokctl_opts o;
+  char err[MOK_ERRLEN];
   mok_client *c;
-  int i = 1, rc;
+  int rc;
 
-  if (i < argc && (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h"))) {
-    usage(stdout);
+  if (mokctl_parse(argc, argv, &o, err, sizeof err) != 0) {
+    fprintf(stderr, "mokctl: %s\n(mokctl --help lists the commands and their options)\n", err);
+    return 2;
+  }
+  if (o.help) {
+    mokctl_usage(stdout, o.cmd);
     return 0;
   }
-  if (i + 1 < argc && !strcmp(argv[i], "--socket")) {
-    path = argv[i + 1];
-    i += 2;
+  if (o.cmd == MOKCTL_BENCH) {
+    size_t bytes; /* before connecting: nothing to ask the daemon about a bad shape */
+    if (mok_testbed_check(&o.layer, o.T, &bytes, err, sizeof err) != 0) {
+      fprintf(stderr, "mokctl: bench: %s\n", err);
+      return 2;
+    }
   }
-  if (i >= argc) {
-    usage(stderr);
-    return 2;
-  }
-  cmd = argv[i++];
-  if (strcmp(cmd, "ping") && strcmp(cmd, "status") && strcmp(cmd, "stats") &&
-      strcmp(cmd, "bench")) {
-    fprintf(stderr, "mokctl: unknown command \"%s\"\n", cmd);
-    usage(stderr);
-    return 2;
-  }
-  if ((rc = mok_connect(path, "mokctl", &c)) != 0)
+  if ((rc = mok_connect(o.socket, "mokctl", &c)) != 0)
     return die(c, "connect", rc);
-  if (!strcmp(cmd, "ping")) {
+  if (o.cmd == MOKCTL_PING) {
     uint64_t rtt;
     if ((rc = mok_ping(c, &rtt)) != 0)
       return die(c, "ping", rc);
     printf("pong from mokd %s in %.1f us\n", mok_server_info(c)->daemon_version,
            (double)rtt * 1e-3);
-  } else if (!strcmp(cmd, "status")) {
+  } else if (o.cmd == MOKCTL_STATUS) {
     const mok_welcome *w = mok_server_info(c);
     mok_stats st;
     if ((rc = mok_stats_get(c, &st)) != 0)
@@ -165,7 +134,7 @@ int main(int argc, char **argv)
              (unsigned long long)st.daemon.gpu_bytes);
     printf("sessions %llu (this one is %llu)\n", (unsigned long long)st.daemon.sessions,
            (unsigned long long)w->session_id);
-  } else if (!strcmp(cmd, "stats")) {
+  } else if (o.cmd == MOKCTL_STATS) {
     mok_stats st;
     if ((rc = mok_stats_get(c, &st)) != 0)
       return die(c, "stats", rc);
@@ -180,7 +149,7 @@ int main(int argc, char **argv)
            (unsigned long long)u->forwards, (unsigned long long)u->backwards,
            (unsigned long long)u->errors);
   } else {
-    return bench(c, argc - i, argv + i);
+    return bench(c, &o.layer, o.T, o.iters);
   }
   mok_close(c);
   return 0;

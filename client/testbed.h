@@ -13,9 +13,18 @@ typedef struct mok_testbed {
   mok_arena_info arena;
   mok_tensor x, ids, tw, d_out, w[MOK_NWEIGHTS], g32[MOK_NWEIGHTS];
   int nweights;
+  char err[MOK_ERRLEN]; /* why mok_testbed_setup failed */
 } mok_testbed;
 
-/* Fills everything from seed; the layer's gradient mode comes from d. */
+/* 0 and the bytes of the testbed's arena, or MOK_ESHAPE / MOK_EOVERFLOW and a
+ * message: dimensions below 1 (I_s below 0), K > E (K distinct experts per
+ * token could never be drawn) and sizes past 64 bits. */
+int mok_testbed_check(const mok_layer_desc *d, int64_t T, size_t *bytes, char *err,
+                      size_t errlen);
+/* Checks, creates the layer (the daemon checks the shape), then the arena
+ * (the daemon checks its size and the quota), and only then fills anything,
+ * from seed; the layer's gradient mode comes from d. On failure tb->err says
+ * why. */
 int mok_testbed_setup(mok_client *c, const mok_layer_desc *d, int64_t T, uint64_t seed,
                       mok_testbed *tb);
 /* FLOPs of one forward as DESIGN counts them: 6 (T K + T[shared]) H I. */

@@ -104,36 +104,46 @@ int mokw_pack(const ProtobufCMessage *msg, uint8_t **out, size_t *len)
   return 0;
 }
 
-uint32_t mokw_unknown_field(const ProtobufCMessage *msg)
+int mokw_find_unknown_field(const ProtobufCMessage *msg, uint32_t *number)
 {
   const ProtobufCMessageDescriptor *d;
 
   if (msg == NULL)
     return 0;
-  if (msg->n_unknown_fields > 0)
-    return msg->unknown_fields[0].tag;
+  if (msg->n_unknown_fields > 0) {
+    *number = msg->unknown_fields[0].tag;
+    return 1;
+  }
   d = msg->descriptor;
   for (unsigned i = 0; i < d->n_fields; i++) {
     const ProtobufCFieldDescriptor *fd = &d->fields[i];
     const char *base = (const char *)msg;
-    uint32_t tag;
     if (fd->type != PROTOBUF_C_TYPE_MESSAGE)
       continue;
     if (fd->label == PROTOBUF_C_LABEL_REPEATED) {
       size_t n = *(const size_t *)(base + fd->quantifier_offset);
       ProtobufCMessage *const *v = *(ProtobufCMessage *const *const *)(base + fd->offset);
       for (size_t j = 0; j < n; j++)
-        if ((tag = mokw_unknown_field(v[j])) != 0)
-          return tag;
+        if (mokw_find_unknown_field(v[j], number))
+          return 1;
     } else {
       if (fd->flags & PROTOBUF_C_FIELD_FLAG_ONEOF) {
         uint32_t which = *(const uint32_t *)(base + fd->quantifier_offset);
         if (which != fd->id)
           continue;
       }
-      if ((tag = mokw_unknown_field(*(ProtobufCMessage *const *)(base + fd->offset))) != 0)
-        return tag;
+      if (mokw_find_unknown_field(*(ProtobufCMessage *const *)(base + fd->offset), number))
+        return 1;
     }
   }
   return 0;
+}
+
+uint32_t mokw_unknown_field(const ProtobufCMessage *msg)
+{
+  uint32_t number;
+
+  if (!mokw_find_unknown_field(msg, &number))
+    return 0;
+  return number == 0 ? MOKW_FIELD_NUMBER_ZERO : number;
 }

@@ -1,6 +1,6 @@
 /* check_daemon_service.c - mokd as a service: drain on SIGTERM, one daemon
  * per socket, a bad config stops start-up, the allow-list, sd_notify and the
- * watchdog. */
+ * watchdog, and mokctl next to it. */
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -193,6 +193,82 @@ START_TEST(systemd_notify_and_watchdog)
 }
 END_TEST
 
+/* ---- mokctl, the binary next to mokd ------------------------------------- */
+
+/* runs `mokctl ARGS` (ARGS may name the socket as %s), with stdout and stderr
+ * in out; returns the exit status */
+static int run_mokctl(const char *args, char *out, size_t n)
+{
+  char bin[256], cmd[1024], a[512];
+  const char *slash = strrchr(mokd_bin(), '/');
+  snprintf(bin, sizeof bin, "%.*smokctl", slash ? (int)(slash - mokd_bin() + 1) : 0,
+           mokd_bin());
+  snprintf(a, sizeof a, args, sock);
+  snprintf(cmd, sizeof cmd, "%s %s 2>&1", bin, a);
+  FILE *pp = popen(cmd, "r");
+  ck_assert_ptr_nonnull(pp);
+  size_t got = fread(out, 1, n - 1, pp);
+  out[got] = 0;
+  int st = pclose(pp);
+  ck_assert_msg(WIFEXITED(st), "mokctl %s: status %d", a, st);
+  return WEXITSTATUS(st);
+}
+
+START_TEST(mokctl_flag_errors)
+{
+  /* each used to be mis-run: a message about x, once, SIGFPE, a hang */
+  static const struct {
+    const char *args, *first_line;
+  } cases[] = {
+    {"--socket %s bench --T abc", "mokctl: --T: \"abc\" is not a whole number\n"},
+    {"--socket %s bench --iters 0", "mokctl: --iters: 0 is out of range; it must be in "
+                                   "[1, 1000000]\n"},
+    {"--socket %s bench --E 0", "mokctl: --E: 0 is out of range; it must be in "
+                               "[1, 16777216]\n"},
+    {"--socket %s bench --K 20 --E 4", "mokctl: bench: --K 20 is larger than --E 4; each "
+                                      "token picks K distinct experts\n"},
+    {"--socket %s bench --H 16777216 --I 16777216 --E 16777216",
+     "mokctl: bench: layer T=1024 H=16777216 I=16777216 E=16777216 K=2 I_s=0: its tensors "
+     "need more than 2^64 bytes\n"},
+    {"--socket %s", "mokctl: no command given; one of ping, status, stats, bench\n"},
+    {"--socket %s pong", "mokctl: unknown command \"pong\"; one of ping, status, stats, "
+                        "bench\n"},
+  };
+  char out[4096];
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    int rc = run_mokctl(cases[i].args, out, sizeof out);
+    ck_assert_msg(rc == 2, "mokctl %s: exit %d, output: %s", cases[i].args, rc, out);
+    ck_assert_msg(strncmp(out, cases[i].first_line, strlen(cases[i].first_line)) == 0,
+                  "mokctl %s said: %s", cases[i].args, out);
+  }
+  /* nothing reached the daemon: no session ever made a layer */
+  mok_client *c = connect_ok();
+  mok_stats st;
+  ck_assert_int_eq(mok_stats_get(c, &st), 0);
+  ck_assert_uint_eq(st.daemon.layers, 0);
+  ck_assert_uint_eq(st.daemon.forwards, 0);
+  mok_close(c);
+  ck_assert_int_eq(run_mokctl("--help", out, sizeof out), 0);
+  ck_assert_msg(strstr(out, "usage: mokctl") && strstr(out, "--iters n"), "help: %s", out);
+}
+END_TEST
+
+START_TEST(mokctl_bench_runs_and_says_what_failed)
+{
+  char out[4096];
+  int rc = run_mokctl("--socket %s bench --T 4 --H 64 --I 32 --E 4 --K 4 --iters 3", out,
+                      sizeof out);
+  ck_assert_msg(rc == 0, "exit %d: %s", rc, out);
+  ck_assert_msg(strstr(out, "layer T=4 H=64 I=32 E=4 K=4 I_s=0 on cpu, 3 iterations"), "%s",
+                out);
+  /* 18 PB: the daemon refuses the arena; the message says at which step */
+  rc = run_mokctl("--socket %s bench --H 1000000 --I 1000000 --E 1000", out, sizeof out);
+  ck_assert_msg(rc == 1, "exit %d: %s", rc, out);
+  ck_assert_msg(strstr(out, "mokctl: bench: creating its arena: arena of 18000004096016384 "
+                       "bytes is larger than max_arena_bytes") == out, "%s", out);
+}
+END_TEST
+
 Suite *daemon_service_suite(void)
 {
   Suite *s = suite_create("daemon_service");
@@ -202,6 +278,12 @@ Suite *daemon_service_suite(void)
   tcase_add_test(tc, sigterm_finishes_in_flight_work);
   tcase_add_test(tc, second_daemon_and_stale_socket);
   tcase_add_test(tc, config_error_stops_startup);
+  suite_add_tcase(s, tc);
+  tc = tcase_create("mokctl");
+  tcase_add_checked_fixture(tc, setup, teardown);
+  tcase_set_timeout(tc, 60);
+  tcase_add_test(tc, mokctl_flag_errors);
+  tcase_add_test(tc, mokctl_bench_runs_and_says_what_failed);
   suite_add_tcase(s, tc);
   tc = tcase_create("systemd");
   tcase_add_checked_fixture(tc, plain_setup, plain_teardown);

@@ -72,6 +72,21 @@ START_TEST(unknown_body_and_no_body)
 }
 END_TEST
 
+START_TEST(unknown_field_zero_is_refused)
+{
+  int fd = raw_connect();
+  hello(fd);
+  /* Request{id=9, ping{nonce=2, field 0 = 1}}: protobuf-c keeps the two-byte
+   * key 0x80 0x00 as an unknown field numbered 0 */
+  static const uint8_t ping0[] = {10, 0, 0, 0, 0x08, 0x09, 0xaa, 0x01, 0x05,
+                                  0x08, 0x02, 0x80, 0x00, 0x01};
+  raw_send(fd, ping0, sizeof ping0, -1);
+  expect_status(fd, MOK_EPROTO, "unknown field");
+  close(fd);
+  still_serving();
+}
+END_TEST
+
 START_TEST(hello_comes_first)
 {
   int fd = raw_connect();
@@ -291,6 +306,7 @@ Suite *daemon_wire_suite(void)
   tcase_add_test(tc, garbage_bytes);
   tcase_add_test(tc, oversize_length_prefix);
   tcase_add_test(tc, unknown_body_and_no_body);
+  tcase_add_test(tc, unknown_field_zero_is_refused);
   tcase_add_test(tc, hello_comes_first);
   tcase_add_test(tc, valid_raw_forward_runs);
   tcase_add_test(tc, wrong_dtype_is_refused);

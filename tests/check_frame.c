@@ -219,6 +219,46 @@ START_TEST(unknown_fields_are_found)
 }
 END_TEST
 
+START_TEST(unknown_field_zero_is_found)
+{
+  /* protobuf-c refuses a one-byte key of field 0 but keeps the two-byte key
+   * 0x80 0x00 as an unknown field numbered 0: at the top it must not read as
+   * "none", nor hide the unknown field 99 behind it; inside the ping it must
+   * not be skipped */
+  static const uint8_t top[] = {0x80, 0x00, 0x05, 0x08, 0x01, 0xaa, 0x01, 0x02, 0x08, 0x02};
+  static const uint8_t before_99[] = {0x80, 0x00, 0x05, 0x98, 0x06, 0x07, 0x08, 0x01};
+  static const uint8_t nested[] = {0x08, 0x01, 0xaa, 0x01, 0x05, 0x08, 0x02, 0x80, 0x00, 0x01};
+  const uint8_t *cases[] = {top, before_99, nested};
+  size_t lens[] = {sizeof top, sizeof before_99, sizeof nested};
+  uint32_t number;
+
+  for (int i = 0; i < 3; i++) {
+    Mokd__Request *r = mokd__request__unpack(NULL, lens[i], cases[i]);
+    ck_assert_msg(r != NULL, "case %d does not parse", i);
+    number = 12345;
+    ck_assert_int_eq(mokw_find_unknown_field(&r->base, &number), 1);
+    ck_assert_uint_eq(number, 0);
+    /* the older form reports it as a number no field can have */
+    ck_assert_uint_eq(mokw_unknown_field(&r->base), MOKW_FIELD_NUMBER_ZERO);
+    mokd__request__free_unpacked(r, NULL);
+  }
+}
+END_TEST
+
+START_TEST(no_unknown_field_is_none)
+{
+  static const uint8_t ping[] = {0x08, 0x01, 0xaa, 0x01, 0x02, 0x08, 0x02};
+  Mokd__Request *r = mokd__request__unpack(NULL, sizeof ping, ping);
+  uint32_t number = 12345;
+
+  ck_assert_ptr_nonnull(r);
+  ck_assert_int_eq(mokw_find_unknown_field(&r->base, &number), 0);
+  ck_assert_uint_eq(number, 12345);
+  ck_assert_uint_eq(mokw_unknown_field(&r->base), 0);
+  mokd__request__free_unpacked(r, NULL);
+}
+END_TEST
+
 START_TEST(garbage_does_not_parse)
 {
   static const uint8_t junk[] = {0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x0f, 0x33};
@@ -239,6 +279,8 @@ Suite *frame_suite(void)
   tcase_add_test(tc, forward_and_backward_round_trip);
   tcase_add_test(tc, layer_and_response_round_trip);
   tcase_add_test(tc, unknown_fields_are_found);
+  tcase_add_test(tc, unknown_field_zero_is_found);
+  tcase_add_test(tc, no_unknown_field_is_none);
   tcase_add_test(tc, garbage_does_not_parse);
   suite_add_tcase(s, tc);
   return s;

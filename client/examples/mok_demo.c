@@ -85,9 +85,13 @@ int main(int argc, char **argv)
   char err[MOK_ERRLEN];
   int rc, ok = 1;
 
-  if ((rc = mok_connect(path, "mok_demo", &c)) != 0 ||
-      (rc = mok_testbed_setup(c, &d, T, 7, &tb)) != 0) {
+  if ((rc = mok_connect(path, "mok_demo", &c)) != 0) {
     fprintf(stderr, "mok_demo: %s (%s)\n", mok_last_error(c), mok_strerror(rc));
+    mok_close(c);
+    return 1;
+  }
+  if ((rc = mok_testbed_setup(c, &d, T, 7, &tb)) != 0) {
+    fprintf(stderr, "mok_demo: %s (%s)\n", tb.err, mok_strerror(rc));
     mok_close(c);
     return 1;
   }

@@ -1,17 +1,14 @@
 """The Python client against a real mokd: numpy in, zero-copy numpy out,
 checked against a float64 numpy reference of the layer's math."""
 
-import os
-import subprocess
-import tempfile
 import time
 import unittest
 
 import numpy as np
 
 import mokd
+from mokd_daemon import Daemon
 
-MOKD = os.environ.get("MOKD_BIN", "build/mokd")
 TOL = 2.0 ** -8  # one bf16 ulp of the element + one of a typical term (see check_forward.c)
 
 
@@ -91,26 +88,12 @@ def problem(rng, T, H, I, E, K, Is):
 class ClientTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        cls.dir = tempfile.mkdtemp(prefix="mokd-py-")
-        cls.sock = os.path.join(cls.dir, "mokd.sock")
-        cls.log = open(os.path.join(cls.dir, "mokd.log"), "w")
-        cls.proc = subprocess.Popen([MOKD, "--socket", cls.sock, "--config", "/dev/null",
-                                     "--cpu-threads", "2"], stderr=cls.log)
-        for _ in range(400):
-            if os.path.exists(cls.sock):
-                try:
-                    mokd.Client(cls.sock).close()
-                    break
-                except mokd.MokError:
-                    pass
-            time.sleep(0.01)
+        cls.daemon = Daemon("mokd-py-")
+        cls.sock = cls.daemon.sock
 
     @classmethod
     def tearDownClass(cls):
-        cls.proc.terminate()
-        rc = cls.proc.wait(timeout=30)
-        cls.log.close()
-        assert rc == 0, "mokd exited with %d" % rc
+        cls.daemon.stop()
 
     def setUp(self):
         self.c = mokd.Client(self.sock, name="test")

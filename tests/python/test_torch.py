@@ -212,6 +212,31 @@ class TorchLayerTest(unittest.TestCase):
             self.mokd.MoELayer(96, 128, 16, 4, session=self.session)(
                 torch.zeros(4, 96, device="cuda", dtype=torch.bfloat16), ids[:4], tw[:4])
 
+    def test_bad_inputs_are_named(self):
+        m = self.layer()
+        x, ids, tw, _ = self.inputs(16, 256, 16, 4, 12)
+        cases = [
+            ((x, ids.float() + 0.5, tw), TypeError,
+             "topk_ids: expected integer expert ids, got torch.float32"),
+            ((x, ids > 3, tw), TypeError, "topk_ids: expected integer expert ids, got torch.bool"),
+            ((x.detach().to(torch.int16), ids, tw), TypeError,
+             "x: expected a floating-point tensor, got torch.int16"),
+            ((x, ids, ids), TypeError,
+             "topk_weights: expected a floating-point tensor, got torch.int32"),
+            ((x[:, 1:], ids, tw), ValueError,
+             "x: expected shape [T, H] = [T, 256] with T >= 1, got (16, 255)"),
+            ((x, ids[:, 1:], tw), ValueError,
+             "topk_ids: expected shape (16, 4) = [T, K], got (16, 3)"),
+            ((x, ids, tw[1:]), ValueError,
+             "topk_weights: expected shape (16, 4) = [T, K], got (15, 4)"),
+        ]
+        for args, exc, msg in cases:
+            with self.assertRaises(exc) as cm:
+                m(*args)
+            self.assertEqual(str(cm.exception), msg)
+        out = m(x, ids.long(), tw)  # int64 ids that fit are taken
+        self.assertTrue(torch.equal(out, m(x, ids, tw)))
+
     def test_training_matches_torch(self):
         import train_moe
         ours, ref = train_moe.train(steps=100, log=print, session=self.session)

@@ -9,19 +9,32 @@ A ctypes binding to libmok, in two flavours:
 - `mokd.Layer` with numpy: arenas are shared memory that both this process
   and the daemon map (cpu backend); arrays returned are zero-copy views of
   them. bf16 tensors are numpy uint16 arrays holding the bf16 bit patterns;
-  `to_bf16` and `from_bf16` convert.
+  `to_bf16` and `from_bf16` convert, and ml_dtypes.bfloat16 arrays are taken
+  as they are.
 
     import mokd
     c = mokd.Client()                       # $MOKD_SOCKET or the default path
     layer = mokd.Layer(c, hidden=512, intermediate=1024, experts=16, top_k=4)
-    layer.set_weights(w_gate, w_up, w_down) # bf16 (uint16) arrays, copied once
+    layer.set_weights(w_gate, w_up, w_down) # bf16 arrays, copied once
     out, ctx = layer.forward(x, topk_ids, topk_weights)
     grads = layer.backward(ctx, d_out)
+
+Every input is checked for dtype and shape before anything is sent: a wrong
+one raises TypeError or ValueError naming the argument. Only lossless
+conversions are made: ml_dtypes.bfloat16 arrays are read bit for bit, other
+integer ids become int32 when every id fits, float16 and bfloat16 routing
+weights are widened to float32.
+
+Outputs live in daemon memory as long as any view of them does: once the
+Context, the backward's dict and every array derived from them without a
+copy are gone, the daemon is told (on this client's next call) and reuses the
+memory. Views must not be used after Client.close().
 """
 
 import ctypes
 import errno
 import os
+import weakref
 
 import numpy as np
 
@@ -165,6 +178,61 @@ def from_bf16(b):
     return (np.asarray(b, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
+_INT32 = np.iinfo(np.int32)
+
+
+def _is_bfloat16(dtype):
+    # ml_dtypes (and the frameworks that use it) name their 2-byte type so
+    return dtype.name == "bfloat16" and dtype.itemsize == 2
+
+
+def _bf16(name, a):
+    """a as uint16 bf16 bit patterns: uint16 as it is, bfloat16 viewed bit for bit."""
+    a = np.asarray(a)
+    if a.dtype == np.uint16:
+        return a
+    if _is_bfloat16(a.dtype):
+        return a.view(np.uint16)
+    raise TypeError("%s: expected bf16: a numpy uint16 array of bf16 bit patterns "
+                    "(mokd.to_bf16) or an ml_dtypes.bfloat16 array; got %s (convert with "
+                    "mokd.to_bf16)" % (name, a.dtype))
+
+
+def _ids(name, a):
+    """a as int32 expert ids: other integer types when every id fits."""
+    a = np.asarray(a)
+    if a.dtype == np.int32:
+        return a
+    if a.dtype.kind not in "iu":
+        raise TypeError("%s: expected integer expert ids (int32; other integer types are "
+                        "converted when every id fits), got %s" % (name, a.dtype))
+    bad = (a < _INT32.min) | (a > _INT32.max)
+    if bad.any():
+        at = tuple(int(i) for i in np.argwhere(bad)[0])
+        where = " (token %d, k %d)" % at if len(at) == 2 else " (at %s)" % (at,)
+        raise ValueError("%s: id %d%s does not fit in int32" % (name, a[at], where))
+    return a.astype(np.int32)
+
+
+def _f32(name, a):
+    """a as float32: float16 and bfloat16 widened, which is exact."""
+    a = np.asarray(a)
+    if a.dtype == np.float32:
+        return a
+    if a.dtype == np.float16 or _is_bfloat16(a.dtype):
+        return a.astype(np.float32)
+    hint = ("bf16 bit patterns? convert with mokd.from_bf16" if a.dtype == np.uint16
+            else "convert with .astype(np.float32)")
+    raise TypeError("%s: expected float32 (float16 and bfloat16 are widened exactly), got %s; "
+                    "%s" % (name, a.dtype, hint))
+
+
+def _shape(name, a, want, dims):
+    if a.shape != tuple(want):
+        raise ValueError("%s: expected shape %s = %s, got %s" % (name, tuple(want), dims,
+                                                                  a.shape))
+
+
 def _view(ptr, dtype, shape):
     n = int(np.prod(shape))
     ctype = np.ctypeslib.as_ctypes_type(np.dtype(dtype))
@@ -207,11 +275,13 @@ class Client:
         rc = _lib.mok_connect_device(socket.encode() if socket else None, name.encode(),
                                      -1 if device is None else int(device), ctypes.byref(h))
         self._h = h
+        self._arenas = {}
+        self._owners = weakref.WeakValueDictionary()  # id -> _Owner, while viewed
+        self._dead = []  # ids whose owner is gone, to release on the next call
         if rc != 0:
             msg = _lib.mok_last_error(h).decode() if h else _lib.mok_strerror(rc).decode()
             self.close()
             raise MokError(rc, msg)
-        self._arenas = {}
 
     def close(self):
         if self._h:
@@ -244,6 +314,7 @@ class Client:
         return ns.value * 1e-9
 
     def stats(self):
+        self._release_dead()
         st = _Stats()
         self._check(_lib.mok_stats_get(self._h, ctypes.byref(st)))
         usage = lambda u: {n: getattr(u, n) for n, _ in _Usage._fields_}
@@ -280,26 +351,87 @@ class Client:
         return None
 
     def release(self, *ids):
-        arr = (ctypes.c_uint64 * len(ids))(*ids)
-        self._check(_lib.mok_release(self._h, arr, len(ids)))
+        """Gives back forward contexts and backward results. One whose outputs
+        are still viewed is given back when its last view goes (its memory
+        must not become a new output while it can be read); a released
+        context can no longer start a backward."""
+        now = []
+        for rid in ids:
+            owner = self._owners.get(rid)
+            if owner is None:
+                now.append(rid)
+            else:
+                owner.released = True
+        self._release_dead(now)
+
+    def _release_dead(self, ids=()):
+        """Releases ids, and those whose owners died since the last call."""
+        ids = list(ids)
+        while self._dead:
+            ids.append(self._dead.pop())
+        if ids and self._h:
+            arr = (ctypes.c_uint64 * len(ids))(*ids)
+            self._check(_lib.mok_release(self._h, arr, len(ids)))
 
 
-def _out_view(client, tensor):
+class _Owner:
+    """A daemon context or backward result, alive while anything refers to it:
+    its Context, and every view of its outputs (through _Memory). When the
+    last goes, its id is queued and the client's next call releases it: the
+    last reference may go in any thread, or in the garbage collector, while
+    this client is inside libmok."""
+
+    def __init__(self, client, rid):
+        self.client, self.id, self.released = client, rid, False
+        client._owners[rid] = self
+        weakref.finalize(self, client._dead.append, rid).atexit = False
+
+
+class _Memory:
+    """What np.asarray reads for a daemon output: its address, and the owner
+    that every array made from it keeps alive."""
+
+    def __init__(self, ptr, dtype, shape, owner):
+        self.owner = owner
+        self.__array_interface__ = {"data": (ptr, False), "shape": shape,
+                                    "typestr": np.dtype(dtype).str, "version": 3}
+
+
+def _out_view(owner, tensor):
+    client = owner.client
     ptr = _lib.mok_tensor_ptr(client._h, ctypes.byref(tensor))
+    if not ptr:
+        raise MokError(EPROTO, "the daemon's output lies outside the arenas mapped here")
     shape = tuple(tensor.shape[i] for i in range(tensor.ndim))
-    return _view(ptr, _DTYPES[tensor.dtype], shape)
+    return np.asarray(_Memory(ptr, _DTYPES[tensor.dtype], shape, owner))
 
 
 class Context:
-    """A forward's saved state and its output; released when dropped."""
+    """A forward's saved state and its output `out`. The daemon keeps both
+    until this object and every view of `out` are gone, or, after release(),
+    until the views are gone."""
 
-    def __init__(self, client, cid, out):
-        self.client, self.id, self.out = client, cid, out
+    def __init__(self, owner, out, T, inference):
+        self.id, self._owner, self.out, self.T, self.inference = owner.id, owner, out, T, \
+            inference
+
+    @property
+    def released(self):
+        return self._owner is None or self._owner.released
 
     def release(self):
-        if self.id:
-            self.client.release(self.id)
-            self.id = 0
+        """No backward will follow: give the context back once `out` has no
+        view left (at once when there is none)."""
+        if self._owner is None:
+            return
+        client = self._owner.client
+        self._owner.released = True
+        self._owner = self.out = None
+        client._release_dead()
+
+
+_WNAMES = ["w_gate", "w_up", "w_down", "s_gate", "s_up", "s_down"]
+_WDIMS = ["[E, I, H]", "[E, I, H]", "[E, H, I]", "[I_s, H]", "[I_s, H]", "[H, I_s]"]
 
 
 class Layer:
@@ -315,7 +447,10 @@ class Layer:
         self.client = client
         self.H, self.I, self.E, self.K, self.I_s = hidden, intermediate, experts, top_k, \
             shared_intermediate
-        self.grad_mode = {"bf16": GRAD_BF16, "fp32_accum": GRAD_FP32_ACCUM}[grad_mode]
+        modes = {"bf16": GRAD_BF16, "fp32_accum": GRAD_FP32_ACCUM}
+        if grad_mode not in modes:
+            raise ValueError("grad_mode: expected 'bf16' or 'fp32_accum', got %r" % (grad_mode,))
+        self.grad_mode = modes[grad_mode]
         d = _LayerDesc(hidden, intermediate, experts, top_k, shared_intermediate,
                        swiglu_limit, 0, 1, 0, self.grad_mode)
         lid = ctypes.c_uint64()
@@ -332,22 +467,28 @@ class Layer:
         return shapes
 
     def set_weights(self, *weights):
-        """bf16 (uint16) arrays in the order w_gate, w_up, w_down[, s_gate, s_up,
-        s_down]; copied into a weight arena unless they already live in one."""
+        """bf16 arrays (uint16 bit patterns or ml_dtypes.bfloat16) in the order
+        w_gate, w_up, w_down[, s_gate, s_up, s_down], each of exactly its
+        shape (weight_shapes()); copied into a weight arena unless they
+        already live in one."""
         shapes = self.weight_shapes()
         if len(weights) != len(shapes):
-            raise ValueError("expected %d weight arrays, got %d" % (len(shapes), len(weights)))
+            raise ValueError("set_weights: expected %d arrays (%s), got %d" % (
+                len(shapes), ", ".join(_WNAMES[:len(shapes)]), len(weights)))
+        weights = [_bf16(n, w) for n, w in zip(_WNAMES, weights)]
+        for n, w, s, dims in zip(_WNAMES, weights, shapes, _WDIMS):
+            _shape(n, w, s, dims)
         tensors = (_Tensor * _NW)()
         views = []
         need = sum((int(np.prod(s)) * 2 + 255) // 256 * 256 for s in shapes)
         arena = None
         for i, (w, s) in enumerate(zip(weights, shapes)):
-            t = self.client._tensor_of(w) if isinstance(w, np.ndarray) else None
+            t = self.client._tensor_of(w) if w.flags["C_CONTIGUOUS"] else None
             if t is None:
                 if arena is None:
                     arena = self.client.arena(need)
                 _, v = arena.alloc(np.uint16, s)
-                v[...] = np.asarray(w, dtype=np.uint16).reshape(s)
+                v[...] = w
                 t = self.client._tensor_of(v)
                 w = v
             tensors[i] = t
@@ -374,43 +515,90 @@ class Layer:
         return out
 
     def forward(self, x, topk_ids, topk_weights, inference=False):
-        """x: uint16 bf16 [T, H]; topk_ids: int32 [T, K]; topk_weights: float32
-        [T, K]. Returns (out, ctx): out is a zero-copy bf16 view owned by ctx."""
-        x = np.ascontiguousarray(x, dtype=np.uint16)
-        ids = np.ascontiguousarray(topk_ids, dtype=np.int32)
-        tw = np.ascontiguousarray(topk_weights, dtype=np.float32)
-        tx, ti, tw_ = self._stage_inputs([x, ids, tw])
+        """x: bf16 [T, H]; topk_ids: int32 [T, K]; topk_weights: float32
+        [T, K]. Returns (out, ctx): out is a zero-copy bf16 view that the
+        daemon keeps while it (or ctx) is alive."""
+        x = _bf16("x", x)
+        if x.ndim != 2 or x.shape[1] != self.H or x.shape[0] < 1:
+            raise ValueError("x: expected shape [T, H] = [T, %d] with T >= 1, got %s"
+                             % (self.H, x.shape))
+        T = x.shape[0]
+        ids = _ids("topk_ids", topk_ids)
+        _shape("topk_ids", ids, (T, self.K), "[T, K]")
+        tw = _f32("topk_weights", topk_weights)
+        _shape("topk_weights", tw, (T, self.K), "[T, K]")
+        self.client._release_dead()
+        tx, ti, tw_ = self._stage_inputs([np.ascontiguousarray(a) for a in (x, ids, tw)])
         res = _FwdResult()
         self.client._check(_lib.mok_forward(self.client._h, self.id, ctypes.byref(tx),
                                             ctypes.byref(ti), ctypes.byref(tw_),
                                             1 if inference else 0, ctypes.byref(res)))
-        out = _out_view(self.client, res.out)
-        return out, Context(self.client, res.context, out)
+        owner = _Owner(self.client, res.context)
+        out = _out_view(owner, res.out)
+        return out, Context(owner, out, T, bool(inference))
+
+    def _check_grads(self, grads):
+        """The wire tensors of caller gradient buffers (None: none given)."""
+        shapes = self.weight_shapes()
+        names = ", ".join(_WNAMES[:len(shapes)])
+        fp32 = self.grad_mode == GRAD_FP32_ACCUM
+        if grads is None:
+            if fp32:
+                raise ValueError("grads: a grad_mode='fp32_accum' layer adds into caller "
+                                 "buffers; pass %d float32 arena arrays (%s)"
+                                 % (len(shapes), names))
+            return None
+        grads = list(grads)
+        if len(grads) != len(shapes):
+            raise ValueError("grads: expected %d arrays (%s), got %d"
+                             % (len(shapes), names, len(grads)))
+        want = np.dtype(np.float32 if fp32 else np.uint16)
+        gt = (_Tensor * _NW)()
+        for i, (g, s) in enumerate(zip(grads, shapes)):
+            name = "grads[%d] (%s)" % (i, _WNAMES[i])
+            if not isinstance(g, np.ndarray) or g.dtype != want:
+                raise TypeError("%s: expected %s, got %s" % (
+                    name, "float32" if fp32 else "uint16 (bf16)",
+                    g.dtype if isinstance(g, np.ndarray) else type(g).__name__))
+            _shape(name, g, s, _WDIMS[i])
+            t = self.client._tensor_of(g) if g.flags["C_CONTIGUOUS"] else None
+            if t is None:
+                raise TypeError("%s: must be an array in a mokd arena (Client.arena(...).alloc), "
+                                "since the daemon writes into it" % name)
+            gt[i] = t
+        return gt
 
     def backward(self, ctx, d_out, grads=None):
-        """d_out: uint16 bf16 [T, H]. grads: fp32 arena arrays to add into
-        (fp32_accum layers). Returns a dict of zero-copy views: d_x, d_topk_weights
-        and, for bf16 layers, the weight gradients; plus `result`, the id that owns
-        them (release it with client.release)."""
-        d_out = np.ascontiguousarray(d_out, dtype=np.uint16)
-        (td,) = self._stage_inputs([d_out])
-        gt, n = None, 0
-        if grads is not None:
-            gt = (_Tensor * _NW)()
-            for i, g in enumerate(grads):
-                t = self.client._tensor_of(g)
-                if t is None:
-                    raise TypeError("gradient buffers must live in a mokd arena")
-                gt[i] = t
-            n = len(grads)
+        """ctx: the Context of a training forward; d_out: bf16 [T, H]. grads:
+        the buffers to add into (fp32 arena arrays, fp32_accum layers) or to
+        write to (bf16 arena arrays, optional for bf16 layers). Returns a dict
+        of zero-copy views: d_x, d_topk_weights and, for bf16 layers without
+        grads, the weight gradients; plus `result`, the daemon id behind them,
+        kept while any of them is alive."""
+        if not isinstance(ctx, Context):
+            raise TypeError("ctx: expected the Context that forward returned, got %s"
+                            % type(ctx).__name__)
+        if ctx.inference:
+            raise ValueError("ctx: comes from an inference forward, which keeps nothing for a "
+                             "backward")
+        if ctx.released:
+            raise ValueError("ctx: was released")
+        if ctx._owner.client is not self.client:
+            raise ValueError("ctx: belongs to another Client")
+        d_out = _bf16("d_out", d_out)
+        _shape("d_out", d_out, (ctx.T, self.H), "[T, H] of the forward")
+        gt = self._check_grads(grads)
+        self.client._release_dead()
+        (td,) = self._stage_inputs([np.ascontiguousarray(d_out)])
         res = _BwdResult()
-        self.client._check(_lib.mok_backward(self.client._h, ctx.id, ctypes.byref(td), gt, n,
+        self.client._check(_lib.mok_backward(self.client._h, ctx.id, ctypes.byref(td), gt,
+                                             0 if gt is None else len(grads),
                                              ctypes.byref(res)))
-        names = ["w_gate", "w_up", "w_down", "s_gate", "s_up", "s_down"]
-        out = {"result": res.result, "d_x": _out_view(self.client, res.d_x),
-               "d_topk_weights": _out_view(self.client, res.d_topk_weights)}
+        owner = _Owner(self.client, res.result)
+        out = {"result": res.result, "d_x": _out_view(owner, res.d_x),
+               "d_topk_weights": _out_view(owner, res.d_topk_weights)}
         for i in range(res.ngrads):
-            out[names[i]] = _out_view(self.client, res.grads[i])
+            out[_WNAMES[i]] = _out_view(owner, res.grads[i])
         return out
 
 

@@ -140,6 +140,32 @@ def _session(socket, device):
         return s
 
 
+def _check_inputs(hidden, top_k, x, topk_ids, topk_weights):
+    """Dtype classes and shapes, from host metadata only (no wait on the GPU).
+    Float ids would be truncated and integer activations make no sense; the
+    float conversions that follow (to bf16 and float32) are by value."""
+    def kind(name, t, want_float):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError("%s: expected a torch.Tensor, got %s" % (name, type(t).__name__))
+        dt = t.dtype
+        if want_float and not dt.is_floating_point:
+            raise TypeError("%s: expected a floating-point tensor, got %s" % (name, dt))
+        if not want_float and (dt.is_floating_point or dt.is_complex or dt == torch.bool):
+            raise TypeError("%s: expected integer expert ids, got %s" % (name, dt))
+
+    kind("x", x, True)
+    kind("topk_ids", topk_ids, False)
+    kind("topk_weights", topk_weights, True)
+    if x.dim() != 2 or x.shape[1] != hidden or x.shape[0] < 1:
+        raise ValueError("x: expected shape [T, H] = [T, %d] with T >= 1, got %s"
+                         % (hidden, tuple(x.shape)))
+    want = (x.shape[0], top_k)
+    for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if tuple(t.shape) != want:
+            raise ValueError("%s: expected shape %s = [T, K], got %s" % (name, want,
+                                                                        tuple(t.shape)))
+
+
 class _MoEFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, layer, x, topk_ids, topk_weights, *weights):
@@ -163,7 +189,9 @@ class MoELayer(torch.nn.Module):
     [E, H, I]; with shared_intermediate > 0 also s_gate, s_up [I_s, H] and
     s_down [H, I_s]. forward(x [T, H] bf16, topk_ids [T, K] integer,
     topk_weights [T, K] float) returns out [T, H] bf16. H, I and I_s must be
-    multiples of 64 on the cuda backend.
+    multiples of 64 on the cuda backend. Float ids, integer activations and
+    shapes that are not the layer's raise TypeError or ValueError naming the
+    argument; int64 ids must fit int32 (they are converted on the GPU).
     """
 
     def __init__(self, hidden, intermediate, experts, top_k, shared_intermediate=0,
@@ -213,6 +241,7 @@ class MoELayer(torch.nn.Module):
                                      self.shared_intermediate, self.swiglu_limit))
 
     def forward(self, x, topk_ids, topk_weights):
+        _check_inputs(self.hidden, self.top_k, x, topk_ids, topk_weights)
         return _MoEFunction.apply(self, x, topk_ids, topk_weights, *self.weights())
 
     def check(self):

@@ -1,0 +1,32 @@
+/* mokctl_opts.h - mokctl's command line: every flag is checked here, before
+ * anything connects or allocates, so that a bad value gets a message naming
+ * the flag (and the parser is testable without a daemon). */
+#ifndef MOKCTL_OPTS_H
+#define MOKCTL_OPTS_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "mok.h"
+
+typedef enum { MOKCTL_NONE, MOKCTL_PING, MOKCTL_STATUS, MOKCTL_STATS, MOKCTL_BENCH } mokctl_cmd;
+
+#define MOKCTL_ITERS_MAX 1000000
+
+typedef struct mokctl_opts {
+  const char *socket;  /* NULL: mok_default_socket() */
+  mokctl_cmd cmd;
+  int help;            /* --help: print mokctl_usage(cmd) and stop */
+  mok_layer_desc layer; /* bench */
+  int64_t T;
+  int iters;
+} mokctl_opts;
+
+/* 0 and *o filled (defaults for what argv leaves out), or MOK_EINVAL and a
+ * message in err naming the flag or argument at fault. */
+int mokctl_parse(int argc, char **argv, mokctl_opts *o, char *err, size_t errlen);
+/* The help of one command, or of all with MOKCTL_NONE. */
+void mokctl_usage(FILE *out, mokctl_cmd cmd);
+
+#endif

@@ -1,0 +1,167 @@
+/* check_mokctl.c - mokctl's command line: what it accepts, and the message a
+ * user gets for each bad flag (mokctl prints it as "mokctl: MESSAGE" and
+ * exits with 2; check_daemon runs the binary for a few of them). */
+#include <stdarg.h>
+#include <stdlib.h>
+
+#include "mokctl_opts.h"
+#include "ref.h"
+
+#define MAXARGS 32
+
+/* parses a NULL-terminated list of words after "mokctl" */
+static int parse(mokctl_opts *o, char *err, ...)
+{
+  char *argv[MAXARGS] = {"mokctl"};
+  int argc = 1;
+  va_list ap;
+  va_start(ap, err);
+  for (char *w; (w = va_arg(ap, char *)) != NULL;) {
+    ck_assert_int_lt(argc, MAXARGS);
+    argv[argc++] = w;
+  }
+  va_end(ap);
+  err[0] = 0;
+  return mokctl_parse(argc, argv, o, err, MOK_ERRLEN);
+}
+
+#define REFUSED(msg, ...)                                                      \
+  do {                                                                         \
+    mokctl_opts o_;                                                            \
+    char e_[MOK_ERRLEN];                                                       \
+    ck_assert_int_eq(parse(&o_, e_, __VA_ARGS__, (char *)NULL), MOK_EINVAL);   \
+    ck_assert_str_eq(e_, msg);                                                 \
+  } while (0)
+
+START_TEST(defaults_and_every_flag)
+{
+  mokctl_opts o;
+  char err[MOK_ERRLEN];
+
+  ck_assert_int_eq(parse(&o, err, "bench", (char *)NULL), 0);
+  ck_assert_int_eq(o.cmd, MOKCTL_BENCH);
+  ck_assert_ptr_null(o.socket);
+  ck_assert(o.T == 1024 && o.layer.hidden == 1024 && o.layer.intermediate == 512 &&
+            o.layer.experts == 16 && o.layer.top_k == 2 && o.layer.shared_intermediate == 0 &&
+            o.iters == 20 && !o.help);
+  ck_assert_int_eq(parse(&o, err, "--socket", "/tmp/a.sock", "bench", "--T", "7", "--H=64",
+                         "--I", "128", "--E", "8", "--K", "8", "--shared", "32", "--iters", "3",
+                         (char *)NULL), 0);
+  ck_assert_str_eq(o.socket, "/tmp/a.sock");
+  ck_assert(o.T == 7 && o.layer.hidden == 64 && o.layer.intermediate == 128 &&
+            o.layer.experts == 8 && o.layer.top_k == 8 && o.layer.shared_intermediate == 32 &&
+            o.iters == 3);
+  /* --socket after the command too, and the plain commands */
+  ck_assert_int_eq(parse(&o, err, "ping", "--socket=/tmp/b.sock", (char *)NULL), 0);
+  ck_assert_int_eq(o.cmd, MOKCTL_PING);
+  ck_assert_str_eq(o.socket, "/tmp/b.sock");
+  ck_assert_int_eq(parse(&o, err, "status", (char *)NULL), 0);
+  ck_assert_int_eq(o.cmd, MOKCTL_STATUS);
+  ck_assert_int_eq(parse(&o, err, "stats", (char *)NULL), 0);
+  ck_assert_int_eq(o.cmd, MOKCTL_STATS);
+}
+END_TEST
+
+START_TEST(help_is_asked_for)
+{
+  mokctl_opts o;
+  char err[MOK_ERRLEN];
+
+  ck_assert_int_eq(parse(&o, err, "--help", (char *)NULL), 0);
+  ck_assert(o.help && o.cmd == MOKCTL_NONE);
+  ck_assert_int_eq(parse(&o, err, "-h", (char *)NULL), 0);
+  ck_assert(o.help);
+  ck_assert_int_eq(parse(&o, err, "bench", "--T", "5", "--help", (char *)NULL), 0);
+  ck_assert(o.help && o.cmd == MOKCTL_BENCH);
+  ck_assert_int_eq(parse(&o, err, "stats", "-h", (char *)NULL), 0);
+  ck_assert(o.help && o.cmd == MOKCTL_STATS);
+}
+END_TEST
+
+START_TEST(help_names_every_bench_flag)
+{
+  char *text;
+  size_t len;
+  FILE *f = open_memstream(&text, &len);
+  mokctl_usage(f, MOKCTL_NONE);
+  fclose(f);
+  const char *want[] = {"ping", "status", "stats", "bench", "--socket", "--help", "--T n",
+                        "--H n", "--I n", "--E n", "--K n", "--shared n", "--iters n",
+                        "at most E", "max_arena_bytes", "Exit status"};
+  for (size_t i = 0; i < sizeof want / sizeof want[0]; i++)
+    ck_assert_msg(strstr(text, want[i]) != NULL, "help lacks \"%s\"", want[i]);
+  free(text);
+}
+END_TEST
+
+START_TEST(commands_and_arguments)
+{
+  REFUSED("no command given; one of ping, status, stats, bench", "--socket", "/tmp/a.sock");
+  REFUSED("unknown command \"pong\"; one of ping, status, stats, bench", "pong");
+  REFUSED("ping: unexpected argument \"now\"", "ping", "now");
+  REFUSED("bench: unexpected argument \"fast\"", "bench", "--T", "4", "fast");
+  REFUSED("unknown option \"--T\"", "--T", "4", "bench");
+  REFUSED("unknown option \"-x\"", "-x", "ping");
+  REFUSED("bench: unknown option \"--tokens\"", "bench", "--tokens=4");
+  REFUSED("stats: unknown option \"--T\"", "stats", "--T", "4");
+}
+END_TEST
+
+START_TEST(socket_flag)
+{
+  char longp[200];
+  memset(longp, 'a', sizeof longp - 1);
+  longp[0] = '/';
+  longp[sizeof longp - 1] = 0;
+  REFUSED("--socket needs a value", "--socket");
+  REFUSED("--socket: the path is empty", "--socket", "", "ping");
+  REFUSED("--socket: the path has 199 bytes; a Unix socket path has at most 107", "--socket",
+          longp, "ping");
+  REFUSED("bench: --socket needs a value", "bench", "--socket");
+}
+END_TEST
+
+START_TEST(bench_numbers)
+{
+  /* --T abc used to become T = 0 and a daemon message about x */
+  REFUSED("--T: \"abc\" is not a whole number", "bench", "--T", "abc");
+  REFUSED("--H: \"12k\" is not a whole number", "bench", "--H", "12k");
+  REFUSED("--I: \" 5\" is not a whole number", "bench", "--I", " 5");
+  REFUSED("--K: \"\" is not a whole number", "bench", "--K=");
+  REFUSED("--T: 0 is out of range; it must be in [1, 16777216]", "bench", "--T", "0");
+  REFUSED("--T: -3 is out of range; it must be in [1, 16777216]", "bench", "--T", "-3");
+  REFUSED("--H: 16777217 is out of range; it must be in [1, 16777216]", "bench", "--H",
+          "16777217");
+  REFUSED("--I: 99999999999999999999 is out of range; it must be in [1, 16777216]", "bench",
+          "--I", "99999999999999999999");
+  /* E = 0 used to die of SIGFPE */
+  REFUSED("--E: 0 is out of range; it must be in [1, 16777216]", "bench", "--E", "0");
+  REFUSED("--K: 0 is out of range; it must be in [1, 16777216]", "bench", "--K", "0");
+  REFUSED("--shared: -1 is out of range; it must be in [0, 16777216]", "bench", "--shared",
+          "-1");
+  /* --iters 0 used to run once */
+  REFUSED("--iters: 0 is out of range; it must be in [1, 1000000]", "bench", "--iters", "0");
+  REFUSED("--iters: 1000001 is out of range; it must be in [1, 1000000]", "bench", "--iters",
+          "1000001");
+  REFUSED("bench: --iters needs a value", "bench", "--iters");
+  /* K > E used to hang, looking for K distinct experts among E */
+  REFUSED("bench: --K 20 is larger than --E 4; each token picks K distinct experts", "bench",
+          "--K", "20", "--E", "4");
+  REFUSED("bench: --K 17 is larger than --E 16; each token picks K distinct experts", "bench",
+          "--K", "17");
+}
+END_TEST
+
+Suite *mokctl_suite(void)
+{
+  Suite *s = suite_create("mokctl");
+  TCase *tc = tcase_create("flags");
+  tcase_add_test(tc, defaults_and_every_flag);
+  tcase_add_test(tc, help_is_asked_for);
+  tcase_add_test(tc, help_names_every_bench_flag);
+  tcase_add_test(tc, commands_and_arguments);
+  tcase_add_test(tc, socket_flag);
+  tcase_add_test(tc, bench_numbers);
+  suite_add_tcase(s, tc);
+  return s;
+}
