@@ -19,6 +19,7 @@
 #include "cudamap.h"
 #include "fdpass.h"
 #include "frame.h"
+#include "paths.h"
 #include "proto/mokd.pb-c.h"
 
 /* public enums travel on the wire by value */
@@ -267,7 +268,7 @@ int mok_connect(const char *path, const char *client_name, mok_client **out)
 int mok_connect_device(const char *path, const char *client_name, int device,
                        mok_client **out)
 {
-  char def[108];
+  char def[108], why[MOK_ERRLEN];
   struct sockaddr_un sa = {.sun_family = AF_UNIX};
   Mokd__Request req = MOKD__REQUEST__INIT;
   Mokd__Hello h = MOKD__HELLO__INIT;
@@ -296,6 +297,12 @@ int mok_connect_device(const char *path, const char *client_name, int device,
     *out = c; /* so mok_last_error can say why; mok_close frees it */
     return fail(c, rc, "cannot connect to mokd at %s: %s (is the daemon running? --socket or "
                 "MOKD_SOCKET pick another path)", path, strerror(errno));
+  }
+  /* anyone may bind the /tmp fallback first: talk only to our own daemon */
+  if (mok_socket_is_tmp_fallback(path) &&
+      (rc = mok_socket_peer_check(c->fd, geteuid(), path, why, sizeof why)) != 0) {
+    *out = c;
+    return fail(c, rc, "%s", why);
   }
   h.protocol_version = MOK_PROTOCOL_VERSION;
   h.client_name = (char *)(client_name != NULL ? client_name : "libmok");

@@ -15,6 +15,7 @@
 #include "log.h"
 #include "mokd.h"
 #include "notify.h"
+#include "paths.h"
 
 static int parse_ids(const char *list, unsigned *out, int max, int *n, char *err,
                      size_t errlen, const char *what)
@@ -214,6 +215,8 @@ int mokd_server_start(mokd_server *srv, char *err, size_t errlen)
       parse_ids(srv->cfg.allow_gids, (unsigned *)srv->allow_gids, 32, &srv->nallow_gids, err,
                 errlen, "allow_gids"))
     return MOK_EINVAL;
+  if ((rc = mok_socket_dir_check(path, err, errlen)) != 0)
+    return rc;
   if ((rc = clear_stale(path, err, errlen)))
     return rc;
   if ((rc = uv_pipe_init(srv->loop, &srv->listener, 0)) != 0) {

@@ -104,6 +104,25 @@ START_TEST(config_error_stops_startup)
 }
 END_TEST
 
+/* libuv reports a missing socket directory as "permission denied" */
+START_TEST(missing_socket_directory_is_named)
+{
+  char cmd[512];
+  snprintf(cmd, sizeof cmd, "%s --config /dev/null --socket %s/missing/mokd.sock 2>&1",
+           mokd_bin(), dir);
+  FILE *pp = popen(cmd, "r");
+  char out[2048] = "";
+  size_t n = fread(out, 1, sizeof out - 1, pp);
+  int st = pclose(pp);
+  out[n] = 0;
+  ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) != 0, "mokd started: %s", out);
+  char want[192];
+  snprintf(want, sizeof want, "socket directory %s/missing does not exist", dir);
+  ck_assert_msg(strstr(out, want) != NULL, "output: %s", out);
+  ck_assert_msg(strstr(out, "ermission denied") == NULL, "output: %s", out);
+}
+END_TEST
+
 START_TEST(other_uid_is_refused)
 {
   /* only root can become another uid; CI runs as root */
@@ -278,6 +297,7 @@ Suite *daemon_service_suite(void)
   tcase_add_test(tc, sigterm_finishes_in_flight_work);
   tcase_add_test(tc, second_daemon_and_stale_socket);
   tcase_add_test(tc, config_error_stops_startup);
+  tcase_add_test(tc, missing_socket_directory_is_named);
   suite_add_tcase(s, tc);
   tc = tcase_create("mokctl");
   tcase_add_checked_fixture(tc, setup, teardown);
