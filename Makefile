@@ -35,7 +35,9 @@ NVCC      ?= $(CUDA_HOME)/bin/nvcc
 HAVE_CUDA ?= $(shell test -x $(NVCC) && echo 1)
 # sm_90a for Hopper, sm_100a for Blackwell, in one fatbin
 CUDA_ARCH ?= -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_100a,code=sm_100a
-NVFLAGS   := -std=c++17 -O3 -lineinfo $(CUDA_ARCH) -Xcompiler -fPIC,-Wall \
+# --fmad=false for the same reason: the SwiGLU of kernels/swiglu.h is evaluated
+# as written, on the GPU as on the CPU
+NVFLAGS   := -std=c++17 -O3 -lineinfo --fmad=false $(CUDA_ARCH) -Xcompiler -fPIC,-Wall \
              -Ikernels -Iclient/include
 # cudart is linked statically and reaches the driver itself, so the binaries
 # start on machines without one (they then report no device)

@@ -5,6 +5,8 @@
  *   NT  C[m,n] = sum_k A[m,k] B[n,k]   forward projections
  *   NN  C[m,n] = sum_k A[m,k] B[k,n]   backward data gradients
  *   TN  C[m,n] = sum_k A[k,m] B[k,n]   weight gradients (k runs over rows)
+ * It runs where the Hopper core (gemm_sm90.cuh) does not: GPUs other than
+ * sm_90. Both share gemm_args, the layouts and the epilogue math (swiglu.h).
  * A group is an expert: in NT and NN its rows (M) come from the schedule on
  * the device, in TN its reduction length (K) does. The launch is sized for the
  * worst case and every block walks tiles in a grid-stride loop; a tile's sum
@@ -16,6 +18,8 @@
 #include <cuda_bf16.h>
 #include <mma.h>
 #include <stdint.h>
+
+#include "swiglu.h"
 
 #define G_BM 128
 #define G_BN 128
@@ -56,11 +60,6 @@ typedef struct gemm_args {
   float limit;
   int accum;            /* E_WGRAD: add into fp32 */
 } gemm_args;
-
-__device__ __forceinline__ float g_silu(float g)
-{
-  return g / (1.0f + expf(-g));
-}
 
 /* One k step of operand tiles, global -> registers (zero outside the
  * matrix), so that the next step's loads overlap this step's MMAs. Every
@@ -261,11 +260,7 @@ __global__ void __launch_bounds__(G_THREADS) k_gemm(gemm_args a)
           a.sg[row * a.lds + i] = gv;
           a.su[row * a.lds + i] = uv;
         }
-        if (a.limit > 0.0f) {
-          gv = fminf(gv, a.limit);
-          uv = fminf(fmaxf(uv, -a.limit), a.limit);
-        }
-        h[row * a.ldc + i] = __float2bfloat16_rn(__fmul_rn(g_silu(gv), uv));
+        h[row * a.ldc + i] = __float2bfloat16_rn(mokk_swiglu(gv, uv, a.limit));
       }
     } else if (EPI == E_WGRAD) {
       for (int idx = threadIdx.x; idx < G_BM * G_BN; idx += G_THREADS) {
@@ -300,16 +295,8 @@ __global__ void __launch_bounds__(G_THREADS) k_gemm(gemm_args a)
           int i = n0 + n;
           float dh = a.scale != NULL ? __fmul_rn(a.scale[row], v) : v;
           float gr = a.sg[row * a.lds + i], ur = a.su[row * a.lds + i];
-          float gv = gr, uv = ur, L = a.limit;
-          if (L > 0.0f) {
-            gv = fminf(gr, L);
-            uv = fminf(fmaxf(ur, -L), L);
-          }
-          float sgm = 1.0f / (1.0f + expf(-gv));
-          float dg = (L > 0.0f && gr > L) ? 0.0f
-                                          : __fmul_rn(__fmul_rn(dh, uv),
-                                                      __fmul_rn(sgm, 1.0f + gv * (1.0f - sgm)));
-          float du = (L > 0.0f && (ur > L || ur < -L)) ? 0.0f : __fmul_rn(dh, g_silu(gv));
+          float dg = mokk_swiglu_dg(gr, ur, dh, a.limit);
+          float du = mokk_swiglu_du(gr, ur, dh, a.limit);
           bf16 *d = (bf16 *)a.C + row * a.ldc;
           d[i] = __float2bfloat16_rn(dg);
           d[a.lds + i] = __float2bfloat16_rn(du);

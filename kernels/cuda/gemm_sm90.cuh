@@ -33,11 +33,11 @@
 #include <cuda_runtime.h>
 #include <string.h>
 
-#include "epilogue.cuh"
 #include "gemm.cuh"
 #include "layer.h"
 #include "sm90/ptx.cuh"
 #include "sm90/tma.h"
+#include "swiglu.h"
 
 namespace sm90 {
 
@@ -296,10 +296,10 @@ __device__ __forceinline__ void epilogue(const gemm_args &a, const tile &x, floa
           float2 g_hi = make_float2(acc[4 * j + 4 + 2 * r], acc[4 * j + 4 + 2 * r + 1]);
           float2 u_lo = make_float2(acc[4 * (j + u) + 2 * r], acc[4 * (j + u) + 2 * r + 1]);
           float2 u_hi = make_float2(acc[4 * (j + u) + 4 + 2 * r], acc[4 * (j + u) + 4 + 2 * r + 1]);
-          uint2 h = pair_u32(bf16x2(epi_swiglu(g_lo.x, u_lo.x, a.limit),
-                                    epi_swiglu(g_lo.y, u_lo.y, a.limit)),
-                             bf16x2(epi_swiglu(g_hi.x, u_hi.x, a.limit),
-                                    epi_swiglu(g_hi.y, u_hi.y, a.limit)),
+          uint2 h = pair_u32(bf16x2(mokk_swiglu(g_lo.x, u_lo.x, a.limit),
+                                    mokk_swiglu(g_lo.y, u_lo.y, a.limit)),
+                             bf16x2(mokk_swiglu(g_hi.x, u_hi.x, a.limit),
+                                    mokk_swiglu(g_hi.y, u_hi.y, a.limit)),
                              lane);
           if (a.sg != NULL) {
             float4 g = pair_f32(g_lo, g_hi, lane), uu = pair_f32(u_lo, u_hi, lane);
@@ -338,9 +338,11 @@ __device__ __forceinline__ void epilogue(const gemm_args &a, const tile &x, floa
             float4 ur = *(const float4 *)(a.su + row * a.lds + n);
             float g4[4] = {gr.x, gr.y, gr.z, gr.w}, u4[4] = {ur.x, ur.y, ur.z, ur.w};
 #pragma unroll
-            for (int e = 0; e < 4; e++)
-              epi_dswiglu(a.scale != NULL ? __fmul_rn(sc, dh[e]) : dh[e], g4[e], u4[e], a.limit,
-                          &dg[e], &du[e]);
+            for (int e = 0; e < 4; e++) {
+              float d = a.scale != NULL ? sc * dh[e] : dh[e];
+              dg[e] = mokk_swiglu_dg(g4[e], u4[e], d, a.limit);
+              du[e] = mokk_swiglu_du(g4[e], u4[e], d, a.limit);
+            }
             bf16 *d = (bf16 *)a.C + row * a.ldc;
             *(uint2 *)(d + n) = make_uint2(bf16x2(dg[0], dg[1]), bf16x2(dg[2], dg[3]));
             *(uint2 *)(d + a.lds + n) = make_uint2(bf16x2(du[0], du[1]), bf16x2(du[2], du[3]));
