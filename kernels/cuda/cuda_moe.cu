@@ -117,41 +117,60 @@ __global__ void k_gather(const bf16 *x, const int *src, const int *total, int K,
   }
 }
 
-__device__ __forceinline__ float to_f32(bf16 v)
+/* Eight consecutive elements of a row as fp32: one 16-byte load of bf16, two
+ * of fp32. */
+__device__ __forceinline__ void load8(const bf16 *p, float (&o)[8])
 {
-  return __bfloat162float(v);
+  union { uint4 v; bf16 h[8]; } u;
+  u.v = *(const uint4 *)p;
+#pragma unroll
+  for (int j = 0; j < 8; j++)
+    o[j] = __bfloat162float(u.h[j]);
 }
 
-__device__ __forceinline__ float to_f32(float v)
+__device__ __forceinline__ void load8(const float *p, float (&o)[8])
 {
-  return v;
+  float4 a = *(const float4 *)p, b = *(const float4 *)(p + 4);
+  o[0] = a.x, o[1] = a.y, o[2] = a.z, o[3] = a.w;
+  o[4] = b.x, o[5] = b.y, o[6] = b.z, o[7] = b.w;
 }
 
 /* out[t] = bf16( sum_k [tw[t,k] *] v[t,k]  (k ascending)  + extra[t] ): the
  * forward's combine (bf16 y, router weights, shared ys) and the backward's
- * d_x (fp32 rows, no weights, shared part). tw and extra may be NULL. */
+ * d_x (fp32 rows, no weights, shared part). tw and extra may be NULL. Each
+ * thread owns eight columns; every element is summed in the same order. */
 template <typename V, typename X>
 __global__ void k_combine(const V *v, const int *slot, const float *tw, const X *extra,
                           int64_t T, int K, int64_t H, bf16 *out)
 {
   for (int64_t t = blockIdx.x; t < T; t += gridDim.x)
-    for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
-      float acc = 0.0f;
+    for (int64_t c = threadIdx.x * 8; c < H; c += blockDim.x * 8) {
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, x[8];
       for (int k = 0; k < K; k++) {
         int r = slot[t * K + k];
         if (r < 0)
           continue;
-        float x = to_f32(v[(int64_t)r * H + c]);
-        acc = __fadd_rn(acc, tw != NULL ? __fmul_rn(tw[t * K + k], x) : x);
+        load8(v + (int64_t)r * H + c, x);
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+          acc[j] = __fadd_rn(acc[j], tw != NULL ? __fmul_rn(tw[t * K + k], x[j]) : x[j]);
       }
-      if (extra != NULL)
-        acc = __fadd_rn(acc, to_f32(extra[t * H + c]));
-      out[t * H + c] = __float2bfloat16_rn(acc);
+      if (extra != NULL) {
+        load8(extra + t * H + c, x);
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+          acc[j] = __fadd_rn(acc[j], x[j]);
+      }
+      union { uint4 v; bf16 h[8]; } o;
+#pragma unroll
+      for (int j = 0; j < 8; j++)
+        o.h[j] = __float2bfloat16_rn(acc[j]);
+      *(uint4 *)(out + t * H + c) = o.v;
     }
 }
 
-/* d_topk_weights[t,k] = sum_h d_out[t,h] y[t,k,h]: a warp per pair, lanes
- * stride h, then a fixed butterfly. */
+/* d_topk_weights[t,k] = sum_h d_out[t,h] y[t,k,h]: a warp per pair, each lane
+ * sums its eight-column groups in order, then a fixed butterfly. */
 __global__ void k_dtw(const bf16 *d_out, const bf16 *y, const int *slot, int64_t TK, int K,
                       int64_t H, float *dtw)
 {
@@ -163,8 +182,14 @@ __global__ void k_dtw(const bf16 *d_out, const bf16 *y, const int *slot, int64_t
     float acc = 0.0f;
     if (r >= 0) {
       const bf16 *d = d_out + (p / K) * H, *v = y + (int64_t)r * H;
-      for (int64_t c = lane; c < H; c += 32)
-        acc = __fadd_rn(acc, __fmul_rn(__bfloat162float(d[c]), __bfloat162float(v[c])));
+      for (int64_t c = lane * 8; c < H; c += 32 * 8) {
+        float a[8], b[8];
+        load8(d + c, a);
+        load8(v + c, b);
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+          acc = __fadd_rn(acc, __fmul_rn(a[j], b[j]));
+      }
     }
     for (int o = 16; o > 0; o >>= 1)
       acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, o));

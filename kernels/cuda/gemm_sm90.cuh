@@ -417,6 +417,9 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
 #pragma unroll
     for (int i = 0; i < BN / 2; i++)
       acc[i] = 0.0f;
+    /* one batch of MMAs stays in flight: k-block kb's are issued before
+     * kb - 1's are waited for and its stage handed back */
+    int prev = -1;
     for (int kb = 0; kb < nk; kb++) {
       bar_wait(&full[s], ph);
       if (LAYOUT == L_TN && kb == nk - 1 && x.rows % BK != 0)
@@ -426,16 +429,21 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
         wgmma_fence();
         mma_stage<TA, TB, BN>(acc, sa0 + s * A_BYTES, sb0 + s * B_BYTES, cw);
         wgmma_commit();
-        wgmma_wait<0>();
+        wgmma_wait<1>();
         acc_fence(acc);
       }
-      if (lane == 0)
-        bar_arrive(&empty[s]);
+      if (prev >= 0 && lane == 0)
+        bar_arrive(&empty[prev]);
+      prev = s;
       if (++s == STAGES) {
         s = 0;
         ph ^= 1;
       }
     }
+    wgmma_wait<0>();
+    acc_fence(acc);
+    if (prev >= 0 && lane == 0)
+      bar_arrive(&empty[prev]);
     epilogue<LAYOUT, EPI, BN>(a, x, acc, cw, warp, lane);
   }
 #else
