@@ -147,7 +147,7 @@ $(BUILD)/obj/%.o: %.cu $(wildcard kernels/cuda/*.cuh kernels/cuda/*.h kernels/cu
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVFLAGS) -c $< -o $@
 
-$(call obj,tests/gpu/check_gpu.c tests/bench/bench_gpu.c): CFLAGS += $(CHECK_CFLAGS) -Itests \
+$(call obj,tests/gpu/check_gpu.c tests/bench/bench_gpu.c tests/bench/bench_gemm.c): CFLAGS += $(CHECK_CFLAGS) -Itests \
 	-isystem $(CUDA_HOME)/include
 
 $(BUILD)/obj/tests/gpu/gemm_core.o: NVFLAGS += -Ikernels/cuda

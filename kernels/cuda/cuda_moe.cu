@@ -237,9 +237,16 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
       return cuda_fail(err, e, what);
     cb->arch = 10 * major + minor;
   }
+  /* weight gradients (k = an expert's rows, often a few blocks) take the
+   * ping-pong tiles, which hide one warpgroup's stores behind the other's
+   * MMAs; the rest share 128 x 256 tiles */
   if (cb->arch == 90)
-    return sm90::gemm<LAYOUT, EPI, 256>(a, a_rows, grid_for(cb, gemm_tiles(a, LAYOUT), 1),
-                                        cb->stream, err);
+    return LAYOUT == L_TN
+               ? sm90::gemm<LAYOUT, EPI, 128, true>(a, a_rows,
+                                                    grid_for(cb, gemm_tiles(a, LAYOUT), 1),
+                                                    cb->stream, err)
+               : sm90::gemm<LAYOUT, EPI, 256>(a, a_rows, grid_for(cb, gemm_tiles(a, LAYOUT), 1),
+                                              cb->stream, err);
   /* the opt-in belongs to the current device and is a host-side call: ask every time */
   e = cudaFuncSetAttribute(k_gemm<LAYOUT, EPI>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            G_SMEM_BYTES);

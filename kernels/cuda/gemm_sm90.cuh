@@ -170,17 +170,18 @@ __device__ __forceinline__ void load_stage(const params &p, const tile &x, int k
 /* TN: the last k-block of a segment holds `kv` rows; the rest of the rows
  * belong to the next expert and must not reach the sum. */
 template <int BN>
-__device__ __forceinline__ void zero_rows(unsigned char *sa, unsigned char *sb, int kv, int ct)
+__device__ __forceinline__ void zero_rows(unsigned char *sa, unsigned char *sb, int kv, int ct,
+                                          int threads, int barrier)
 {
   const int per = (BK - kv) * 8; /* 16-byte units per chunk */
   const uint4 z = make_uint4(0, 0, 0, 0);
-  for (int i = ct; i < (BM / 64 + BN / 64) * per; i += 256) {
+  for (int i = ct; i < (BM / 64 + BN / 64) * per; i += threads) {
     int c = i / per, o = i % per;
     unsigned char *base = c < BM / 64 ? sa + c * CHUNK : sb + (c - BM / 64) * CHUNK;
     *(uint4 *)(base + kv * 128 + o * 16) = z;
   }
   fence_async_shared();
-  named_sync(1, 256);
+  named_sync(barrier, threads);
 }
 
 template <int TA, int TB, int BN>
@@ -353,11 +354,128 @@ __device__ __forceinline__ void epilogue(const gemm_args &a, const tile &x, floa
   }
 }
 
+/* The cooperative consumer: both warpgroups on one 128 x BN tile, 64 rows
+ * each. */
 template <int LAYOUT, int EPI, int BN>
+__device__ __forceinline__ void cooperative(const gemm_args &a, int64_t tiles, unsigned char *sa,
+                                            unsigned char *sb, uint32_t sa0, uint32_t sb0,
+                                            uint64_t *full, uint64_t *empty, int cw, int ct,
+                                            int warp, int lane)
+{
+  constexpr int TA = LAYOUT == L_TN, TB = LAYOUT != L_NT;
+  constexpr int STAGES = cfg<BN>::STAGES, A_BYTES = cfg<BN>::A_BYTES, B_BYTES = cfg<BN>::B_BYTES;
+  int s = 0;
+  uint32_t ph = 0;
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    tile x = tile_at<LAYOUT, BN>(a, t);
+    int nk = k_blocks<LAYOUT>(a, x);
+    /* a group's last m-tile often has no rows for the second warpgroup: it
+     * then only keeps the pipeline going and leaves the tensor cores to the
+     * first */
+    const bool active = LAYOUT == L_TN || x.mt * BM + cw * 64 < x.rows;
+    float acc[BN / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; i++)
+      acc[i] = 0.0f;
+    /* one batch of MMAs stays in flight: k-block kb's are issued before
+     * kb - 1's are waited for and its stage handed back */
+    int prev = -1;
+    for (int kb = 0; kb < nk; kb++) {
+      bar_wait(&full[s], ph);
+      if (LAYOUT == L_TN && kb == nk - 1 && x.rows % BK != 0)
+        zero_rows<BN>(sa + s * A_BYTES, sb + s * B_BYTES, x.rows % BK, ct, 256, 1);
+      if (active) {
+        acc_fence(acc);
+        wgmma_fence();
+        mma_stage<TA, TB, BN>(acc, sa0 + s * A_BYTES, sb0 + s * B_BYTES, cw);
+        wgmma_commit();
+        wgmma_wait<1>();
+        acc_fence(acc);
+      }
+      if (prev >= 0 && lane == 0)
+        bar_arrive(&empty[prev]);
+      prev = s;
+      if (++s == STAGES) {
+        s = 0;
+        ph ^= 1;
+      }
+    }
+    wgmma_wait<0>();
+    acc_fence(acc);
+    if (prev >= 0 && lane == 0)
+      bar_arrive(&empty[prev]);
+    epilogue<LAYOUT, EPI, BN>(a, x, acc, cw, warp, lane);
+  }
+}
+
+/* The ping-pong consumer: warpgroup cw owns every other tile of its block's
+ * sequence, 128 x 128, whole (two m64 halves), and skips the stages of the
+ * other's tiles. While one multiplies, the other stores its last tile: on
+ * GEMMs with short k loops (the weight gradients, k = an expert's rows) the
+ * stores no longer leave the tensor cores idle. */
+template <int LAYOUT, int EPI>
+__device__ __forceinline__ void pingpong(const gemm_args &a, int64_t tiles, unsigned char *sa,
+                                         unsigned char *sb, uint32_t sa0, uint32_t sb0,
+                                         uint64_t *full, uint64_t *empty, int cw, int ct,
+                                         int warp, int lane)
+{
+  constexpr int BN = 128, TA = LAYOUT == L_TN, TB = LAYOUT != L_NT;
+  constexpr int STAGES = cfg<BN>::STAGES, A_BYTES = cfg<BN>::A_BYTES, B_BYTES = cfg<BN>::B_BYTES;
+  int s = 0;
+  uint32_t ph = 0;
+  int64_t i = 0;
+
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x, i++) {
+    tile x = tile_at<LAYOUT, BN>(a, t);
+    int nk = k_blocks<LAYOUT>(a, x);
+    if ((i & 1) != cw) { /* the other warpgroup's tile: pass over its stages */
+      s += nk;
+      ph ^= (uint32_t)((s / STAGES) & 1);
+      s %= STAGES;
+      continue;
+    }
+    const bool lower = LAYOUT == L_TN || x.mt * BM + 64 < x.rows; /* rows 64..127 exist */
+    float acc0[BN / 2], acc1[BN / 2];
+#pragma unroll
+    for (int j = 0; j < BN / 2; j++)
+      acc0[j] = acc1[j] = 0.0f;
+    int prev = -1;
+    for (int kb = 0; kb < nk; kb++) {
+      bar_wait(&full[s], ph);
+      if (LAYOUT == L_TN && kb == nk - 1 && x.rows % BK != 0)
+        zero_rows<BN>(sa + s * A_BYTES, sb + s * B_BYTES, x.rows % BK, ct, 128, 2 + cw);
+      acc_fence(acc0);
+      acc_fence(acc1);
+      wgmma_fence();
+      mma_stage<TA, TB, BN>(acc0, sa0 + s * A_BYTES, sb0 + s * B_BYTES, 0);
+      if (lower)
+        mma_stage<TA, TB, BN>(acc1, sa0 + s * A_BYTES, sb0 + s * B_BYTES, 1);
+      wgmma_commit();
+      wgmma_wait<1>();
+      acc_fence(acc0);
+      acc_fence(acc1);
+      if (prev >= 0 && lane == 0)
+        bar_arrive(&empty[prev]);
+      prev = s;
+      if (++s == STAGES) {
+        s = 0;
+        ph ^= 1;
+      }
+    }
+    wgmma_wait<0>();
+    acc_fence(acc0);
+    acc_fence(acc1);
+    if (prev >= 0 && lane == 0)
+      bar_arrive(&empty[prev]);
+    epilogue<LAYOUT, EPI, BN>(a, x, acc0, 0, warp, lane);
+    epilogue<LAYOUT, EPI, BN>(a, x, acc1, 1, warp, lane);
+  }
+}
+
+template <int LAYOUT, int EPI, int BN, bool PP>
 __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ params p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int TA = LAYOUT == L_TN, TB = LAYOUT != L_NT;
   constexpr int STAGES = cfg<BN>::STAGES, A_BYTES = cfg<BN>::A_BYTES, B_BYTES = cfg<BN>::B_BYTES;
   extern __shared__ unsigned char smem_raw[];
   unsigned char *sa = (unsigned char *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
@@ -369,7 +487,7 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; s++) {
       bar_init(&full[s], 1);
-      bar_init(&empty[s], 8); /* one arrival per consumer warp */
+      bar_init(&empty[s], PP ? 4 : 8); /* one arrival per warp that reads the stage */
     }
     bar_init_fence();
   }
@@ -404,48 +522,10 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
   const int cw = wg - 1, ct = threadIdx.x - 128, warp = (threadIdx.x / 32) % 4,
             lane = threadIdx.x % 32;
   const uint32_t sa0 = smem_addr(sa), sb0 = smem_addr(sb);
-  int s = 0;
-  uint32_t ph = 0;
-  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
-    tile x = tile_at<LAYOUT, BN>(a, t);
-    int nk = k_blocks<LAYOUT>(a, x);
-    /* a group's last m-tile often has no rows for the second warpgroup: it
-     * then only keeps the pipeline going and leaves the tensor cores to the
-     * first */
-    const bool active = LAYOUT == L_TN || x.mt * BM + cw * 64 < x.rows;
-    float acc[BN / 2];
-#pragma unroll
-    for (int i = 0; i < BN / 2; i++)
-      acc[i] = 0.0f;
-    /* one batch of MMAs stays in flight: k-block kb's are issued before
-     * kb - 1's are waited for and its stage handed back */
-    int prev = -1;
-    for (int kb = 0; kb < nk; kb++) {
-      bar_wait(&full[s], ph);
-      if (LAYOUT == L_TN && kb == nk - 1 && x.rows % BK != 0)
-        zero_rows<BN>(sa + s * A_BYTES, sb + s * B_BYTES, x.rows % BK, ct);
-      if (active) {
-        acc_fence(acc);
-        wgmma_fence();
-        mma_stage<TA, TB, BN>(acc, sa0 + s * A_BYTES, sb0 + s * B_BYTES, cw);
-        wgmma_commit();
-        wgmma_wait<1>();
-        acc_fence(acc);
-      }
-      if (prev >= 0 && lane == 0)
-        bar_arrive(&empty[prev]);
-      prev = s;
-      if (++s == STAGES) {
-        s = 0;
-        ph ^= 1;
-      }
-    }
-    wgmma_wait<0>();
-    acc_fence(acc);
-    if (prev >= 0 && lane == 0)
-      bar_arrive(&empty[prev]);
-    epilogue<LAYOUT, EPI, BN>(a, x, acc, cw, warp, lane);
-  }
+  if constexpr (PP)
+    pingpong<LAYOUT, EPI>(a, tiles, sa, sb, sa0, sb0, full, empty, cw, ct & 127, warp, lane);
+  else
+    cooperative<LAYOUT, EPI, BN>(a, tiles, sa, sb, sa0, sb0, full, empty, cw, ct, warp, lane);
 #else
   __trap(); /* launched only on sm_90 devices */
 #endif
@@ -485,19 +565,22 @@ static int make_params(params *p, const gemm_args *a, int64_t a_rows, char *err)
   return 0;
 }
 
-/* Queues one GEMM on stream with `grid` persistent blocks. */
-template <int LAYOUT, int EPI, int BN>
+/* Queues one GEMM on stream with `grid` persistent blocks: BN-wide tiles
+ * shared by both consumer warpgroups, or (PP, BN = 128) 128 x 128 tiles that
+ * the two take in turns. */
+template <int LAYOUT, int EPI, int BN, bool PP = false>
 static int gemm(const gemm_args *a, int64_t a_rows, int grid, cudaStream_t stream, char *err)
 {
+  static_assert(!PP || BN == 128, "ping-pong tiles are 128 x 128");
   params p;
   int rc = make_params<LAYOUT, EPI, BN>(&p, a, a_rows, err);
   if (rc)
     return rc;
-  cudaError_t e = cudaFuncSetAttribute(k_gemm90<LAYOUT, EPI, BN>,
+  cudaError_t e = cudaFuncSetAttribute(k_gemm90<LAYOUT, EPI, BN, PP>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        cfg<BN>::SMEM);
   if (e == cudaSuccess) {
-    k_gemm90<LAYOUT, EPI, BN><<<grid, THREADS, cfg<BN>::SMEM, stream>>>(p);
+    k_gemm90<LAYOUT, EPI, BN, PP><<<grid, THREADS, cfg<BN>::SMEM, stream>>>(p);
     e = cudaGetLastError();
   }
   if (e != cudaSuccess)

@@ -6,9 +6,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-int gemm_core_available(void);
-int gemm_core_check(int bn, int grid, char *msg, size_t msglen, double *worst);
-double gemm_core_time(int M, int N, int K, int bn, int iters, double *worst);
+#include "gpu/gemm_core.h"
+
+static const char *VNAME[GEMM_VARIANTS] = {"coop128", "coop256", "pingpong"};
 
 static const int SHAPES[][3] = {{8192, 4096, 7168}, {8192, 7168, 2048}, {8192, 8192, 8192}};
 #define NSHAPES (int)(sizeof SHAPES / sizeof SHAPES[0])
@@ -67,34 +67,55 @@ int main(int argc, char **argv)
     printf("bench_gemm: no sm_90 GPU; the Hopper core does not run here\n");
     return 0;
   }
-  for (int bn = 128; bn <= 256; bn *= 2) {
+  for (int v = 0; v < GEMM_VARIANTS; v++) {
     double worst = 0;
-    int f = gemm_core_check(bn, 0, msg, sizeof msg, &worst);
-    printf("check BN=%d: %s(%d failing, worst %.3f of tolerance)\n", bn, msg, f, worst);
+    int f = gemm_core_check(v, 0, msg, sizeof msg, &worst);
+    printf("check %s: %s(%d failing, worst %.3f of tolerance)\n", VNAME[v], msg, f, worst);
     bad += f != 0;
   }
   for (int i = 0; i < NSHAPES; i++)
     tms[i] = 0;
   if (torch != NULL)
     torch_times(torch, iters, tms);
-  printf("\n%-18s %5s %9s %9s %9s %9s\n", "M,N,K", "BN", "ms", "TFLOP/s", "torch ms", "ratio");
+  printf("\n%-18s %9s %9s %9s %9s %9s\n", "M,N,K", "variant", "ms", "TFLOP/s", "torch ms",
+         "ratio");
   for (int i = 0; i < NSHAPES; i++) {
     int M = SHAPES[i][0], N = SHAPES[i][1], K = SHAPES[i][2];
     double flops = 2.0 * M * N * K;
-    for (int bn = 128; bn <= 256; bn *= 2) {
-      double worst = 0, ms = gemm_core_time(M, N, K, bn, iters, &worst);
+    for (int v = 0; v < GEMM_VARIANTS; v++) {
+      double worst = 0, ms = gemm_core_time(M, N, K, v, iters, &worst);
       char shape[32];
       snprintf(shape, sizeof shape, "%d,%d,%d", M, N, K);
       if (ms <= 0 || !(worst <= 1.0)) {
-        printf("%-18s %5d  failed (sample error %.3f of tolerance)\n", shape, bn, worst);
+        printf("%-18s %9s  failed (sample error %.3f of tolerance)\n", shape, VNAME[v], worst);
         bad++;
         continue;
       }
-      printf("%-18s %5d %9.3f %9.1f", shape, bn, ms, flops / ms / 1e9);
+      printf("%-18s %9s %9.3f %9.1f", shape, VNAME[v], ms, flops / ms / 1e9);
       if (tms[i] > 0)
         printf(" %9.3f %8.3fx\n", tms[i], tms[i] / ms);
       else
         printf(" %9s %9s\n", "-", "-");
+    }
+  }
+  /* weight gradients as the layer computes them: many groups, short k */
+  static const int WG[][4] = {{256, 256, 4096, 7168}, {384, 32, 6144, 7168}, {128, 2048, 1536, 2048}};
+  printf("\n%-28s %9s %9s %9s %9s\n", "wgrad groups,rows,M,N", "variant", "ms", "TFLOP/s",
+         "GB/s out");
+  for (size_t i = 0; i < sizeof WG / sizeof WG[0]; i++) {
+    double flops = 2.0 * WG[i][0] * WG[i][1] * WG[i][2] * WG[i][3];
+    double out = 2.0 * WG[i][0] * WG[i][2] * WG[i][3];
+    char shape[48];
+    snprintf(shape, sizeof shape, "%d,%d,%d,%d", WG[i][0], WG[i][1], WG[i][2], WG[i][3]);
+    for (int v = 0; v < GEMM_VARIANTS; v++) {
+      double ms = gemm_core_time_wgrad(WG[i][0], WG[i][1], WG[i][2], WG[i][3], v, iters);
+      if (ms <= 0) {
+        printf("%-28s %9s  failed\n", shape, VNAME[v]);
+        bad++;
+        continue;
+      }
+      printf("%-28s %9s %9.3f %9.1f %9.0f\n", shape, VNAME[v], ms, flops / ms / 1e9,
+             out / ms / 1e6);
     }
   }
   return bad ? 1 : 0;

@@ -32,14 +32,12 @@
 #include <cuda_runtime_api.h>
 
 #include "cuda/cuda_backend.h"
+#include "gpu/gemm_core.h"
 #include "mok.h"
 #include "ref.h"
 
 static mokk_backend *gpu, *cpu;
 
-/* tests/gpu/gemm_core.cu */
-int gemm_core_available(void);
-int gemm_core_check(int bn, int grid, char *msg, size_t msglen, double *worst);
 
 static void *dev_copy(const void *h, size_t n)
 {
@@ -239,10 +237,11 @@ static void expect_same(const moe_out *a, const moe_out *b, const moe_case *c, c
   }
 }
 
-/* The Hopper GEMM core, layout by layout, against an fp32 reference: both
- * tile widths, on every SM and on three blocks (each walks many tiles). */
+/* The Hopper GEMM core, layout by layout, against an fp32 reference: each
+ * variant, on every SM and on three blocks (each walks many tiles). */
 START_TEST(gemm_core_layouts)
 {
+  static const char *names[GEMM_VARIANTS] = {"coop128", "coop256", "pingpong"};
   static const int grids[] = {0, 3};
   char msg[2048];
   double worst = 0;
@@ -251,11 +250,11 @@ START_TEST(gemm_core_layouts)
     printf("gemm_core_layouts: not an sm_90 GPU; the Hopper core is not used here\n");
     return;
   }
-  for (int bn = 128; bn <= 256; bn *= 2)
+  for (int v = 0; v < GEMM_VARIANTS; v++)
     for (size_t i = 0; i < sizeof grids / sizeof grids[0]; i++) {
-      int f = gemm_core_check(bn, grids[i], msg, sizeof msg, &worst);
-      printf("gemm_core_layouts BN=%d grid=%d: %s\n", bn, grids[i], msg);
-      ck_assert_msg(f == 0, "BN=%d grid=%d: %d case(s) failed: %s", bn, grids[i], f, msg);
+      int f = gemm_core_check(v, grids[i], msg, sizeof msg, &worst);
+      printf("gemm_core_layouts %s grid=%d: %s\n", names[v], grids[i], msg);
+      ck_assert_msg(f == 0, "%s grid=%d: %d case(s) failed: %s", names[v], grids[i], f, msg);
     }
 }
 END_TEST

@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "gemm_core.h"
 #include "gemm_sm90.cuh"
 
 #define CORE_OK(call)                                                       \
@@ -124,6 +125,8 @@ static gemm_args grouped_args(const grouping *gp)
 /* Worst error / tolerance over n values; the reference is fp32. */
 static double compare(const void *got_d, int got_bf16, const float *ref_d, int64_t n, double tol)
 {
+  if (n <= 0)
+    return 0;
   float *ref_h = (float *)malloc(n * 4), *got_h = (float *)malloc(n * 4);
   unsigned short *b = got_bf16 ? (unsigned short *)malloc(n * 2) : NULL;
   double rms = 0, worst = 0;
@@ -163,7 +166,7 @@ static int sms(void)
 /* NT, plain and gate/up, grouped and dense; NN with and without the k split;
  * TN bf16 and fp32-accumulate with the C/C2 split, grouped and dense. Each
  * line of the report names a case and its error / tolerance. */
-template <int BN>
+template <int BN, bool PP>
 static int run_cases(int grid, char *msg, size_t msglen, double *worst_out)
 {
   grouping gp;
@@ -208,7 +211,7 @@ static int run_cases(int grid, char *msg, size_t msglen, double *worst_out)
     gemm_args a = grouped_args(&gp);
     a.A = A, a.lda = K, a.B = B, a.ldb = K, a.b_stride = (int64_t)N * K;
     a.N = N, a.K = K, a.C = C, a.ldc = N;
-    RUN((sm90::gemm<L_NT, E_BF16, BN>(&a, R, grid, 0, err)));
+    RUN((sm90::gemm<L_NT, E_BF16, BN, PP>(&a, R, grid, 0, err)));
     for (int g = 0; g < gp.groups; g++)
       ref(A + (int64_t)gp.row_start[g] * K, K, 1, B + (int64_t)g * N * K, K, 1, gp.count[g], N,
           K, refc + (int64_t)gp.row_start[g] * N, N, 0);
@@ -220,7 +223,7 @@ static int run_cases(int grid, char *msg, size_t msglen, double *worst_out)
     gemm_args a = grouped_args(&gp);
     a.A = A, a.lda = K, a.B = B, a.B2 = B2, a.ldb = K, a.b_stride = (int64_t)IE * K;
     a.N = 2 * IE, a.K = K, a.C = C, a.ldc = IE, a.sg = sg, a.su = su, a.lds = IE;
-    RUN((sm90::gemm<L_NT, E_GATEUP, BN>(&a, R, grid, 0, err)));
+    RUN((sm90::gemm<L_NT, E_GATEUP, BN, PP>(&a, R, grid, 0, err)));
     for (int g = 0; g < gp.groups; g++) {
       int64_t rs = gp.row_start[g];
       ref(A + rs * K, K, 1, B + (int64_t)g * IE * K, K, 1, gp.count[g], IE, K, refc + rs * IE,
@@ -238,7 +241,7 @@ static int run_cases(int grid, char *msg, size_t msglen, double *worst_out)
     memset(&a, 0, sizeof a);
     a.groups = 1, a.M = 300;
     a.A = A, a.lda = K, a.B = B, a.ldb = K, a.N = N, a.K = K, a.C = C, a.ldc = N;
-    RUN((sm90::gemm<L_NT, E_BF16, BN>(&a, 300, grid, 0, err)));
+    RUN((sm90::gemm<L_NT, E_BF16, BN, PP>(&a, 300, grid, 0, err)));
     ref(A, K, 1, B, K, 1, 300, N, K, refc, N, 0);
     CORE_OK(cudaDeviceSynchronize());
     REPORT("nt_dense", compare(C, 1, refc, 300LL * N, TOL_BF16));
@@ -248,7 +251,7 @@ static int run_cases(int grid, char *msg, size_t msglen, double *worst_out)
     gemm_args a = grouped_args(&gp);
     a.A = A, a.lda = 2 * IE, a.B = B, a.B2 = B2, a.split = IE, a.ldb = N;
     a.b_stride = (int64_t)IE * N, a.N = N, a.K = 2 * IE, a.C = C, a.ldc = N;
-    RUN((sm90::gemm<L_NN, E_F32, BN>(&a, R, grid, 0, err)));
+    RUN((sm90::gemm<L_NN, E_F32, BN, PP>(&a, R, grid, 0, err)));
     for (int g = 0; g < gp.groups; g++) {
       int64_t rs = gp.row_start[g];
       ref(A + rs * 2 * IE, 2 * IE, 1, B + (int64_t)g * IE * N, 1, N, gp.count[g], N, IE,
@@ -264,7 +267,7 @@ static int run_cases(int grid, char *msg, size_t msglen, double *worst_out)
     gemm_args a = grouped_args(&gp);
     a.A = A, a.lda = K, a.B = B, a.ldb = N, a.b_stride = (int64_t)K * N;
     a.N = N, a.K = K, a.C = C, a.ldc = N;
-    RUN((sm90::gemm<L_NN, E_F32, BN>(&a, R, grid, 0, err)));
+    RUN((sm90::gemm<L_NN, E_F32, BN, PP>(&a, R, grid, 0, err)));
     for (int g = 0; g < gp.groups; g++) {
       int64_t rs = gp.row_start[g];
       ref(A + rs * K, K, 1, B + (int64_t)g * K * N, 1, N, gp.count[g], N, K, refc + rs * N, N,
@@ -284,7 +287,7 @@ static int run_cases(int grid, char *msg, size_t msglen, double *worst_out)
       CORE_OK(cudaMemcpy(C, refc, gp.groups * per * 4, cudaMemcpyDeviceToDevice));
       CORE_OK(cudaMemcpy(C2, ref2, gp.groups * per * 4, cudaMemcpyDeviceToDevice));
     }
-    RUN((sm90::gemm<L_TN, E_WGRAD, BN>(&a, R, grid, 0, err)));
+    RUN((sm90::gemm<L_TN, E_WGRAD, BN, PP>(&a, R, grid, 0, err)));
     for (int g = 0; g < gp.groups; g++) {
       int64_t rs = gp.row_start[g];
       ref(A + rs * 2 * IE, 1, 2 * IE, Bt + rs * N, 1, N, IE, N, gp.count[g], refc + g * per, N,
@@ -304,7 +307,7 @@ static int run_cases(int grid, char *msg, size_t msglen, double *worst_out)
     memset(&a, 0, sizeof a);
     a.groups = 1, a.K = 77;
     a.A = A, a.lda = K, a.B = Bt, a.ldb = N, a.M = K, a.N = N, a.C = C, a.ldc = N;
-    RUN((sm90::gemm<L_TN, E_WGRAD, BN>(&a, 77, grid, 0, err)));
+    RUN((sm90::gemm<L_TN, E_WGRAD, BN, PP>(&a, 77, grid, 0, err)));
     ref(A, 1, K, Bt, 1, N, K, N, 77, refc, N, 0);
     CORE_OK(cudaDeviceSynchronize());
     REPORT("tn_dense", compare(C, 1, refc, (int64_t)K * N, TOL_BF16));
@@ -329,22 +332,88 @@ extern "C" int gemm_core_available(void)
   return major == 9 && minor == 0;
 }
 
-/* Every case for tile width bn (128 or 256) on `grid` blocks (0: one per
- * SM). Returns the number of failing cases (the report names them), or -1
- * when a case could not run. */
-extern "C" int gemm_core_check(int bn, int grid, char *msg, size_t msglen, double *worst)
+/* Every case for one variant of the core (GEMM_COOP128, GEMM_COOP256,
+ * GEMM_PINGPONG) on `grid` blocks (0: one per SM). Returns the number of
+ * failing cases (the report names them), or -1 when a case could not run. */
+extern "C" int gemm_core_check(int variant, int grid, char *msg, size_t msglen, double *worst)
 {
   if (grid <= 0)
     grid = sms();
   msg[0] = 0;
-  return bn == 256 ? run_cases<256>(grid, msg, msglen, worst)
-                   : run_cases<128>(grid, msg, msglen, worst);
+  switch (variant) {
+  case GEMM_COOP256:
+    return run_cases<256, false>(grid, msg, msglen, worst);
+  case GEMM_PINGPONG:
+    return run_cases<128, true>(grid, msg, msglen, worst);
+  default:
+    return run_cases<128, false>(grid, msg, msglen, worst);
+  }
+}
+
+static int sort_median(double *ms, int n, double *med)
+{
+  for (int i = 1; i < n; i++) /* insertion sort, n is small */
+    for (int j = i; j > 0 && ms[j - 1] > ms[j]; j--) {
+      double t = ms[j];
+      ms[j] = ms[j - 1];
+      ms[j - 1] = t;
+    }
+  *med = n > 0 ? ms[n / 2] : 0;
+  return n;
+}
+
+/* Median ms of a weight-gradient GEMM shaped like the layer's: groups of
+ * `rows` rows, C[g] (M x N, bf16) = A[rows of g]^T B[rows of g], A [R, M] and
+ * B [R, N] both MN-major, over iters runs after a warm-up; 0 when it could
+ * not run. */
+extern "C" double gemm_core_time_wgrad(int groups, int rows, int M, int N, int variant, int iters)
+{
+  char err[256];
+  int64_t R = (int64_t)groups * rows;
+  bf16 *A = rand_bf16(R * M, 21), *B = rand_bf16(R * N, 22);
+  bf16 *C = (bf16 *)zeros((int64_t)groups * M * N * 2);
+  int *cnt = (int *)malloc(groups * 4), *rs = (int *)malloc(groups * 4), *d_cnt, *d_rs;
+  double *ms = (double *)calloc(iters, sizeof *ms), med = 0;
+  cudaEvent_t e0, e1;
+  gemm_args a;
+
+  for (int g = 0; g < groups; g++)
+    cnt[g] = rows, rs[g] = g * rows;
+  cudaMalloc(&d_cnt, groups * 4), cudaMalloc(&d_rs, groups * 4);
+  cudaMemcpy(d_cnt, cnt, groups * 4, cudaMemcpyHostToDevice);
+  cudaMemcpy(d_rs, rs, groups * 4, cudaMemcpyHostToDevice);
+  memset(&a, 0, sizeof a);
+  a.groups = groups, a.count = d_cnt, a.row_start = d_rs;
+  a.A = A, a.lda = M, a.B = B, a.ldb = N, a.M = M, a.N = N, a.C = C, a.ldc = N;
+  a.c_stride = (int64_t)M * N;
+  cudaEventCreate(&e0), cudaEventCreate(&e1);
+  for (int i = -2; i < iters; i++) {
+    cudaEventRecord(e0);
+    int rc = variant == GEMM_COOP256 ? sm90::gemm<L_TN, E_WGRAD, 256>(&a, R, sms(), 0, err)
+             : variant == GEMM_PINGPONG ? sm90::gemm<L_TN, E_WGRAD, 128, true>(&a, R, sms(), 0, err)
+                                        : sm90::gemm<L_TN, E_WGRAD, 128>(&a, R, sms(), 0, err);
+    cudaEventRecord(e1);
+    if (rc != 0 || cudaEventSynchronize(e1) != cudaSuccess) {
+      fprintf(stderr, "gemm_core_time_wgrad: %s\n", rc ? err : "launch failed");
+      iters = 0;
+      break;
+    }
+    float t = 0;
+    cudaEventElapsedTime(&t, e0, e1);
+    if (i >= 0)
+      ms[i] = t;
+  }
+  sort_median(ms, iters, &med);
+  cudaEventDestroy(e0), cudaEventDestroy(e1);
+  cudaFree(A), cudaFree(B), cudaFree(C), cudaFree(d_cnt), cudaFree(d_rs);
+  free(cnt), free(rs), free(ms);
+  return med;
 }
 
 /* Median ms of a dense NT GEMM C[M, N] = A[M, K] B[N, K]^T (bf16 out) over
  * iters timed runs after a warm-up; 0 when it could not run. Also checks a
  * sample of the result: *worst is its error / tolerance. */
-extern "C" double gemm_core_time(int M, int N, int K, int bn, int iters, double *worst)
+extern "C" double gemm_core_time(int M, int N, int K, int variant, int iters, double *worst)
 {
   char err[256];
   bf16 *A = rand_bf16((int64_t)M * K, 11), *B = rand_bf16((int64_t)N * K, 12);
@@ -360,8 +429,9 @@ extern "C" double gemm_core_time(int M, int N, int K, int bn, int iters, double 
   cudaEventCreate(&e0), cudaEventCreate(&e1);
   for (int i = -3; i < iters; i++) {
     cudaEventRecord(e0);
-    int rc = bn == 256 ? sm90::gemm<L_NT, E_BF16, 256>(&a, M, sms(), 0, err)
-                       : sm90::gemm<L_NT, E_BF16, 128>(&a, M, sms(), 0, err);
+    int rc = variant == GEMM_COOP256 ? sm90::gemm<L_NT, E_BF16, 256>(&a, M, sms(), 0, err)
+             : variant == GEMM_PINGPONG ? sm90::gemm<L_NT, E_BF16, 128, true>(&a, M, sms(), 0, err)
+                                        : sm90::gemm<L_NT, E_BF16, 128>(&a, M, sms(), 0, err);
     cudaEventRecord(e1);
     if (rc != 0) {
       fprintf(stderr, "gemm_core_time: %s\n", err);
@@ -380,14 +450,7 @@ extern "C" double gemm_core_time(int M, int N, int K, int bn, int iters, double 
     iters = 0;
   else
     *worst = compare(C, 1, refc, 64LL * N, TOL_BF16);
-  for (int i = 1; i < iters; i++) /* insertion sort, iters is small */
-    for (int j = i; j > 0 && ms[j - 1] > ms[j]; j--) {
-      double t = ms[j];
-      ms[j] = ms[j - 1];
-      ms[j - 1] = t;
-    }
-  if (iters > 0)
-    med = ms[iters / 2];
+  sort_median(ms, iters, &med);
   cudaEventDestroy(e0), cudaEventDestroy(e1);
   cudaFree(A), cudaFree(B), cudaFree(C), cudaFree(refc);
   free(ms);
