@@ -69,7 +69,7 @@ INTEG_SRC  := tests/check_daemon.c tests/daemon_fixture.c tests/check_daemon_ste
               tests/check_daemon_wire.c tests/check_daemon_service.c tests/ref.c
 BENCH_SRC  := tests/bench/bench_cpu.c
 CUDA_SRC   := kernels/cuda/cuda_moe.cu kernels/cuda/cuda_backend.cu kernels/cuda/gpumem.cu \
-              kernels/cuda/ipc.cu kernels/cuda/sm90/tma.cu
+              kernels/cuda/ipc.cu kernels/cuda/route.cu kernels/cuda/sm90/tma.cu
 
 obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))
 

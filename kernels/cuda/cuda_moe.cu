@@ -1,5 +1,6 @@
-/* cuda_moe.cu - the CUDA backend: schedule, dispatch, grouped expert GEMMs and
- * combine, forward and backward, on one stream. No host synchronisation and no
+/* cuda_moe.cu - the CUDA backend's steps: the orchestration of schedule,
+ * dispatch and combine (route.cu) and the grouped expert GEMMs (gemm_sm90.cuh
+ * on Hopper, gemm.cuh elsewhere), forward and backward, on one stream. No host synchronisation and no
  * counts on the host: launches are sized for the worst case (every pair
  * routed) and read the schedule on the device. Every sum has one order: the
  * schedule is a stable counting sort (rows of an expert by token, then k), the
@@ -12,191 +13,7 @@
 #include "cuda_priv.h"
 #include "gemm.cuh"
 #include "gemm_sm90.cuh"
-
-#define SCHED_THREADS 256
-
-/* ---- schedule ------------------------------------------------------------ */
-
-/* Block e counts the pairs routed to expert e; block 0 also marks invalid ids. */
-__global__ void k_count(const int32_t *ids, int64_t TK, int E, int *count, int *slot,
-                        int *status)
-{
-  __shared__ int part[SCHED_THREADS / 32];
-  int e = blockIdx.x, n = 0;
-
-  for (int64_t p = threadIdx.x; p < TK; p += blockDim.x) {
-    int id = ids[p];
-    n += id == e;
-    if (e == 0 && (id < 0 || id >= E)) {
-      slot[p] = -1;
-      atomicOr(status, 1); /* an integer flag: the order does not matter */
-    }
-  }
-  for (int o = 16; o > 0; o >>= 1)
-    n += __shfl_xor_sync(0xffffffffu, n, o);
-  if ((threadIdx.x & 31) == 0)
-    part[threadIdx.x >> 5] = n;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int s = 0;
-    for (int w = 0; w < SCHED_THREADS / 32; w++)
-      s += part[w];
-    count[e] = s;
-  }
-}
-
-/* One thread: segment starts and m-tile offsets, in expert order. */
-__global__ void k_scan(const int *count, int E, int *row_start, int *tile_off)
-{
-  int rows = 0, tiles = 0;
-  for (int e = 0; e < E; e++) {
-    row_start[e] = rows;
-    tile_off[e] = tiles;
-    rows += count[e];
-    tiles += (count[e] + G_BM - 1) / G_BM;
-  }
-  tile_off[E] = tiles;
-  row_start[E] = rows; /* total rows */
-}
-
-/* Block e gives its pairs consecutive rows in pair order (token, then k). */
-__global__ void k_slots(const int32_t *ids, const float *tw, int64_t TK, const int *row_start,
-                        int *slot, int *src, float *row_w)
-{
-  __shared__ int warp_n[SCHED_THREADS / 32];
-  __shared__ int base;
-  int e = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-
-  if (threadIdx.x == 0)
-    base = row_start[e];
-  __syncthreads();
-  for (int64_t p0 = 0; p0 < TK; p0 += SCHED_THREADS) {
-    int64_t p = p0 + threadIdx.x;
-    int hit = p < TK && ids[p] == e;
-    unsigned b = __ballot_sync(0xffffffffu, hit);
-    if (lane == 0)
-      warp_n[warp] = __popc(b);
-    __syncthreads();
-    int before = base;
-    for (int w = 0; w < warp; w++)
-      before += warp_n[w];
-    if (hit) {
-      int row = before + __popc(b & ((1u << lane) - 1));
-      slot[p] = row;
-      src[row] = (int)p;
-      row_w[row] = tw[p];
-    }
-    __syncthreads();
-    if (threadIdx.x == 0)
-      for (int w = 0; w < SCHED_THREADS / 32; w++)
-        base += warp_n[w];
-    __syncthreads();
-  }
-}
-
-/* ---- dispatch and combine -------------------------------------------------- */
-
-/* xr[row] = x[token of row]; with scale, also dy[row] = w * x[token] (bf16). */
-__global__ void k_gather(const bf16 *x, const int *src, const int *total, int K, int64_t H,
-                         bf16 *xr, const float *row_w, bf16 *dy)
-{
-  int rows = *total;
-  for (int row = blockIdx.x; row < rows; row += gridDim.x) {
-    const bf16 *s = x + (int64_t)(src[row] / K) * H;
-    for (int64_t c = threadIdx.x * 8; c < H; c += blockDim.x * 8) {
-      uint4 v = *(const uint4 *)(s + c);
-      *(uint4 *)(xr + (int64_t)row * H + c) = v;
-      if (dy != NULL) {
-        union { uint4 v; bf16 h[8]; } in, o;
-        in.v = v;
-        for (int j = 0; j < 8; j++)
-          o.h[j] = __float2bfloat16_rn(__fmul_rn(row_w[row], __bfloat162float(in.h[j])));
-        *(uint4 *)(dy + (int64_t)row * H + c) = o.v;
-      }
-    }
-  }
-}
-
-/* Eight consecutive elements of a row as fp32: one 16-byte load of bf16, two
- * of fp32. */
-__device__ __forceinline__ void load8(const bf16 *p, float (&o)[8])
-{
-  union { uint4 v; bf16 h[8]; } u;
-  u.v = *(const uint4 *)p;
-#pragma unroll
-  for (int j = 0; j < 8; j++)
-    o[j] = __bfloat162float(u.h[j]);
-}
-
-__device__ __forceinline__ void load8(const float *p, float (&o)[8])
-{
-  float4 a = *(const float4 *)p, b = *(const float4 *)(p + 4);
-  o[0] = a.x, o[1] = a.y, o[2] = a.z, o[3] = a.w;
-  o[4] = b.x, o[5] = b.y, o[6] = b.z, o[7] = b.w;
-}
-
-/* out[t] = bf16( sum_k [tw[t,k] *] v[t,k]  (k ascending)  + extra[t] ): the
- * forward's combine (bf16 y, router weights, shared ys) and the backward's
- * d_x (fp32 rows, no weights, shared part). tw and extra may be NULL. Each
- * thread owns eight columns; every element is summed in the same order. */
-template <typename V, typename X>
-__global__ void k_combine(const V *v, const int *slot, const float *tw, const X *extra,
-                          int64_t T, int K, int64_t H, bf16 *out)
-{
-  for (int64_t t = blockIdx.x; t < T; t += gridDim.x)
-    for (int64_t c = threadIdx.x * 8; c < H; c += blockDim.x * 8) {
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, x[8];
-      for (int k = 0; k < K; k++) {
-        int r = slot[t * K + k];
-        if (r < 0)
-          continue;
-        load8(v + (int64_t)r * H + c, x);
-#pragma unroll
-        for (int j = 0; j < 8; j++)
-          acc[j] = __fadd_rn(acc[j], tw != NULL ? __fmul_rn(tw[t * K + k], x[j]) : x[j]);
-      }
-      if (extra != NULL) {
-        load8(extra + t * H + c, x);
-#pragma unroll
-        for (int j = 0; j < 8; j++)
-          acc[j] = __fadd_rn(acc[j], x[j]);
-      }
-      union { uint4 v; bf16 h[8]; } o;
-#pragma unroll
-      for (int j = 0; j < 8; j++)
-        o.h[j] = __float2bfloat16_rn(acc[j]);
-      *(uint4 *)(out + t * H + c) = o.v;
-    }
-}
-
-/* d_topk_weights[t,k] = sum_h d_out[t,h] y[t,k,h]: a warp per pair, each lane
- * sums its eight-column groups in order, then a fixed butterfly. */
-__global__ void k_dtw(const bf16 *d_out, const bf16 *y, const int *slot, int64_t TK, int K,
-                      int64_t H, float *dtw)
-{
-  int lane = threadIdx.x & 31;
-  int64_t warps = (int64_t)gridDim.x * (blockDim.x >> 5);
-  for (int64_t p = blockIdx.x * (int64_t)(blockDim.x >> 5) + (threadIdx.x >> 5); p < TK;
-       p += warps) {
-    int r = slot[p];
-    float acc = 0.0f;
-    if (r >= 0) {
-      const bf16 *d = d_out + (p / K) * H, *v = y + (int64_t)r * H;
-      for (int64_t c = lane * 8; c < H; c += 32 * 8) {
-        float a[8], b[8];
-        load8(d + c, a);
-        load8(v + c, b);
-#pragma unroll
-        for (int j = 0; j < 8; j++)
-          acc = __fadd_rn(acc, __fmul_rn(a[j], b[j]));
-      }
-    }
-    for (int o = 16; o > 0; o >>= 1)
-      acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, o));
-    if (lane == 0)
-      dtw[p] = acc;
-  }
-}
+#include "route.h"
 
 /* ---- launch helpers ------------------------------------------------------ */
 
@@ -469,28 +286,20 @@ static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
   mlp routed_mlp = mlp_routed(c, TK), shared_mlp = mlp_shared(c, T);
 
   /* schedule */
-  k_count<<<(int)E, SCHED_THREADS, 0, cb->stream>>>(f->topk_ids, TK, (int)E, c->count, c->slot,
-                                                    cb->status);
-  if ((rc = launched(err, "schedule count")))
+  route_schedule(cb->stream, f->topk_ids, f->topk_weights, TK, (int)E, c->count, c->row_start,
+                 c->tile_off, c->slot, c->src, c->row_w, cb->status);
+  if ((rc = launched(err, "schedule")))
     goto fail;
-  k_scan<<<1, 1, 0, cb->stream>>>(c->count, (int)E, c->row_start, c->tile_off);
-  if ((rc = launched(err, "schedule scan")))
-    goto fail;
-  k_slots<<<(int)E, SCHED_THREADS, 0, cb->stream>>>(f->topk_ids, f->topk_weights, TK,
-                                                    c->row_start, c->slot, c->src, c->row_w);
-  if ((rc = launched(err, "schedule slots")))
-    goto fail;
-  /* dispatch */
-  k_gather<<<grid_for(cb, TK, 16), 128, 0, cb->stream>>>(c->x, c->src, c->row_start + E, (int)K,
-                                                         H, c->xr, NULL, NULL);
+  route_gather(cb->stream, grid_for(cb, TK, 16), c->x, c->src, c->row_start + E, (int)K, H,
+               c->xr, NULL, NULL);
   if ((rc = launched(err, "dispatch")))
     goto fail;
   if ((rc = mlp_forward(cb, &routed_mlp, c->xr, H, c->y, err)))
     goto fail;
   if (Is && (rc = mlp_forward(cb, &shared_mlp, c->x, H, ys, err)))
     goto fail;
-  k_combine<<<grid_for(cb, T, 16), 256, 0, cb->stream>>>(c->y, c->slot, f->topk_weights, ys, T,
-                                                         (int)K, H, (bf16 *)f->out);
+  route_combine_out(cb->stream, grid_for(cb, T, 16), c->y, c->slot, f->topk_weights, ys, T,
+                    (int)K, H, (bf16 *)f->out);
   if ((rc = launched(err, "combine")))
     goto fail;
   if (train)
@@ -544,20 +353,20 @@ static int cuda_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
   const bf16 *d_out = (const bf16 *)r->d_out;
   mlp routed_mlp = mlp_routed(c, TK), shared_mlp = mlp_shared(c, T);
 
-  k_gather<<<grid_for(cb, TK, 16), 128, 0, cb->stream>>>(d_out, c->src, c->row_start + E,
-                                                         (int)K, H, dor, c->row_w, dy);
+  route_gather(cb->stream, grid_for(cb, TK, 16), d_out, c->src, c->row_start + E, (int)K, H,
+               dor, c->row_w, dy);
   if ((rc = launched(err, "backward dispatch")))
     goto out;
-  k_dtw<<<grid_for(cb, (TK + 7) / 8, 16), 256, 0, cb->stream>>>(d_out, c->y, c->slot, TK,
-                                                                (int)K, H, r->d_topk_weights);
+  route_dtw(cb->stream, grid_for(cb, (TK + 7) / 8, 16), d_out, c->y, c->slot, TK, (int)K, H,
+            r->d_topk_weights);
   if ((rc = launched(err, "d_topk_weights")))
     goto out;
   if ((rc = mlp_backward(cb, &routed_mlp, dor, c->row_w, H, dgu, dxr, err)))
     goto out;
   if (Is && (rc = mlp_backward(cb, &shared_mlp, d_out, NULL, H, dgus, dxs, err)))
     goto out;
-  k_combine<<<grid_for(cb, T, 16), 256, 0, cb->stream>>>(dxr, c->slot, (const float *)NULL, dxs,
-                                                         T, (int)K, H, (bf16 *)r->d_x);
+  route_combine_dx(cb->stream, grid_for(cb, T, 16), dxr, c->slot, dxs, T, (int)K, H,
+                   (bf16 *)r->d_x);
   if ((rc = launched(err, "d_x combine")))
     goto out;
 

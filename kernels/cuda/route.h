@@ -1,0 +1,32 @@
+/* route.h - the row movement of the CUDA backend (route.cu), queued on a
+ * stream; each returns at once and leaves launch errors to cudaGetLastError. */
+#ifndef MOKK_CUDA_ROUTE_H
+#define MOKK_CUDA_ROUTE_H
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+typedef __nv_bfloat16 bf16;
+
+/* The schedule of T K pairs over E experts: count[e], row_start[e] (and the
+ * total at row_start[E]), tile_off[e] (m-tiles of 128 rows before e, the
+ * total at tile_off[E]), each pair's row in slot (-1 and bit 0 of status for
+ * an id outside [0, E)), each row's pair in src and its router weight. */
+void route_schedule(cudaStream_t st, const int32_t *ids, const float *tw, int64_t TK, int E,
+                    int *count, int *row_start, int *tile_off, int *slot, int *src, float *row_w,
+                    int *status);
+/* xr[row] = x[token of row]; with dy, also dy[row] = bf16(row_w[row] x[token]). */
+void route_gather(cudaStream_t st, int grid, const bf16 *x, const int *src, const int *total,
+                  int K, int64_t H, bf16 *xr, const float *row_w, bf16 *dy);
+/* out[t] = bf16(sum_k tw[t,k] y[slot[t,k]] (k ascending) + ys[t]); ys may be NULL. */
+void route_combine_out(cudaStream_t st, int grid, const bf16 *y, const int *slot,
+                       const float *tw, const bf16 *ys, int64_t T, int K, int64_t H, bf16 *out);
+/* dx[t] = bf16(sum_k dxr[slot[t,k]] (k ascending) + dxs[t]); dxs may be NULL. */
+void route_combine_dx(cudaStream_t st, int grid, const float *dxr, const int *slot,
+                      const float *dxs, int64_t T, int K, int64_t H, bf16 *dx);
+/* dtw[p] = sum_h d_out[token of p, h] y[slot[p], h] */
+void route_dtw(cudaStream_t st, int grid, const bf16 *d_out, const bf16 *y, const int *slot,
+               int64_t TK, int K, int64_t H, float *dtw);
+
+#endif
