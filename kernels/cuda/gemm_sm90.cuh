@@ -412,7 +412,13 @@ __device__ __forceinline__ void cooperative(const gemm_args &a, int64_t tiles, u
  * sequence, 128 x 128, whole (two m64 halves), and skips the stages of the
  * other's tiles. While one multiplies, the other stores its last tile: on
  * GEMMs with short k loops (the weight gradients, k = an expert's rows) the
- * stores no longer leave the tensor cores idle. */
+ * stores no longer leave the tensor cores idle.
+ * The main loops take turns (named barriers 4 and 5: "warpgroup 0 / 1 may
+ * start"): a warpgroup starts tile i only once the other has waited for
+ * every stage of tile i - 1. That is what makes its stage and phase count
+ * true: a full barrier's phase it skipped has completed before it waits for
+ * the next, so the parity it waits on names its own phase, never the other
+ * warpgroup's. */
 template <int LAYOUT, int EPI>
 __device__ __forceinline__ void pingpong(const gemm_args &a, int64_t tiles, unsigned char *sa,
                                          unsigned char *sb, uint32_t sa0, uint32_t sb0,
@@ -434,6 +440,8 @@ __device__ __forceinline__ void pingpong(const gemm_args &a, int64_t tiles, unsi
       s %= STAGES;
       continue;
     }
+    if (i > 0)
+      named_sync(4 + cw, 256); /* the other warpgroup is done with tile i - 1 */
     const bool lower = LAYOUT == L_TN || x.mt * BM + 64 < x.rows; /* rows 64..127 exist */
     float acc0[BN / 2], acc1[BN / 2];
 #pragma unroll
@@ -467,6 +475,8 @@ __device__ __forceinline__ void pingpong(const gemm_args &a, int64_t tiles, unsi
     acc_fence(acc1);
     if (prev >= 0 && lane == 0)
       bar_arrive(&empty[prev]);
+    if (t + gridDim.x < tiles)
+      named_arrive(4 + (1 - cw), 256); /* tile i + 1 is the other's */
     epilogue<LAYOUT, EPI, BN>(a, x, acc0, 0, warp, lane);
     epilogue<LAYOUT, EPI, BN>(a, x, acc1, 1, warp, lane);
   }

@@ -46,6 +46,7 @@ int main(int argc, char **argv)
   double tms[NSHAPES];
   char msg[2048];
 
+  setvbuf(stdout, NULL, _IOLBF, 0); /* lines reach a log even if a run dies */
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--torch") && i + 1 < argc) {
       torch = argv[++i];

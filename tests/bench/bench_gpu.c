@@ -579,6 +579,7 @@ int main(int argc, char **argv)
   result res[sizeof shapes / sizeof shapes[0]];
   double ceil_tf = 0;
 
+  setvbuf(stdout, NULL, _IOLBF, 0); /* lines reach a log even if a run dies */
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--shapes") && i + 1 < argc)
       want = argv[++i];

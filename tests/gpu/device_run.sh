@@ -35,17 +35,24 @@ step() { # name timeout command...
 }
 
 nvidia-smi -L
-step core 120 env CK_RUN_CASE=gemm_core "$B/tests/check_gpu"
-step gpu_check 300 "$B/tests/check_gpu"
-step pytest 300 env MOK_LIB=$B/libmok.so PYTHONPATH=client/python \
+# a failing core check names the variant; the layer then keeps off the
+# ping-pong tiles so the rest of the pass still measures something
+step core 120 env CK_RUN_CASE=gemm_core "$B/tests/check_gpu" || export MOKK_TN_COOP=1
+# one test case at a time, so a hang costs one timeout and names its case
+for c in vs_cpu determinism errors daemon; do
+  step "gpu_check_$c" 90 env CK_RUN_CASE=$c "$B/tests/check_gpu"
+done
+# libmok.so needs libprotobuf-c.so.1, which the GPU machine lacks: put a copy
+# in the build folder (cp /usr/lib/x86_64-linux-gnu/libprotobuf-c.so.1 $B/)
+step pytest 150 env MOK_LIB=$B/libmok.so LD_LIBRARY_PATH=$B PYTHONPATH=client/python \
   python3 -m pytest -q -s tests/python/test_torch.py
 if [ $bench -eq 1 ]; then
-  step bench_gemm 150 "$B/bench_gemm" --torch "python3 tests/bench/torch_matmul.py"
+  step bench_gemm 120 "$B/bench_gemm" --torch "python3 tests/bench/torch_matmul.py"
   sock=$(mktemp -u /tmp/mokd-bench-XXXXXX.sock)
   "$B/mokd" --backend cuda --socket "$sock" --config /dev/null > "$L/mokd.log" 2>&1 &
   mokd=$!
   for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.1; done
-  step bench_gpu 420 "$B/bench_gpu" --iters 20 --verify --daemon "$sock" \
+  step bench_gpu 300 "$B/bench_gpu" --iters 20 --verify --daemon "$sock" \
     --torch "python3 tests/bench/torch_moe.py" \
     --ceiling "python3 tests/bench/torch_matmul.py" --csv "$L/bench_gpu.csv"
   kill -TERM $mokd; wait $mokd
@@ -53,10 +60,9 @@ if [ $bench -eq 1 ]; then
 fi
 if [ -n "$profile" ]; then
   # the second step of the shape (the first warms up), every kernel of it
-  step ncu 240 ncu --clock-control none --launch-skip 20 --launch-count 20 \
+  step ncu 150 ncu --clock-control none --launch-skip 20 --launch-count 20 \
     -k 'regex:k_gemm|k_gather|k_combine|k_dtw|k_count|k_slots|k_scan' \
-    --section SpeedOfLight \
-    --metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed \
+    --metrics gpu__time_duration.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed,dram__throughput.avg.pct_of_peak_sustained_elapsed \
     --csv "$B/bench_gpu" --shapes "$profile" --iters 1
   python3 - "$L/ncu.log" <<'PY'
 import csv, collections, sys
@@ -64,12 +70,11 @@ lines = [l for l in open(sys.argv[1]) if l.startswith('"')]
 k = collections.OrderedDict()
 for r in csv.DictReader(lines):
     k.setdefault((r["ID"], r["Kernel Name"][:48]), {})[r["Metric Name"]] = r["Metric Value"]
-    if r["Metric Name"] == "Duration":
+    if r["Metric Name"] == "gpu__time_duration.sum":
         k[(r["ID"], r["Kernel Name"][:48])]["unit"] = r["Metric Unit"]
 for (i, n), m in k.items():
-    print(f"{i:>3} {n:<48} {m.get('Duration', ''):>10} {m.get('unit', '')}"
-          f"  SM {m.get('Compute (SM) Throughput', ''):>6}%"
-          f"  DRAM {m.get('DRAM Throughput', ''):>6}%"
+    print(f"{i:>3} {n:<48} {m.get('gpu__time_duration.sum', ''):>10} {m.get('unit', '')}"
+          f"  DRAM {m.get('dram__throughput.avg.pct_of_peak_sustained_elapsed', ''):>6}%"
           f"  TC {m.get('sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed', ''):>6}%")
 PY
 fi

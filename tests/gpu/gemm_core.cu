@@ -5,6 +5,10 @@
  * layer, with groups of 0, 1, 130, 300 and 64 rows, so tiles are partial in
  * every direction and the weight-gradient sums end inside a k-block.
  *
+ * Two more run k loops many times round the stage ring (2048 columns, 1100
+ * rows), where a consumer that loses count of stage phases reads a stage
+ * before its data lands.
+ *
  * Tolerance, |got - ref| <= tol (|ref| + rms(ref)): fp32 outputs differ from
  * the reference only by the order of the fp32 sums (tol 2^-12); bf16 outputs
  * add one rounding of the result (tol 2^-7). */
@@ -311,6 +315,29 @@ static int run_cases(int grid, char *msg, size_t msglen, double *worst_out)
     ref(A, 1, K, Bt, 1, N, K, N, 77, refc, N, 0);
     CORE_OK(cudaDeviceSynchronize());
     REPORT("tn_dense", compare(C, 1, refc, (int64_t)K * N, TOL_BF16));
+  }
+  /* long k loops, many laps of the stage ring: NT dense with K = 2048, TN
+   * dense over 1100 rows */
+  {
+    const int LK = 2048, LR = 1100;
+    bf16 *LA = rand_bf16(300LL * LK, 31), *LB = rand_bf16((int64_t)N * LK, 32);
+    bf16 *TA_ = rand_bf16((int64_t)LR * K, 33), *TB_ = rand_bf16((int64_t)LR * N, 34);
+    gemm_args a;
+    memset(&a, 0, sizeof a);
+    a.groups = 1, a.M = 300;
+    a.A = LA, a.lda = LK, a.B = LB, a.ldb = LK, a.N = N, a.K = LK, a.C = C, a.ldc = N;
+    RUN((sm90::gemm<L_NT, E_BF16, BN, PP>(&a, 300, grid, 0, err)));
+    ref(LA, LK, 1, LB, LK, 1, 300, N, LK, refc, N, 0);
+    CORE_OK(cudaDeviceSynchronize());
+    REPORT("nt_longk", compare(C, 1, refc, 300LL * N, TOL_BF16));
+    memset(&a, 0, sizeof a);
+    a.groups = 1, a.K = LR;
+    a.A = TA_, a.lda = K, a.B = TB_, a.ldb = N, a.M = K, a.N = N, a.C = C, a.ldc = N;
+    RUN((sm90::gemm<L_TN, E_WGRAD, BN, PP>(&a, LR, grid, 0, err)));
+    ref(TA_, 1, K, TB_, 1, N, K, N, LR, refc, N, 0);
+    CORE_OK(cudaDeviceSynchronize());
+    REPORT("tn_longk", compare(C, 1, refc, (int64_t)K * N, TOL_BF16));
+    cudaFree(LA), cudaFree(LB), cudaFree(TA_), cudaFree(TB_);
   }
 #undef RUN
 #undef REPORT

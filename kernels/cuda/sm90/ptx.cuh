@@ -102,6 +102,12 @@ __device__ __forceinline__ void named_sync(uint32_t id, uint32_t threads)
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
+/* Counts towards a named barrier without waiting for it. */
+__device__ __forceinline__ void named_arrive(uint32_t id, uint32_t threads)
+{
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 /* ---- wgmma ---------------------------------------------------------------- */
 
 /* A shared-memory matrix descriptor with the 128-byte swizzle. */
