@@ -8,7 +8,6 @@
  * No floating-point atomics. */
 #include <cuda_runtime.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "cuda_priv.h"
@@ -58,11 +57,8 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
   /* weight gradients (k = an expert's rows, often a few blocks) take the
    * ping-pong tiles, which hide one warpgroup's stores behind the other's
    * MMAs; the rest share 128 x 256 tiles */
-  static int tn_coop = -1; /* diagnosis: MOKK_TN_COOP=1 puts the weight gradients on shared tiles */
-  if (tn_coop < 0)
-    tn_coop = getenv("MOKK_TN_COOP") != NULL;
   if (cb->arch == 90)
-    return LAYOUT == L_TN && !tn_coop
+    return LAYOUT == L_TN
                ? sm90::gemm<LAYOUT, EPI, 128, true>(a, a_rows,
                                                     grid_for(cb, gemm_tiles(a, LAYOUT), 1),
                                                     cb->stream, err)
