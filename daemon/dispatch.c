@@ -53,7 +53,7 @@ static int handle(mokd_session *s, const mokd_pending *p, char *err)
   if (p->bad == MOK_EINVAL)
     return mokk_fail(err, MOK_EINVAL, "a file descriptor came with a request that takes "
                      "none; it was closed and the request not run");
-  if ((unknown = mokw_unknown_field(&q->base)) != 0)
+  if (mokw_find_unknown_field(&q->base, &unknown))
     return mokk_fail(err, MOK_EPROTO, "request carries unknown field %u; this daemon "
                      "speaks protocol %d", unknown, MOK_PROTOCOL_VERSION);
   if ((r = route_of(q)) == NULL)
