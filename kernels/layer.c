@@ -222,11 +222,13 @@ int mokk_plan_build(mokk_plan *plan, const mokk_shape *s, int64_t T,
                      (long long)pairs);
   }
 
-  /* counts per (source rank, expert); the same exchange a real dispatch makes */
+  /* counts per (source rank, expert); the same exchange a real dispatch makes.
+   * Each id is read once, into slot[]: the ids may lie in memory a client
+   * shares and writes, and the id that was checked must be the one placed. */
   for (int64_t r = 0; r < P; r++) {
     const int32_t *ids = topk_ids[r];
     for (int64_t i = 0; i < T * K; i++) {
-      int32_t e = ids[i];
+      int32_t e = ((const volatile int32_t *)ids)[i];
       if (e < 0 || e >= E) {
         free(cursor);
         mokk_plan_free(plan);
@@ -236,6 +238,7 @@ int mokk_plan_build(mokk_plan *plan, const mokk_shape *s, int64_t T,
                          (long long)E);
       }
       plan->count[r * E + e]++;
+      plan->slot[r * T * K + i] = e;
     }
   }
   for (int64_t e = 0; e < E; e++)
@@ -257,9 +260,8 @@ int mokk_plan_build(mokk_plan *plan, const mokk_shape *s, int64_t T,
   for (int64_t e = 0; e < E; e++)
     cursor[e] = plan->seg_start[e];
   for (int64_t r = 0; r < P; r++) {
-    const int32_t *ids = topk_ids[r];
     for (int64_t i = 0; i < T * K; i++) {
-      int64_t e = ids[i], owner = e / El, row = cursor[e]++;
+      int64_t e = plan->slot[r * T * K + i], owner = e / El, row = cursor[e]++;
       plan->slot[r * T * K + i] = row;
       plan->src[plan->recv_base[owner] + row] = r * T * K + i;
     }

@@ -6,6 +6,7 @@
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -268,6 +269,63 @@ START_TEST(expert_id_out_of_range_through_daemon)
 }
 END_TEST
 
+/* The ids live in the client's arena: a client thread flips one between a
+ * valid expert and ids far outside [0, E) while forwards run. Each forward is
+ * either refused for that id or computes with the valid one, bit for bit. */
+typedef struct id_flipper {
+  volatile int32_t *id;
+  atomic_int stop;
+} id_flipper;
+
+static void *flip_ids(void *p)
+{
+  id_flipper *f = p;
+  for (uint32_t n = 0; !atomic_load(&f->stop); n++)
+    *f->id = n % 3 == 0 ? 1 : n % 3 == 1 ? 0x40000000 : -0x40000000;
+  return NULL;
+}
+
+START_TEST(ids_flipped_during_forwards_are_contained)
+{
+  mok_client *c = connect_ok();
+  mok_layer_desc d = {.hidden = 64, .intermediate = 32, .experts = 8, .top_k = 2};
+  mok_testbed tb;
+  engine_out e;
+  id_flipper f;
+  pthread_t th;
+  int ok = 0, refused = 0;
+
+  ck_assert_int_eq(mok_testbed_setup(c, &d, 512, 4, &tb), 0);
+  f.id = (int32_t *)mok_tensor_ptr(c, &tb.ids) + 5;
+  *f.id = 1;
+  atomic_init(&f.stop, 0);
+  engine_run(c, &tb, 0, MOKK_GRAD_BF16, &e);
+  ck_assert_int_eq(pthread_create(&th, NULL, flip_ids, &f), 0);
+  for (int i = 0; i < 300; i++) {
+    mok_forward_result r;
+    int rc = mok_forward(c, tb.layer, &tb.x, &tb.ids, &tb.tw, i % 2, &r);
+    if (rc == 0) {
+      ck_assert_msg(memcmp(r.out_ptr, e.out, (size_t)(512 * 64) * 2) == 0, "forward %d", i);
+      ck_assert_int_eq(mok_release(c, &r.context, 1), 0);
+      ok++;
+    } else {
+      ck_assert_msg(rc == MOK_EEXPERT, "forward %d: %s", i, mok_last_error(c));
+      ck_assert_ptr_nonnull(strstr(mok_last_error(c), "token 2 k 1: expert id "));
+      refused++;
+    }
+  }
+  atomic_store(&f.stop, 1);
+  pthread_join(th, NULL);
+  ck_assert_int_eq(ok + refused, 300);
+  mok_stats st;
+  ck_assert_int_eq(mok_stats_get(c, &st), 0);
+  ck_assert_uint_eq(st.session.contexts, 0);
+  engine_free(&e);
+  mok_close(c);
+  still_serving();
+}
+END_TEST
+
 START_TEST(session_quota_is_enforced)
 {
   char q[128], log2[128];
@@ -306,6 +364,7 @@ Suite *daemon_steps_suite(void)
   tcase_add_test(tc, eight_concurrent_clients);
   tcase_add_test(tc, killed_client_leaks_nothing);
   tcase_add_test(tc, expert_id_out_of_range_through_daemon);
+  tcase_add_test(tc, ids_flipped_during_forwards_are_contained);
   tcase_add_test(tc, outputs_reuse_their_room);
   tcase_add_test(tc, session_quota_is_enforced);
   suite_add_tcase(s, tc);
