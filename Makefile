@@ -64,7 +64,8 @@ UNIT_SRC   += tests/check_mokctl.c
 # config.c, log.c and registry.c are unit-tested without the rest of the daemon
 UNIT_DAEMON := daemon/config.c daemon/log.c daemon/registry.c
 INTEG_SRC  := tests/check_daemon.c tests/daemon_fixture.c tests/check_daemon_steps.c \
-              tests/check_daemon_wire.c tests/check_daemon_service.c tests/ref.c
+              tests/check_daemon_wire.c tests/check_daemon_service.c tests/ref.c \
+              tests/check_daemon_limits.c
 BENCH_SRC  := tests/bench/bench_cpu.c
 CUDA_SRC   := kernels/cuda/cuda_moe.cu kernels/cuda/cuda_backend.cu kernels/cuda/gpumem.cu \
               kernels/cuda/ipc.cu kernels/cuda/sm90/tma.cu

@@ -14,6 +14,11 @@
 
 #define MAX_PENDING 64
 #define READ_CHUNK 65536
+/* Replies a peer has not read yet, beyond what its socket holds: past either
+ * bound the session is not read from until they drain, so a client that
+ * never reads can hold neither the daemon's memory nor its fds. */
+#define OUT_MAX_BYTES (1u << 20)
+#define OUT_MAX_FDS 32
 
 static void on_poll(uv_poll_t *h, int status, int events);
 
@@ -30,12 +35,14 @@ static int write_out(mokd_session *s)
       return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? 0 : -1;
     for (int i = 0; i < b->nfds; i++)
       close(b->fds[i]); /* the peer has its own copies now */
+    s->out_fds -= b->nfds;
     b->nfds = 0;
     b->off += (size_t)n;
     if (b->off == b->len) {
       s->out_head = b->next;
       if (s->out_head == NULL)
         s->out_tail = NULL;
+      s->out_bytes -= sizeof *b + b->len;
       free(b->data);
       free(b);
     }
@@ -73,8 +80,15 @@ int mokd_send(mokd_session *s, Mokd__Response *resp, const int *fds, int nfds)
   else
     s->out_head = b;
   s->out_tail = b;
+  s->out_bytes += sizeof *b + b->len;
+  s->out_fds += b->nfds;
   flush(s);
   return 0;
+}
+
+int mokd_session_out_full(const mokd_session *s)
+{
+  return s->out_bytes >= OUT_MAX_BYTES || s->out_fds >= OUT_MAX_FDS;
 }
 
 void mokd_send_done(mokd_session *s, uint64_t id)
@@ -112,7 +126,7 @@ void mokd_session_arm(mokd_session *s)
   int ev = 0;
   if (s->closing || !s->handle_open)
     return;
-  if (s->npending < MAX_PENDING && !s->fatal)
+  if (s->npending < MAX_PENDING && !s->fatal && !mokd_session_out_full(s))
     ev |= UV_READABLE;
   if (s->out_head != NULL)
     ev |= UV_WRITABLE;
@@ -394,6 +408,10 @@ static void on_poll(uv_poll_t *h, int status, int events)
       mokd_session_close(s, "framing error");
     return;
   }
-  if (!s->closing && (events & UV_READABLE))
+  if (s->closing)
+    return;
+  if (events & UV_READABLE)
     on_readable(s);
+  else
+    mokd_session_pump(s); /* requests held while the replies were over the bound */
 }

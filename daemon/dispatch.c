@@ -1,7 +1,8 @@
 /* dispatch.c - one row per request body: its handler, how many fds it takes,
  * whether it may come before Hello, whether a draining daemon refuses it.
  * Requests of a session run strictly in order: while a step is in flight the
- * queue waits, so a reply never overtakes an earlier one. */
+ * queue waits, so a reply never overtakes an earlier one; while the peer
+ * leaves too many replies unread, it waits too. */
 #include "mokd.h"
 
 typedef struct route {
@@ -71,7 +72,8 @@ static int handle(mokd_session *s, const mokd_pending *p, char *err)
 
 void mokd_session_pump(mokd_session *s)
 {
-  while (!s->closing && s->busy == NULL && s->pend_head != NULL) {
+  while (!s->closing && s->busy == NULL && s->pend_head != NULL &&
+         !mokd_session_out_full(s)) {
     mokd_pending *p = s->pend_head;
     char err[MOK_ERRLEN] = "";
     int rc;

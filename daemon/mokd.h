@@ -111,6 +111,8 @@ struct mokd_session {
   mokd_pending *pend_head, *pend_tail;
   int npending;
   mokd_outbuf *out_head, *out_tail;
+  size_t out_bytes;     /* replies queued here, not yet taken by the socket */
+  int out_fds;          /* fds riding on them */
   mokd_step *busy;      /* the step in flight, at most one */
   mokd_registry reg;    /* arenas, quotas, outputs */
   mokd_layer *layers;
@@ -142,6 +144,8 @@ struct mokd_server {
   uint64_t start_ns;
   int draining;
   int stopped;
+  uint64_t accept_logged_ns; /* when a failed accept was last logged */
+  uint64_t accept_failures;  /* since then */
   uid_t allow_uids[32];
   int nallow_uids;
   gid_t allow_gids[32];
@@ -159,6 +163,9 @@ void mokd_session_close(mokd_session *s, const char *why);
 /* Frees the session once its socket is closed and no step is in flight. */
 void mokd_session_maybe_destroy(mokd_session *s);
 void mokd_session_arm(mokd_session *s);
+/* Whether the replies queued for a peer that does not read are over the bound:
+ * then nothing more is read or run for the session until they drain. */
+int mokd_session_out_full(const mokd_session *s);
 /* Closes the fds a request came with and frees it. */
 void mokd_pending_free(mokd_pending *p);
 /* Queues a reply; fds are dup'ed (the caller keeps its own). */

@@ -101,31 +101,53 @@ static void on_conn_pipe_closed(uv_handle_t *h)
   free(h);
 }
 
+/* A connection that could not be taken: the client sees its socket closed,
+ * so the operator must see why. Once a second at most, with a count of the
+ * ones not logged, so that a flood of them does not flood the log too. */
+static void accept_failed(mokd_server *srv, const char *what, const char *why)
+{
+  uint64_t now = mokd_now_ns();
+
+  srv->accept_failures++;
+  if (srv->accept_logged_ns != 0 && now - srv->accept_logged_ns < 1000000000ull)
+    return;
+  LOG_WARN(NET, "cannot accept a connection: %s: %s (%llu failed since the last report; "
+           "%d sessions open; raise LimitNOFILE or lower max_sessions if it is the fd "
+           "limit)", what, why, (unsigned long long)srv->accept_failures, srv->nsessions);
+  srv->accept_logged_ns = now;
+  srv->accept_failures = 0;
+}
+
 static void on_connection(uv_stream_t *server, int status)
 {
   mokd_server *srv = server->data;
   uv_pipe_t *tmp;
   uv_os_fd_t ufd;
-  int fd;
+  int fd, rc;
   struct ucred cr = {0};
   socklen_t len = sizeof cr;
 
   if (status < 0) {
-    LOG_WARN(NET, "accept failed: %s", uv_strerror(status));
+    accept_failed(srv, "accept", uv_strerror(status));
     return;
   }
   tmp = malloc(sizeof *tmp);
-  if (tmp == NULL || uv_pipe_init(srv->loop, tmp, 0) != 0) {
+  if (tmp == NULL || (rc = uv_pipe_init(srv->loop, tmp, 0)) != 0) {
     free(tmp);
+    accept_failed(srv, "uv_pipe_init", tmp == NULL ? "out of memory" : uv_strerror(rc));
     return;
   }
   /* libuv accepts; the session then owns a dup of the fd and drives it with
    * recvmsg/sendmsg under a uv_poll_t, since fds ride on the frames */
-  if (uv_accept(server, (uv_stream_t *)tmp) != 0 || uv_fileno((uv_handle_t *)tmp, &ufd) != 0) {
+  if ((rc = uv_accept(server, (uv_stream_t *)tmp)) != 0 ||
+      (rc = uv_fileno((uv_handle_t *)tmp, &ufd)) != 0) {
     uv_close((uv_handle_t *)tmp, on_conn_pipe_closed);
+    accept_failed(srv, "accept", uv_strerror(rc));
     return;
   }
   fd = fcntl(ufd, F_DUPFD_CLOEXEC, 0);
+  if (fd < 0)
+    accept_failed(srv, "dup of the accepted socket", strerror(errno));
   uv_close((uv_handle_t *)tmp, on_conn_pipe_closed);
   if (fd < 0)
     return;
@@ -142,6 +164,7 @@ static void on_connection(uv_stream_t *server, int status)
     return;
   }
   if (mokd_session_new(srv, fd) == NULL) {
+    accept_failed(srv, "new session", "out of memory");
     close(fd);
     return;
   }

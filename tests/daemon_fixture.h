@@ -40,5 +40,6 @@ void still_serving(void);
 Suite *daemon_steps_suite(void);
 Suite *daemon_wire_suite(void);
 Suite *daemon_service_suite(void);
+Suite *daemon_limits_suite(void);
 
 #endif

@@ -1,0 +1,262 @@
+/* check_daemon_limits.c - what one client can do to the daemon and everyone
+ * else: never read its replies, hold connections, make imports by the
+ * thousand, release by the ten thousand. Each is bounded, and the daemon
+ * keeps serving the others. */
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "daemon_fixture.h"
+#include "fdpass.h"
+#include "frame.h"
+
+static long proc_rss_kb(pid_t pid)
+{
+  char path[64], line[256];
+  long kb = -1;
+  snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
+  FILE *f = fopen(path, "r");
+  ck_assert_ptr_nonnull(f);
+  while (fgets(line, sizeof line, f) != NULL)
+    if (sscanf(line, "VmRSS: %ld kB", &kb) == 1)
+      break;
+  fclose(f);
+  return kb;
+}
+
+static int proc_fd_count(pid_t pid)
+{
+  char cmd[96], out[32] = "";
+  snprintf(cmd, sizeof cmd, "ls /proc/%d/fd | wc -l", (int)pid);
+  FILE *p = popen(cmd, "r");
+  ck_assert_ptr_nonnull(p);
+  ck_assert_ptr_nonnull(fgets(out, sizeof out, p));
+  pclose(p);
+  return atoi(out);
+}
+
+/* Packs n copies of req (ids first_id, first_id + 1, ...) back to back. */
+static uint8_t *pack_many(Mokd__Request *req, uint64_t first_id, int n, size_t *len)
+{
+  uint8_t *all = NULL;
+  *len = 0;
+  for (int i = 0; i < n; i++) {
+    uint8_t *one;
+    size_t l;
+    req->id = first_id + (uint64_t)i;
+    ck_assert_int_eq(mokw_pack(&req->base, &one, &l), 0);
+    all = realloc(all, *len + l);
+    memcpy(all + *len, one, l);
+    *len += l;
+    free(one);
+  }
+  return all;
+}
+
+/* Sends buf without blocking for longer than stall_ms at a time; returns the
+ * bytes the daemon took. */
+static size_t send_until_stalled(int fd, const uint8_t *buf, size_t len, int stall_ms)
+{
+  size_t off = 0;
+  while (off < len) {
+    ssize_t n = send(fd, buf + off, len - off, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (n > 0) {
+      off += (size_t)n;
+      continue;
+    }
+    ck_assert_msg(n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK), "send: %s",
+                  strerror(errno));
+    struct pollfd pf = {fd, POLLOUT, 0};
+    if (poll(&pf, 1, stall_ms) == 0)
+      break;
+  }
+  return off;
+}
+
+/* Reads replies until n have come; each must be a reply to the next id. */
+static void read_replies_in_order(int fd, uint64_t first_id, uint64_t n)
+{
+  mokw_framer f;
+  mokw_framer_init(&f, 1 << 20);
+  for (uint64_t got = 0; got < n;) {
+    const uint8_t *p;
+    size_t len, avail;
+    int rc = mokw_framer_next(&f, &p, &len, NULL);
+    if (rc == 1) {
+      Mokd__Response *r = mokd__response__unpack(NULL, len, p);
+      ck_assert_ptr_nonnull(r);
+      ck_assert_msg(r->status == 0, "reply %llu: %s", (unsigned long long)got, r->message);
+      ck_assert_uint_eq(r->id, first_id + got);
+      mokd__response__free_unpacked(r, NULL);
+      got++;
+      continue;
+    }
+    struct pollfd pf = {fd, POLLIN, 0};
+    ck_assert_msg(poll(&pf, 1, 10000) == 1, "reply %llu of %llu did not come",
+                  (unsigned long long)got, (unsigned long long)n);
+    int fds[MOKW_MAX_FDS], nfds = MOKW_MAX_FDS;
+    uint8_t *dst = mokw_framer_space(&f, 65536, &avail);
+    ssize_t k = mokw_recv(fd, dst, avail, 0, fds, &nfds, NULL);
+    ck_assert_int_gt(k, 0);
+    for (int i = 0; i < nfds; i++)
+      close(fds[i]);
+    mokw_framer_commit(&f, (size_t)k);
+  }
+  mokw_framer_free(&f);
+}
+
+START_TEST(never_reading_client_is_paused)
+{
+  int fd = raw_connect();
+  hello(fd);
+  still_serving();
+  long rss0 = proc_rss_kb(daemon_pid);
+
+  /* 400k pings, never reading a reply: the daemon stops reading once its
+   * queue of replies is full, and the sends stall */
+  Mokd__Request req = MOKD__REQUEST__INIT;
+  Mokd__Ping ping = MOKD__PING__INIT;
+  req.body_case = MOKD__REQUEST__BODY_PING, req.ping = &ping;
+  size_t len;
+  uint8_t *batch = pack_many(&req, 1000, 400000, &len);
+  size_t sent = send_until_stalled(fd, batch, len, 300);
+  ck_assert_msg(sent < len, "the daemon took all %zu bytes of pings unread", len);
+  long grown = proc_rss_kb(daemon_pid) - rss0;
+  ck_assert_msg(grown < 16 * 1024, "daemon RSS grew by %ld kB", grown);
+  still_serving(); /* the others are served meanwhile */
+
+  /* the client reads at last: every request the daemon took is answered,
+   * in order, and the rest goes through */
+  pid_t reader = fork();
+  if (reader == 0) {
+    read_replies_in_order(fd, 1000, 400000);
+    _exit(0);
+  }
+  ck_assert_uint_eq(send_until_stalled(fd, batch + sent, len - sent, 10000), len - sent);
+  int st;
+  ck_assert_int_eq(waitpid(reader, &st, 0), reader);
+  ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 0, "reader status %d", st);
+  free(batch);
+  close(fd);
+  still_serving();
+}
+END_TEST
+
+START_TEST(unread_fds_are_bounded)
+{
+  int fd = raw_connect();
+  hello(fd);
+  still_serving();
+  int fds0 = proc_fd_count(daemon_pid);
+
+  /* every ArenaCreated carries an fd: unread, they must not pile up here */
+  Mokd__Request req = MOKD__REQUEST__INIT;
+  Mokd__CreateArena ca = MOKD__CREATE_ARENA__INIT;
+  ca.bytes = 4096;
+  req.body_case = MOKD__REQUEST__BODY_CREATE_ARENA, req.create_arena = &ca;
+  size_t len;
+  uint8_t *batch = pack_many(&req, 100, 800, &len);
+  size_t sent = send_until_stalled(fd, batch, len, 300);
+  usleep(200000);
+  int grown = proc_fd_count(daemon_pid) - fds0;
+  ck_assert_msg(grown < 64, "the daemon holds %d more fds (%zu of %zu bytes sent)", grown,
+                sent, len);
+  still_serving();
+  pid_t reader = fork();
+  if (reader == 0) {
+    read_replies_in_order(fd, 100, 800);
+    _exit(0);
+  }
+  ck_assert_uint_eq(send_until_stalled(fd, batch + sent, len - sent, 10000), len - sent);
+  int st;
+  ck_assert_int_eq(waitpid(reader, &st, 0), reader);
+  ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 0, "reader status %d", st);
+  free(batch);
+  close(fd);
+  still_serving();
+}
+END_TEST
+
+/* A daemon out of fds says so in its log, once a second at most, and serves
+ * again once fds are free. */
+START_TEST(failed_accept_is_logged)
+{
+  char path[128], log2[128];
+  snprintf(path, sizeof path, "%s/fewfds.sock", dir);
+  snprintf(log2, sizeof log2, "%s/fewfds.log", dir);
+  pid_t pid = fork();
+  ck_assert_int_ge(pid, 0);
+  if (pid == 0) {
+    struct rlimit rl = {48, 48};
+    int lfd = open(log2, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    dup2(lfd, 2);
+    close(lfd);
+    setrlimit(RLIMIT_NOFILE, &rl);
+    execl(mokd_bin(), "mokd", "--socket", path, "--config", "/dev/null", "--cpu-threads",
+          "1", "--executor-threads", "1", (char *)NULL);
+    _exit(127);
+  }
+  wait_for_socket(path, pid);
+  int held[64], n = 0;
+  char *save = strdup(sock);
+  strcpy(sock, path);
+  Mokd__Request req = MOKD__REQUEST__INIT;
+  Mokd__Hello h = MOKD__HELLO__INIT;
+  uint8_t *hello_frame;
+  size_t hello_len;
+  h.protocol_version = MOK_PROTOCOL_VERSION;
+  req.id = 1, req.body_case = MOKD__REQUEST__BODY_HELLO, req.hello = &h;
+  ck_assert_int_eq(mokw_pack(&req.base, &hello_frame, &hello_len), 0);
+  for (; n < 64; n++) {
+    Mokd__Response *r = NULL;
+    held[n] = raw_connect();
+    if (send(held[n], hello_frame, hello_len, MSG_NOSIGNAL) == (ssize_t)hello_len)
+      r = raw_reply(held[n]);
+    if (r == NULL) { /* not taken: the daemon is out of fds */
+      close(held[n]);
+      break;
+    }
+    mokd__response__free_unpacked(r, NULL);
+  }
+  free(hello_frame);
+  ck_assert_msg(n < 64, "64 sessions on 48 fds");
+  char buf[16384] = "";
+  FILE *f = fopen(log2, "r");
+  size_t got = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[got] = 0;
+  ck_assert_msg(strstr(buf, "cannot accept a connection") != NULL &&
+                strstr(buf, "Too many open files") != NULL, "log ends: %s",
+                got > 600 ? buf + got - 600 : buf);
+  for (int i = 0; i < n; i++)
+    close(held[i]);
+  usleep(100000);
+  still_serving();
+  strcpy(sock, save);
+  free(save);
+  int st = stop_daemon(pid);
+  ck_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+  unlink(log2);
+}
+END_TEST
+
+Suite *daemon_limits_suite(void)
+{
+  Suite *s = suite_create("daemon_limits");
+  TCase *tc = tcase_create("limits");
+  tcase_add_checked_fixture(tc, setup, teardown);
+  tcase_set_timeout(tc, 120);
+  tcase_add_test(tc, never_reading_client_is_paused);
+  tcase_add_test(tc, unread_fds_are_bounded);
+  tcase_add_test(tc, failed_accept_is_logged);
+  suite_add_tcase(s, tc);
+  return s;
+}
