@@ -52,7 +52,7 @@ KERNEL_SRC := kernels/layer.c kernels/backend.c kernels/cpu/ops.c \
 DAEMON_SRC := daemon/main.c daemon/config.c daemon/log.c daemon/server.c daemon/conn.c \
               daemon/dispatch.c daemon/session.c daemon/arenas.c daemon/layers.c \
               daemon/steps.c daemon/registry.c daemon/executor.c daemon/notify.c \
-              kernels/devices.c
+              daemon/idmap.c kernels/devices.c
 CLIENT_SRC := client/mok.c client/cudamap.c
 UNIT_SRC   := tests/check_main.c tests/ref.c tests/check_bf16.c \
               tests/check_schedule.c tests/check_forward.c tests/check_backward.c \
@@ -60,9 +60,9 @@ UNIT_SRC   := tests/check_main.c tests/ref.c tests/check_bf16.c \
               tests/check_pool.c tests/check_frame.c tests/check_config.c \
               tests/check_registry.c
 UNIT_SRC   += tests/check_paths.c
-UNIT_SRC   += tests/check_mokctl.c
-# config.c, log.c and registry.c are unit-tested without the rest of the daemon
-UNIT_DAEMON := daemon/config.c daemon/log.c daemon/registry.c
+UNIT_SRC   += tests/check_mokctl.c tests/check_idmap.c
+# config.c, log.c, registry.c and idmap.c are unit-tested without the rest of the daemon
+UNIT_DAEMON := daemon/config.c daemon/log.c daemon/registry.c daemon/idmap.c
 INTEG_SRC  := tests/check_daemon.c tests/daemon_fixture.c tests/check_daemon_steps.c \
               tests/check_daemon_wire.c tests/check_daemon_service.c tests/ref.c \
               tests/check_daemon_limits.c

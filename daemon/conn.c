@@ -154,6 +154,7 @@ static void session_destroy(mokd_session *s)
 
   while (s->results != NULL)
     mokd_result_free(s, s->results);
+  mokd_idmap_free(&s->result_ids);
   while (s->layers != NULL)
     mokd_layer_free(s, s->layers);
   mokd_registry_clear(&s->reg);

@@ -14,6 +14,7 @@
 #include "executor.h"
 #include "fdpass.h"
 #include "frame.h"
+#include "idmap.h"
 #include "mok.h"
 #include "proto/mokd.pb-c.h"
 #include "registry.h"
@@ -59,7 +60,8 @@ typedef struct mokd_result {
   mokd_arena *pinned[MOKK_NWEIGHTS]; /* weight arenas the saved state points into */
   int npinned;
   size_t ctx_bytes;
-  struct mokd_result *next;
+  uint64_t mark;          /* Release: the request that named it last */
+  struct mokd_result *next, *prev;
 } mokd_result;
 
 /* One request waiting in a session's queue, with the fds that came with it. */
@@ -117,6 +119,8 @@ struct mokd_session {
   mokd_registry reg;    /* arenas, quotas, outputs */
   mokd_layer *layers;
   mokd_result *results;
+  mokd_idmap result_ids;  /* id -> mokd_result */
+  uint64_t release_marks; /* Release requests seen */
   int nlayers;
   mokk_events *events;  /* device backends: the done event, opened ready events */
   mok_usage usage; /* the counters Stats reports, as libmok spells them */

@@ -261,6 +261,49 @@ void mokd_out_release(mokd_arena *a, mokd_span sp)
   /* output arenas stay until the session ends: the client keeps them mapped */
 }
 
+static int span_cmp(const void *a, const void *b)
+{
+  const mokd_span *x = a, *y = b;
+  return x->off < y->off ? -1 : x->off > y->off;
+}
+
+void mokd_out_release_many(mokd_arena *a, mokd_span *spans, size_t n)
+{
+  mokd_span *merged;
+  size_t i = 0, j = 0, m = 0, cap;
+
+  if (a == NULL || n == 0)
+    return;
+  cap = a->nfree + n;
+  merged = malloc(cap * sizeof *merged);
+  if (merged == NULL) {
+    for (size_t k = 0; k < n; k++)
+      mokd_out_release(a, spans[k]);
+    return;
+  }
+  qsort(spans, n, sizeof *spans, span_cmp);
+  /* one merge of two sorted lists, joining neighbours as they meet */
+  while (i < a->nfree || j < n) {
+    mokd_span next;
+    if (j == n || (i < a->nfree && a->free[i].off < spans[j].off)) {
+      next = a->free[i++];
+    } else {
+      next = spans[j++];
+      a->used -= next.len;
+    }
+    if (next.len == 0)
+      continue;
+    if (m > 0 && merged[m - 1].off + merged[m - 1].len == next.off)
+      merged[m - 1].len += next.len;
+    else
+      merged[m++] = next;
+  }
+  free(a->free);
+  a->free = merged;
+  a->nfree = m;
+  a->capfree = cap;
+}
+
 static size_t dtype_size(Mokd__DType d)
 {
   switch (d) {

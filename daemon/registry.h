@@ -71,6 +71,10 @@ void mokd_arena_free(mokd_registry *r, mokd_arena *a);
 int mokd_out_alloc(mokd_registry *r, size_t len, mokd_arena **arena, mokd_span *span,
                    char *err);
 void mokd_out_release(mokd_arena *a, mokd_span span);
+/* Gives back n blocks of one output arena at once, in O((n + free ranges)
+ * log n) where n single releases would cost O(n * free ranges); spans is
+ * reordered. */
+void mokd_out_release_many(mokd_arena *a, mokd_span *spans, size_t n);
 
 /* Validates a wire tensor against the registry's arenas. shape entries < 0
  * are free (and filled in); *ptr gets the mapped address, *arena (may be

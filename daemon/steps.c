@@ -42,10 +42,7 @@ struct mokd_step {
 
 static mokd_result *result_find(mokd_session *s, uint64_t id)
 {
-  for (mokd_result *r = s->results; r != NULL; r = r->next)
-    if (r->id == id)
-      return r;
-  return NULL;
+  return mokd_idmap_get(&s->result_ids, id);
 }
 
 static mokd_result *result_new(mokd_session *s, int is_context)
@@ -54,8 +51,14 @@ static mokd_result *result_new(mokd_session *s, int is_context)
   if (r == NULL)
     return NULL;
   r->id = ++s->srv->next_id;
+  if (mokd_idmap_put(&s->result_ids, r->id, r) != 0) {
+    free(r);
+    return NULL;
+  }
   r->is_context = is_context;
   r->next = s->results;
+  if (s->results != NULL)
+    s->results->prev = r;
   s->results = r;
   if (is_context)
     s->usage.contexts++, s->srv->usage.contexts++;
@@ -66,11 +69,13 @@ static mokd_result *result_new(mokd_session *s, int is_context)
 
 void mokd_result_free(mokd_session *s, mokd_result *r)
 {
-  mokd_result **pp = &s->results;
-  while (*pp != NULL && *pp != r)
-    pp = &(*pp)->next;
-  if (*pp == r)
-    *pp = r->next;
+  if (r->prev != NULL)
+    r->prev->next = r->next;
+  else
+    s->results = r->next;
+  if (r->next != NULL)
+    r->next->prev = r->prev;
+  mokd_idmap_del(&s->result_ids, r->id);
   if (r->ctx != NULL)
     mokk_ctx_free(s->backend, r->ctx);
   for (int i = 0; i < r->npinned; i++)
@@ -451,6 +456,43 @@ fail:
   return rc;
 }
 
+typedef struct out_block {
+  mokd_arena *arena;
+  mokd_span span;
+} out_block;
+
+static int block_cmp(const void *a, const void *b)
+{
+  const out_block *x = a, *y = b;
+  return x->arena->id < y->arena->id ? -1 : x->arena->id > y->arena->id;
+}
+
+/* Frees the results named (all live, none twice); their output blocks go
+ * back to each arena in one merge. */
+static void release_all(mokd_session *s, const uint64_t *ids, size_t n)
+{
+  out_block *blk = malloc(n * sizeof *blk);
+  mokd_span *spans = malloc(n * sizeof *spans);
+  size_t nb = 0;
+
+  for (size_t i = 0; i < n; i++) {
+    mokd_result *r = result_find(s, ids[i]);
+    if (blk != NULL && spans != NULL && r->out_arena != NULL) {
+      blk[nb++] = (out_block){r->out_arena, r->out};
+      r->out_arena = NULL;
+    }
+    mokd_result_free(s, r);
+  }
+  qsort(blk, nb, sizeof *blk, block_cmp);
+  for (size_t i = 0, j; i < nb; i = j) {
+    for (j = i; j < nb && blk[j].arena == blk[i].arena; j++)
+      spans[j - i] = blk[j].span;
+    mokd_out_release_many(blk[i].arena, spans, j - i);
+  }
+  free(blk);
+  free(spans);
+}
+
 int mokd_h_release(mokd_session *s, const Mokd__Request *q, const int *fds, int nfds,
                    char *err)
 {
@@ -459,17 +501,19 @@ int mokd_h_release(mokd_session *s, const Mokd__Request *q, const int *fds, int 
   Mokd__Released done = MOKD__RELEASED__INIT;
 
   (void)fds, (void)nfds;
+  /* all or nothing, in O(n): each id is looked up once and marked */
+  uint64_t mark = ++s->release_marks;
   for (size_t i = 0; i < rl->n_ids; i++) {
-    if (result_find(s, rl->ids[i]) == NULL)
+    mokd_result *res = result_find(s, rl->ids[i]);
+    if (res == NULL)
       return mokk_fail(err, MOK_ECONTEXT, "id %llu is not a live context or result of this "
                        "session; nothing was released", (unsigned long long)rl->ids[i]);
-    for (size_t k = 0; k < i; k++)
-      if (rl->ids[k] == rl->ids[i])
-        return mokk_fail(err, MOK_EINVAL, "id %llu is named twice; nothing was released",
-                         (unsigned long long)rl->ids[i]);
+    if (res->mark == mark)
+      return mokk_fail(err, MOK_EINVAL, "id %llu is named twice; nothing was released",
+                       (unsigned long long)rl->ids[i]);
+    res->mark = mark;
   }
-  for (size_t i = 0; i < rl->n_ids; i++)
-    mokd_result_free(s, result_find(s, rl->ids[i]));
+  release_all(s, rl->ids, rl->n_ids);
   done.count = (uint32_t)rl->n_ids;
   r.id = q->id;
   r.body_case = MOKD__RESPONSE__BODY_RELEASED;

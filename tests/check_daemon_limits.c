@@ -248,6 +248,167 @@ START_TEST(failed_accept_is_logged)
 }
 END_TEST
 
+/* ---- releasing many results at once --------------------------------------- */
+
+/* A raw session with a small layer whose weights and inputs lie in one arena:
+ * forward requests can then be sent back to back. */
+typedef struct raw_layer {
+  int fd;
+  uint64_t arena, layer;
+  int64_t sx[2], sk[2];
+  Mokd__TensorRef x, ids, tw;
+  Mokd__Forward f;
+} raw_layer;
+
+static Mokd__Response *raw_call(int fd, Mokd__Request *req)
+{
+  raw_request(fd, req, -1);
+  Mokd__Response *r = raw_reply(fd);
+  ck_assert_msg(r != NULL && r->status == 0, "request %llu: %s",
+                (unsigned long long)req->id, r != NULL ? r->message : "connection closed");
+  return r;
+}
+
+static void raw_layer_setup(raw_layer *rl)
+{
+  Mokd__Request req = MOKD__REQUEST__INIT;
+  Mokd__CreateArena ca = MOKD__CREATE_ARENA__INIT;
+  Mokd__CreateLayer cl = MOKD__CREATE_LAYER__INIT;
+  Mokd__SetWeights sw = MOKD__SET_WEIGHTS__INIT;
+  Mokd__TensorRef w[3];
+  int64_t ws[3] = {2, 8, 8};
+  Mokd__Response *r;
+
+  memset(rl, 0, sizeof *rl);
+  rl->fd = raw_connect();
+  hello(rl->fd);
+  ca.bytes = 4096;
+  req.id = 2, req.body_case = MOKD__REQUEST__BODY_CREATE_ARENA, req.create_arena = &ca;
+  r = raw_call(rl->fd, &req);
+  rl->arena = r->arena_created->arena;
+  mokd__response__free_unpacked(r, NULL);
+  cl.hidden = 8, cl.intermediate = 8, cl.experts = 2, cl.top_k = 1;
+  req.id = 3, req.body_case = MOKD__REQUEST__BODY_CREATE_LAYER, req.create_layer = &cl;
+  r = raw_call(rl->fd, &req);
+  rl->layer = r->layer_created->layer;
+  mokd__response__free_unpacked(r, NULL);
+  for (int i = 0; i < 3; i++) {
+    mokd__tensor_ref__init(&w[i]);
+    w[i].arena = rl->arena, w[i].dtype = MOKD__DTYPE__DTYPE_BF16;
+    w[i].n_shape = 3, w[i].shape = ws;
+  }
+  sw.layer = rl->layer, sw.w_gate = &w[0], sw.w_up = &w[1], sw.w_down = &w[2];
+  req.id = 4, req.body_case = MOKD__REQUEST__BODY_SET_WEIGHTS, req.set_weights = &sw;
+  mokd__response__free_unpacked(raw_call(rl->fd, &req), NULL);
+  /* the arena is zeroes: every token goes to expert 0 */
+  rl->sx[0] = 1, rl->sx[1] = 8, rl->sk[0] = 1, rl->sk[1] = 1;
+  mokd__tensor_ref__init(&rl->x), mokd__tensor_ref__init(&rl->ids);
+  mokd__tensor_ref__init(&rl->tw);
+  rl->x.arena = rl->ids.arena = rl->tw.arena = rl->arena;
+  rl->x.offset = 1024, rl->x.dtype = MOKD__DTYPE__DTYPE_BF16;
+  rl->x.n_shape = 2, rl->x.shape = rl->sx;
+  rl->ids.offset = 2048, rl->ids.dtype = MOKD__DTYPE__DTYPE_I32;
+  rl->ids.n_shape = 2, rl->ids.shape = rl->sk;
+  rl->tw.offset = 3072, rl->tw.dtype = MOKD__DTYPE__DTYPE_F32;
+  rl->tw.n_shape = 2, rl->tw.shape = rl->sk;
+  mokd__forward__init(&rl->f);
+  rl->f.layer = rl->layer, rl->f.x = &rl->x, rl->f.topk_ids = &rl->ids;
+  rl->f.topk_weights = &rl->tw;
+}
+
+/* n forwards, in batches sent back to back; their contexts' ids go to ids. */
+static void raw_forwards(raw_layer *rl, int n, uint64_t *ids)
+{
+  enum { BATCH = 256 };
+  Mokd__Request req = MOKD__REQUEST__INIT;
+  req.body_case = MOKD__REQUEST__BODY_FORWARD, req.forward = &rl->f;
+  mokw_framer fr;
+  mokw_framer_init(&fr, 1 << 20);
+  for (int done = 0; done < n;) {
+    int b = n - done < BATCH ? n - done : BATCH;
+    size_t len;
+    uint8_t *batch = pack_many(&req, 1000 + (uint64_t)done, b, &len);
+    raw_send(rl->fd, batch, len, -1);
+    free(batch);
+    for (int got = 0; got < b;) {
+      const uint8_t *p;
+      size_t plen, avail;
+      if (mokw_framer_next(&fr, &p, &plen, NULL) == 1) {
+        Mokd__Response *r = mokd__response__unpack(NULL, plen, p);
+        ck_assert_msg(r != NULL && r->status == 0 &&
+                          r->body_case == MOKD__RESPONSE__BODY_FORWARD_DONE,
+                      "forward %d: %s", done + got, r != NULL ? r->message : "bad reply");
+        ids[done + got++] = r->forward_done->context;
+        mokd__response__free_unpacked(r, NULL);
+        continue;
+      }
+      int fds[MOKW_MAX_FDS], nfds = MOKW_MAX_FDS;
+      uint8_t *dst = mokw_framer_space(&fr, 65536, &avail);
+      ssize_t k = mokw_recv(rl->fd, dst, avail, 0, fds, &nfds, NULL);
+      ck_assert_int_gt(k, 0);
+      for (int i = 0; i < nfds; i++)
+        close(fds[i]);
+      mokw_framer_commit(&fr, (size_t)k);
+    }
+    done += b;
+  }
+  mokw_framer_free(&fr);
+}
+
+static double now_s(void)
+{
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Release of n ids took O(n^2) on the loop: 60k stalled every session for
+ * 20 s. make stress releases 60k; here 20k, a second's worth of forwards. */
+START_TEST(large_release_is_quick)
+{
+  enum { N = 20000 };
+  raw_layer rl;
+  uint64_t *ids = malloc(N * sizeof *ids), seed = 1;
+  double t0;
+
+  raw_layer_setup(&rl);
+  raw_forwards(&rl, N, ids);
+  for (int i = N - 1; i > 0; i--) { /* in no particular order */
+    seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+    int j = (int)((seed >> 33) % (uint64_t)(i + 1));
+    uint64_t t = ids[i];
+    ids[i] = ids[j], ids[j] = t;
+  }
+  /* a duplicate refuses the whole list: nothing is released */
+  Mokd__Request req = MOKD__REQUEST__INIT;
+  Mokd__Release rel = MOKD__RELEASE__INIT;
+  uint64_t last = ids[N - 1];
+  ids[N - 1] = ids[0];
+  rel.n_ids = N, rel.ids = ids;
+  req.id = 7, req.body_case = MOKD__REQUEST__BODY_RELEASE, req.release = &rel;
+  t0 = now_s();
+  raw_request(rl.fd, &req, -1);
+  expect_status(rl.fd, MOK_EINVAL, "is named twice; nothing was released");
+  double dup_s = now_s() - t0;
+  ids[N - 1] = last;
+  t0 = now_s();
+  Mokd__Response *r = raw_call(rl.fd, &req);
+  double rel_s = now_s() - t0;
+  ck_assert_uint_eq(r->released->count, N);
+  mokd__response__free_unpacked(r, NULL);
+  ck_assert_msg(dup_s < 0.5 && rel_s < 0.5, "release of %d ids: %.2f s (refusal %.2f s)", N,
+                rel_s, dup_s);
+  mok_client *c = connect_ok();
+  mok_stats st;
+  ck_assert_int_eq(mok_stats_get(c, &st), 0);
+  ck_assert_uint_eq(st.daemon.contexts, 0);
+  ck_assert_uint_eq(st.daemon.context_bytes, 0);
+  mok_close(c);
+  close(rl.fd);
+  free(ids);
+}
+END_TEST
+
 Suite *daemon_limits_suite(void)
 {
   Suite *s = suite_create("daemon_limits");
@@ -257,6 +418,7 @@ Suite *daemon_limits_suite(void)
   tcase_add_test(tc, never_reading_client_is_paused);
   tcase_add_test(tc, unread_fds_are_bounded);
   tcase_add_test(tc, failed_accept_is_logged);
+  tcase_add_test(tc, large_release_is_quick);
   suite_add_tcase(s, tc);
   return s;
 }

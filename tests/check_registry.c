@@ -73,6 +73,57 @@ START_TEST(best_fit_reuses_the_smallest_hole)
 }
 END_TEST
 
+/* Giving back many blocks at once leaves the free list one by one would. */
+START_TEST(release_many_equals_one_by_one)
+{
+  enum { N = 2000 };
+  mokd_registry r1, r2;
+  mokd_arena *a1, *a2;
+  static mokd_span s1[N], s2[N], batch[N];
+  static char back[N];
+  uint64_t seed = 3;
+  size_t nb = 0;
+
+  reg_init(&r1, 0);
+  reg_init(&r2, 0);
+  for (int i = 0; i < N; i++) {
+    size_t len = 256 * (1 + rng_next(&seed) % 4);
+    ck_assert_int_eq(mokd_out_alloc(&r1, len, &a1, &s1[i], err), 0);
+    ck_assert_int_eq(mokd_out_alloc(&r2, len, &a2, &s2[i], err), 0);
+  }
+  /* some go back first, one by one in both; then a random half, together in
+   * the second arena */
+  for (int i = 0; i < N; i += 7) {
+    mokd_out_release(a1, s1[i]), mokd_out_release(a2, s2[i]);
+    back[i] = 1;
+  }
+  for (int i = 0; i < N; i++)
+    if (!back[i] && rng_next(&seed) % 2) {
+      mokd_out_release(a1, s1[i]);
+      batch[nb++] = s2[i];
+      back[i] = 1;
+    }
+  mokd_out_release_many(a2, batch, nb);
+  ck_assert_uint_eq(a1->used, a2->used);
+  ck_assert_uint_eq(a1->nfree, a2->nfree);
+  for (size_t i = 0; i < a1->nfree; i++) {
+    ck_assert_uint_eq(a1->free[i].off, a2->free[i].off);
+    ck_assert_uint_eq(a1->free[i].len, a2->free[i].len);
+  }
+  /* the rest: everything merges back into one range */
+  nb = 0;
+  for (int i = 0; i < N; i++)
+    if (!back[i])
+      batch[nb++] = s2[i];
+  mokd_out_release_many(a2, batch, nb);
+  ck_assert_uint_eq(a2->used, 0);
+  ck_assert_uint_eq(a2->nfree, 1);
+  ck_assert_uint_eq(a2->free[0].len, a2->bytes);
+  mokd_registry_clear(&r1);
+  mokd_registry_clear(&r2);
+}
+END_TEST
+
 START_TEST(overflowing_and_misplaced_refs_are_refused)
 {
   mokd_registry r;
@@ -200,6 +251,7 @@ Suite *registry_suite(void)
   TCase *tc = tcase_create("registry");
   tcase_add_checked_fixture(tc, setup, teardown);
   tcase_add_test(tc, best_fit_reuses_the_smallest_hole);
+  tcase_add_test(tc, release_many_equals_one_by_one);
   tcase_add_test(tc, overflowing_and_misplaced_refs_are_refused);
   tcase_add_test(tc, another_sessions_arena_is_not_found);
   tcase_add_test(tc, quota_edges);
