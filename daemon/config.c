@@ -57,6 +57,10 @@ static const opt options[] = {
      "memory a client imports is its own and not counted); 0 = unlimited"},
     {"max_sessions", NUM(T_INT, max_sessions), "256", 1, 65536, "MOKD_MAX_SESSIONS",
      "clients connected at once"},
+    {"hello_timeout_ms", NUM(T_INT, hello_timeout_ms), "10000", 0, 3600000,
+     "MOKD_HELLO_TIMEOUT_MS",
+     "a connection that has not said Hello after this long is told so and closed, "
+     "freeing its session slot; 0 = wait forever"},
     {"max_layers", NUM(T_INT, max_layers), "1024", 1, 1 << 20, "MOKD_MAX_LAYERS",
      "layers per session"},
     {"allow_uids", STR(allow_uids), "", 0, 0, "MOKD_ALLOW_UIDS",

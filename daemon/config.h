@@ -21,6 +21,7 @@ typedef struct mokd_config {
   int64_t session_quota_bytes;
   int64_t session_gpu_quota_bytes;
   int64_t max_sessions;
+  int64_t hello_timeout_ms;
   int64_t max_layers;
   char allow_uids[256];
   char allow_gids[256];

@@ -119,6 +119,16 @@ void mokd_reply_error(mokd_session *s, uint64_t id, int code, const char *msg)
   mokd_send(s, &r, NULL, 0);
 }
 
+void mokd_session_fail(mokd_session *s, uint64_t id, int code, const char *msg)
+{
+  mokd_reply_error(s, id, code, msg);
+  s->fatal = 1; /* read nothing more: flush the reply, then close (on_poll) */
+  if (s->out_head == NULL)
+    mokd_session_close(s, msg);
+  else
+    mokd_session_arm(s);
+}
+
 /* ---- lifetime ----------------------------------------------------------- */
 
 void mokd_session_arm(mokd_session *s)
@@ -230,6 +240,7 @@ mokd_session *mokd_session_new(mokd_server *srv, int fd)
   s->srv = srv;
   s->fd = fd;
   s->id = ++srv->next_id;
+  s->born_ns = mokd_now_ns();
   /* the CPU backend, or placed on a GPU at Hello */
   s->backend = srv->backend;
   s->device = mokk_backend_device(srv->backend);
@@ -316,9 +327,7 @@ static void parse_frames(mokd_session *s)
       char msg[160];
       snprintf(msg, sizeof msg, "frame length prefix is over max_frame_bytes (%lld); "
                "closing the connection", (long long)s->srv->cfg.max_frame_bytes);
-      mokd_reply_error(s, 0, MOK_EMSGSIZE, msg);
-      s->fatal = 1; /* flush the reply, then close: see on_poll */
-      mokd_session_arm(s);
+      mokd_session_fail(s, 0, MOK_EMSGSIZE, msg);
       return;
     }
     p = calloc(1, sizeof *p);

@@ -103,6 +103,7 @@ struct mokd_session {
   int fatal;            /* framing lost: flush the error reply, then close */
   int handle_open;
   int hello_done;
+  uint64_t born_ns;     /* accepted at (mokd_now_ns) */
   pid_t pid;
   uid_t uid;
   gid_t gid;
@@ -138,6 +139,8 @@ struct mokd_server {
   uv_signal_t sig_term, sig_int, sig_hup;
   uv_timer_t watchdog;
   int watchdog_on;
+  uv_timer_t hello_timer; /* closes sessions silent past hello_timeout_ms */
+  int hello_timer_on;
   mokd_executor *exec;  /* the CPU backend's */
   mokd_session *sessions;
   int nsessions;
@@ -176,6 +179,8 @@ void mokd_pending_free(mokd_pending *p);
 int mokd_send(mokd_session *s, Mokd__Response *resp, const int *fds, int nfds);
 void mokd_send_done(mokd_session *s, uint64_t id);
 void mokd_reply_error(mokd_session *s, uint64_t id, int code, const char *msg);
+/* Answers with an error, then closes the session once the answer is out. */
+void mokd_session_fail(mokd_session *s, uint64_t id, int code, const char *msg);
 
 /* dispatch.c: the table of request bodies */
 /* How many fds the request takes (0 when the body is unknown). */

@@ -226,6 +226,42 @@ static void on_watchdog(uv_timer_t *t)
   mokd_notify("WATCHDOG=1");
 }
 
+/* Connections that never say Hello would hold their session slots forever:
+ * max_sessions of them lock everyone out. */
+static void on_hello_timer(uv_timer_t *t)
+{
+  mokd_server *srv = t->data;
+  uint64_t now = mokd_now_ns(), limit = (uint64_t)srv->cfg.hello_timeout_ms * 1000000ull;
+  mokd_session *s, *next;
+
+  for (s = srv->sessions; s != NULL; s = next) {
+    next = s->next;
+    if (!s->hello_done && !s->closing && now - s->born_ns >= limit) {
+      char msg[128];
+      LOG_INFO(SESS, "session %llu (pid %d uid %u): no Hello within %lld ms; closing",
+               (unsigned long long)s->id, (int)s->pid, (unsigned)s->uid,
+               (long long)srv->cfg.hello_timeout_ms);
+      snprintf(msg, sizeof msg, "no Hello within %lld ms (hello_timeout_ms); closing the "
+               "connection", (long long)srv->cfg.hello_timeout_ms);
+      mokd_session_fail(s, 0, MOK_EPROTO, msg);
+    }
+  }
+}
+
+static void start_hello_timer(mokd_server *srv)
+{
+  uint64_t period = (uint64_t)srv->cfg.hello_timeout_ms / 4;
+
+  if (srv->cfg.hello_timeout_ms == 0)
+    return;
+  /* checked every quarter of the timeout, between 10 ms and 1 s */
+  period = period < 10 ? 10 : period > 1000 ? 1000 : period;
+  uv_timer_init(srv->loop, &srv->hello_timer);
+  srv->hello_timer.data = srv;
+  uv_timer_start(&srv->hello_timer, on_hello_timer, period, period);
+  srv->hello_timer_on = 1;
+}
+
 int mokd_server_start(mokd_server *srv, char *err, size_t errlen)
 {
   const char *path = srv->cfg.socket;
@@ -270,6 +306,7 @@ int mokd_server_start(mokd_server *srv, char *err, size_t errlen)
   uv_signal_start(&srv->sig_term, on_signal, SIGTERM);
   uv_signal_start(&srv->sig_int, on_signal, SIGINT);
   uv_signal_start(&srv->sig_hup, on_signal, SIGHUP);
+  start_hello_timer(srv);
   uint64_t wd = mokd_notify_watchdog_usec();
   if (wd > 0) {
     uv_timer_init(srv->loop, &srv->watchdog);
@@ -351,6 +388,8 @@ void mokd_server_maybe_stop(mokd_server *srv)
   uv_close((uv_handle_t *)&srv->sig_hup, NULL);
   if (srv->watchdog_on)
     uv_close((uv_handle_t *)&srv->watchdog, NULL);
+  if (srv->hello_timer_on)
+    uv_close((uv_handle_t *)&srv->hello_timer, NULL);
   if (srv->reaper_on)
     uv_close((uv_handle_t *)&srv->reaper, NULL);
   srv->reaper_on = 0;

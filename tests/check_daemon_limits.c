@@ -248,6 +248,55 @@ START_TEST(failed_accept_is_logged)
 }
 END_TEST
 
+static double now_s(void)
+{
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* ---- connections that never say Hello ------------------------------------ */
+
+START_TEST(silent_connections_are_closed)
+{
+  char path[128], log2[128];
+  snprintf(path, sizeof path, "%s/hello.sock", dir);
+  snprintf(log2, sizeof log2, "%s/hello.log", dir);
+  pid_t pid = spawn_daemon(path, "--max-sessions=3 --hello-timeout-ms=300", log2);
+  wait_for_socket(path, pid);
+  char *save = strdup(sock);
+  strcpy(sock, path);
+
+  usleep(100000); /* wait_for_socket's probe session is gone */
+  /* three silent connections take every slot */
+  int idle[3];
+  for (int i = 0; i < 3; i++)
+    idle[i] = raw_connect();
+  usleep(50000);
+  mok_client *c;
+  ck_assert_int_eq(mok_connect(path, "locked out", &c), MOK_EPERM);
+  mok_close(c);
+  /* then each is told why and closed, and the slots are free again */
+  double t0 = now_s();
+  for (int i = 0; i < 3; i++) {
+    expect_status(idle[i], MOK_EPROTO, "no Hello within 300 ms (hello_timeout_ms)");
+    ck_assert_ptr_null(raw_reply(idle[i]));
+    close(idle[i]);
+  }
+  ck_assert_msg(now_s() - t0 < 1.0, "closed after %.2f s", now_s() - t0);
+  c = connect_ok();
+  usleep(500000); /* a session that said Hello is not timed out */
+  uint64_t rtt;
+  ck_assert_int_eq(mok_ping(c, &rtt), 0);
+  mok_close(c);
+  strcpy(sock, save);
+  free(save);
+  int st = stop_daemon(pid);
+  ck_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+  unlink(log2);
+}
+END_TEST
+
 /* ---- releasing many results at once --------------------------------------- */
 
 /* A raw session with a small layer whose weights and inputs lie in one arena:
@@ -355,12 +404,6 @@ static void raw_forwards(raw_layer *rl, int n, uint64_t *ids)
   mokw_framer_free(&fr);
 }
 
-static double now_s(void)
-{
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 /* Release of n ids took O(n^2) on the loop: 60k stalled every session for
  * 20 s. make stress releases 60k; here 20k, a second's worth of forwards. */
@@ -418,6 +461,7 @@ Suite *daemon_limits_suite(void)
   tcase_add_test(tc, never_reading_client_is_paused);
   tcase_add_test(tc, unread_fds_are_bounded);
   tcase_add_test(tc, failed_accept_is_logged);
+  tcase_add_test(tc, silent_connections_are_closed);
   tcase_add_test(tc, large_release_is_quick);
   suite_add_tcase(s, tc);
   return s;

@@ -27,10 +27,16 @@ pid_t spawn_daemon(const char *path, const char *extra, const char *log)
   pid_t pid = fork();
   ck_assert_int_ge(pid, 0);
   if (pid == 0) {
+    char *argv[32] = {"mokd", "--socket", (char *)path, "--config", "/dev/null",
+                      "--cpu-threads", "2", "--log-level", "debug"};
+    char *flags = strdup(extra), *save;
+    int argc = 9;
+    for (char *f = strtok_r(flags, " ", &save); f != NULL && argc < 31;
+         f = strtok_r(NULL, " ", &save))
+      argv[argc++] = f;
     int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
     dup2(fd, 2);
-    execl(mokd_bin(), "mokd", "--socket", path, "--config", "/dev/null", "--cpu-threads",
-          "2", "--log-level", "debug", extra, (char *)NULL);
+    execv(mokd_bin(), argv);
     _exit(127);
   }
   return pid;

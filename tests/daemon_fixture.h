@@ -15,6 +15,7 @@ extern pid_t daemon_pid;
 
 /* $MOKD_BIN, else build/mokd */
 const char *mokd_bin(void);
+/* mokd on path, logging to log; extra: flags separated by spaces */
 pid_t spawn_daemon(const char *path, const char *extra, const char *log);
 void wait_for_socket(const char *path, pid_t pid);
 /* SIGTERM, then the exit status */
