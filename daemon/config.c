@@ -63,6 +63,9 @@ static const opt options[] = {
      "freeing its session slot; 0 = wait forever"},
     {"max_layers", NUM(T_INT, max_layers), "1024", 1, 1 << 20, "MOKD_MAX_LAYERS",
      "layers per session"},
+    {"max_arenas", NUM(T_INT, max_arenas), "1024", 1, 1 << 20, "MOKD_MAX_ARENAS",
+     "arenas per session, created, imported and of outputs together (each is a mapping "
+     "in the daemon; all sessions together stay under half of vm.max_map_count)"},
     {"allow_uids", STR(allow_uids), "", 0, 0, "MOKD_ALLOW_UIDS",
      "comma list of uids allowed to connect, besides root and the daemon's own uid"},
     {"allow_gids", STR(allow_gids), "", 0, 0, "MOKD_ALLOW_GIDS",

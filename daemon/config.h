@@ -23,6 +23,7 @@ typedef struct mokd_config {
   int64_t max_sessions;
   int64_t hello_timeout_ms;
   int64_t max_layers;
+  int64_t max_arenas;
   char allow_uids[256];
   char allow_gids[256];
   int64_t log_level;

@@ -245,9 +245,12 @@ mokd_session *mokd_session_new(mokd_server *srv, int fd)
   s->backend = srv->backend;
   s->device = mokk_backend_device(srv->backend);
   s->exec = srv->exec;
-  mokd_registry_init(&s->reg, s->backend, &srv->next_id, (uint64_t)srv->cfg.max_arena_bytes,
-                     (uint64_t)srv->cfg.session_quota_bytes,
-                     (uint64_t)srv->cfg.session_gpu_quota_bytes, &s->usage, &srv->usage);
+  mokd_limits lim = {.max_arena_bytes = (uint64_t)srv->cfg.max_arena_bytes,
+                     .quota = {(uint64_t)srv->cfg.session_quota_bytes,
+                               (uint64_t)srv->cfg.session_gpu_quota_bytes},
+                     .max_arenas = (uint64_t)srv->cfg.max_arenas,
+                     .daemon_max_arenas = srv->max_maps};
+  mokd_registry_init(&s->reg, s->backend, &srv->next_id, &lim, &s->usage, &srv->usage);
   if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &len) == 0)
     s->pid = cr.pid, s->uid = cr.uid, s->gid = cr.gid;
   mokw_framer_init(&s->rx, (size_t)srv->cfg.max_frame_bytes);

@@ -151,6 +151,7 @@ struct mokd_server {
   uint64_t start_ns;
   int draining;
   int stopped;
+  uint64_t max_maps;         /* arenas of all sessions: half of vm.max_map_count */
   uint64_t accept_logged_ns; /* when a failed accept was last logged */
   uint64_t accept_failures;  /* since then */
   uid_t allow_uids[32];

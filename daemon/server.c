@@ -262,6 +262,20 @@ static void start_hello_timer(mokd_server *srv)
   srv->hello_timer_on = 1;
 }
 
+/* Each arena is a mapping of the daemon's: past vm.max_map_count mmap fails
+ * for everyone. Half of it goes to arenas, the rest to the daemon itself. */
+static uint64_t max_maps(void)
+{
+  FILE *f = fopen("/proc/sys/vm/max_map_count", "r");
+  unsigned long long n = 65530; /* the kernel's default */
+  if (f != NULL) {
+    if (fscanf(f, "%llu", &n) != 1)
+      n = 65530;
+    fclose(f);
+  }
+  return n / 2;
+}
+
 int mokd_server_start(mokd_server *srv, char *err, size_t errlen)
 {
   const char *path = srv->cfg.socket;
@@ -276,6 +290,7 @@ int mokd_server_start(mokd_server *srv, char *err, size_t errlen)
     return MOK_EINVAL;
   if ((rc = mok_socket_dir_check(path, err, errlen)) != 0)
     return rc;
+  srv->max_maps = max_maps();
   if ((rc = clear_stale(path, err, errlen)))
     return rc;
   if ((rc = uv_pipe_init(srv->loop, &srv->listener, 0)) != 0) {

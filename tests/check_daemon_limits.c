@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -297,6 +298,46 @@ START_TEST(silent_connections_are_closed)
 }
 END_TEST
 
+/* ---- imports ---------------------------------------------------------------- */
+
+/* 65k imports of one memfd used to reach vm.max_map_count: then every
+ * session's next arena failed. */
+START_TEST(imports_are_limited_per_session)
+{
+  char path[128], log2[128];
+  snprintf(path, sizeof path, "%s/imports.sock", dir);
+  snprintf(log2, sizeof log2, "%s/imports.log", dir);
+  pid_t pid = spawn_daemon(path, "--max-arenas=8 --session-quota-bytes=1M", log2);
+  wait_for_socket(path, pid);
+  mok_client *c, *other;
+  mok_arena_info a[9];
+  int fd = memfd_create("weights", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  ck_assert_int_eq(ftruncate(fd, 64 << 10), 0);
+  ck_assert_int_eq(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK), 0);
+  ck_assert_int_eq(mok_connect(path, "importer", &c), 0);
+  for (int i = 0; i < 8; i++)
+    ck_assert_msg(mok_arena_import(c, fd, 64 << 10, &a[i]) == 0, "import %d: %s", i,
+                  mok_last_error(c));
+  ck_assert_int_eq(mok_arena_import(c, fd, 64 << 10, &a[8]), MOK_EDQUOT);
+  ck_assert_msg(strstr(mok_last_error(c), "already holds 8 arenas (max_arenas)") != NULL, "%s",
+                mok_last_error(c));
+  /* and another session is not hurt */
+  ck_assert_int_eq(mok_connect(path, "other", &other), 0);
+  ck_assert_int_eq(mok_arena_create(other, 4096, &a[8]), 0);
+  mok_close(other);
+  /* an imported memfd counts against the host quota: 8 x 64 KiB of 1 MiB held */
+  ck_assert_int_eq(mok_arena_destroy(c, a[0].id), 0);
+  ck_assert_int_eq(mok_arena_import(c, fd, 1 << 20, &a[0]), MOK_EDQUOT);
+  ck_assert_msg(strstr(mok_last_error(c), "quota is 1048576 (session_quota_bytes)") != NULL,
+                "%s", mok_last_error(c));
+  mok_close(c);
+  close(fd);
+  int st = stop_daemon(pid);
+  ck_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+  unlink(log2);
+}
+END_TEST
+
 /* ---- releasing many results at once --------------------------------------- */
 
 /* A raw session with a small layer whose weights and inputs lie in one arena:
@@ -462,6 +503,7 @@ Suite *daemon_limits_suite(void)
   tcase_add_test(tc, unread_fds_are_bounded);
   tcase_add_test(tc, failed_accept_is_logged);
   tcase_add_test(tc, silent_connections_are_closed);
+  tcase_add_test(tc, imports_are_limited_per_session);
   tcase_add_test(tc, large_release_is_quick);
   suite_add_tcase(s, tc);
   return s;

@@ -29,7 +29,8 @@ static void teardown(void)
 
 static void reg_init(mokd_registry *r, uint64_t quota)
 {
-  mokd_registry_init(r, cpu, &next_id, 1u << 30, quota, 0, &sess, &daemon_usage);
+  mokd_limits lim = {.max_arena_bytes = 1u << 30, .quota = {quota, 0}};
+  mokd_registry_init(r, cpu, &next_id, &lim, &sess, &daemon_usage);
 }
 
 static Mokd__TensorRef ref(uint64_t arena, uint64_t offset, Mokd__DType dt, int ndim,
@@ -209,7 +210,7 @@ START_TEST(quota_edges)
   ck_assert_int_eq(mokd_quota_take(&r, UINT64_MAX - 100, MOKD_HOST, err), MOK_EDQUOT);
   ck_assert_uint_eq(r.held[MOKD_HOST], 4096);
   /* no quota: only the sum's own overflow is refused */
-  r.quota[MOKD_HOST] = 0;
+  r.lim.quota[MOKD_HOST] = 0;
   ck_assert_int_eq(mokd_quota_take(&r, 1u << 20, MOKD_HOST, err), 0);
   mokd_quota_give(&r, 1u << 20, MOKD_HOST);
   ck_assert_uint_eq(sess.gpu_bytes, 0);
@@ -236,11 +237,54 @@ START_TEST(host_imports_must_be_sealed)
   ck_assert_int_eq(mokd_arena_import(&r, &src, &a, err), 0);
   ck_assert_int_eq(a->kind, ARENA_IMPORTED);
   ck_assert_int_eq(a->device, -1);
-  ck_assert_uint_eq(r.held[MOKD_HOST], 0); /* the client's memory, not charged */
+  /* the daemon's mapping keeps the client's pages alive: charged */
+  ck_assert_uint_eq(r.held[MOKD_HOST], 4096);
   src.kind = MOKK_IMPORT_CUMEM_FD;
   ck_assert_int_eq(mokd_arena_import(&r, &src, &a, err), MOK_ENOTSUP);
   ck_assert_ptr_nonnull(strstr(err, "runs the cpu backend"));
   mokd_registry_clear(&r);
+  ck_assert_uint_eq(r.held[MOKD_HOST], 0);
+  close(fd);
+}
+END_TEST
+
+/* Imports are arenas like the others: counted per session and for the
+ * daemon, and charged to the host quota. */
+START_TEST(imports_are_counted_and_charged)
+{
+  mokd_registry r, other;
+  mokd_arena *a[4], *b;
+  mokd_limits lim = {.max_arena_bytes = 1u << 30, .quota = {3 * 4096, 0}, .max_arenas = 3,
+                     .daemon_max_arenas = 4};
+  int fd = memfd_create("t", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  mokk_import src = {MOKK_IMPORT_HOST_FD, fd, NULL, 4096};
+
+  ck_assert_int_eq(ftruncate(fd, 4096), 0);
+  ck_assert_int_eq(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK), 0);
+  mokd_registry_init(&r, cpu, &next_id, &lim, &sess, &daemon_usage);
+  mokd_registry_init(&other, cpu, &next_id, &lim, NULL, &daemon_usage);
+  for (int i = 0; i < 2; i++)
+    ck_assert_int_eq(mokd_arena_import(&r, &src, &a[i], err), 0);
+  ck_assert_uint_eq(r.held[MOKD_HOST], 8192);
+  /* the quota holds one more page: a 4 KiB arena fits, a second import not */
+  ck_assert_int_eq(mokd_arena_new(&r, 4096, ARENA_DAEMON, &a[2], err), 0);
+  ck_assert_int_eq(mokd_arena_import(&r, &src, &a[3], err), MOK_EDQUOT);
+  ck_assert_msg(strstr(err, "already holds 3 arenas (max_arenas)") != NULL, "%s", err);
+  mokd_arena_free(&r, a[2]);
+  ck_assert_int_eq(mokd_arena_import(&r, &src, &a[2], err), 0);
+  ck_assert_int_eq(mokd_arena_import(&r, &src, &a[3], err), MOK_EDQUOT);
+  r.lim.max_arenas = 0;
+  ck_assert_int_eq(mokd_arena_import(&r, &src, &a[3], err), MOK_EDQUOT);
+  ck_assert_msg(strstr(err, "quota is 12288 (session_quota_bytes)") != NULL, "%s", err);
+  /* all sessions together: 3 + 1 = the daemon's 4 */
+  ck_assert_int_eq(mokd_arena_import(&other, &src, &b, err), 0);
+  ck_assert_int_eq(mokd_arena_new(&other, 4096, ARENA_DAEMON, &b, err), MOK_EDQUOT);
+  ck_assert_msg(strstr(err, "mokd holds 4 arenas for all sessions") != NULL, "%s", err);
+  mokd_registry_clear(&r);
+  ck_assert_uint_eq(r.held[MOKD_HOST], 0);
+  ck_assert_int_eq(mokd_arena_new(&other, 4096, ARENA_DAEMON, &b, err), 0);
+  mokd_registry_clear(&other);
+  ck_assert_uint_eq(daemon_usage.arenas, 0);
   close(fd);
 }
 END_TEST
@@ -256,6 +300,7 @@ Suite *registry_suite(void)
   tcase_add_test(tc, another_sessions_arena_is_not_found);
   tcase_add_test(tc, quota_edges);
   tcase_add_test(tc, host_imports_must_be_sealed);
+  tcase_add_test(tc, imports_are_counted_and_charged);
   suite_add_tcase(s, tc);
   return s;
 }
