@@ -15,7 +15,8 @@
 #include "log.h"
 #include "mok.h"
 
-typedef enum { T_STR, T_INT, T_SIZE, T_LEVEL, T_SUBSYS } opt_type;
+/* T_RAM: a size, or N% of this machine's physical memory */
+typedef enum { T_STR, T_INT, T_SIZE, T_RAM, T_LEVEL, T_SUBSYS } opt_type;
 
 typedef struct opt {
   const char *name; /* in the file; the flag is --name with '-' for '_' */
@@ -48,13 +49,15 @@ static const opt options[] = {
      "MOKD_MAX_FRAME_BYTES", "largest accepted wire frame"},
     {"max_arena_bytes", NUM(T_SIZE, max_arena_bytes), "64G", 4096, INT64_MAX / 2,
      "MOKD_MAX_ARENA_BYTES", "largest single arena a client may create or import"},
-    {"session_quota_bytes", NUM(T_SIZE, session_quota_bytes), "0", 0, INT64_MAX / 2,
+    {"session_quota_bytes", NUM(T_RAM, session_quota_bytes), "50%", 0, INT64_MAX / 2,
      "MOKD_SESSION_QUOTA_BYTES",
-     "host memory a session may hold in arenas, outputs and contexts; 0 = unlimited"},
+     "host memory a session may hold in arenas (imported memfds included), outputs and "
+     "contexts: a size, or N% of this machine's RAM; 0 = unlimited"},
     {"session_gpu_quota_bytes", NUM(T_SIZE, session_gpu_quota_bytes), "0", 0, INT64_MAX / 2,
      "MOKD_SESSION_GPU_QUOTA_BYTES",
      "GPU memory a session may hold in daemon-made arenas, outputs and contexts (the "
-     "memory a client imports is its own and not counted); 0 = unlimited"},
+     "memory a client imports is its own and not counted); 0 = unlimited. No default "
+     "share of the device: the backend does not report its memory size, so set it per node"},
     {"max_sessions", NUM(T_INT, max_sessions), "256", 1, 65536, "MOKD_MAX_SESSIONS",
      "clients connected at once"},
     {"hello_timeout_ms", NUM(T_INT, hello_timeout_ms), "10000", 0, 3600000,
@@ -108,6 +111,15 @@ static int parse_size(const char *s, int64_t *out)
   return 0;
 }
 
+/* pct% of the physical memory, or -1 */
+static int64_t ram_share(int64_t pct)
+{
+  long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page <= 0)
+    return -1;
+  return (int64_t)((__int128)pages * page * pct / 100);
+}
+
 /* Sets one option from text; on error writes why into why. */
 static int set_opt(mokd_config *cfg, const opt *o, const char *val, char *why, size_t n)
 {
@@ -134,7 +146,23 @@ static int set_opt(mokd_config *cfg, const opt *o, const char *val, char *why, s
     v = x;
     break;
   }
+  case T_RAM:
   case T_SIZE:
+    if (o->type == T_RAM && strchr(val, '%') != NULL) {
+      size_t len = strlen(val);
+      char *end;
+      long long pct = strtoll(val, &end, 10);
+      if (end != val + len - 1 || pct < 1 || pct > 100) {
+        snprintf(why, n, "%s: \"%s\" is not a share of RAM from 1%% to 100%%", o->name, val);
+        return -1;
+      }
+      if ((v = ram_share(pct)) < 0) {
+        snprintf(why, n, "%s: \"%s\": the size of this machine's RAM is unknown; give "
+                 "bytes", o->name, val);
+        return -1;
+      }
+      break;
+    }
     if (parse_size(val, &v) != 0) {
       snprintf(why, n, "%s: \"%s\" is not a size (a number, optionally K, M, G or T)",
                o->name, val);

@@ -36,8 +36,37 @@ START_TEST(defaults)
   ck_assert_int_eq(cfg.max_frame_bytes, 1 << 20);
   ck_assert_int_eq(cfg.executor_threads, 2);
   ck_assert_int_eq(cfg.log_level, MOKD_LOG_INFO);
-  ck_assert_int_eq(cfg.session_quota_bytes, 0);
+  /* a session may hold half the RAM by default, not all of it and more */
+  int64_t ram = (int64_t)sysconf(_SC_PHYS_PAGES) * sysconf(_SC_PAGESIZE);
+  ck_assert_int_eq(cfg.session_quota_bytes, ram / 2);
+  ck_assert_int_eq(cfg.session_gpu_quota_bytes, 0);
   ck_assert(cfg.socket[0] != 0); /* a default path is filled in */
+}
+END_TEST
+
+START_TEST(quota_as_a_share_of_ram)
+{
+  int64_t ram = (int64_t)sysconf(_SC_PHYS_PAGES) * sysconf(_SC_PAGESIZE);
+  char *argv[] = {"mokd", "--config", "/dev/null", "--session-quota-bytes", "10%"};
+  ck_assert_int_eq(load(5, argv), MOKD_CONFIG_RUN);
+  ck_assert_int_eq(cfg.session_quota_bytes, ram / 10);
+  argv[4] = "0"; /* unlimited, as before */
+  ck_assert_int_eq(load(5, argv), MOKD_CONFIG_RUN);
+  ck_assert_int_eq(cfg.session_quota_bytes, 0);
+  argv[4] = "3G";
+  ck_assert_int_eq(load(5, argv), MOKD_CONFIG_RUN);
+  ck_assert_int_eq(cfg.session_quota_bytes, 3ll << 30);
+  const char *bad[] = {"101%", "0%", "%", "5.5%", "x%"};
+  for (int i = 0; i < 5; i++) {
+    argv[4] = (char *)bad[i];
+    ck_assert_int_eq(load(5, argv), MOK_EINVAL);
+    ck_assert_msg(strstr(err, "is not a share of RAM from 1% to 100%") != NULL, "%s: %s",
+                  bad[i], err);
+  }
+  /* the GPU quota takes bytes only: the backend does not say its memory size */
+  char *argv2[] = {"mokd", "--config", "/dev/null", "--session-gpu-quota-bytes", "10%"};
+  ck_assert_int_eq(load(5, argv2), MOK_EINVAL);
+  ck_assert_msg(strstr(err, "is not a size") != NULL, "%s", err);
 }
 END_TEST
 
@@ -167,6 +196,7 @@ Suite *config_suite(void)
   Suite *s = suite_create("config");
   TCase *tc = tcase_create("sources");
   tcase_add_test(tc, defaults);
+  tcase_add_test(tc, quota_as_a_share_of_ram);
   tcase_add_test(tc, precedence);
   tcase_add_test(tc, bad_file_names_file_and_line);
   tcase_add_test(tc, bad_env_and_flags);

@@ -338,6 +338,22 @@ START_TEST(imports_are_limited_per_session)
 }
 END_TEST
 
+/* One session made 1000 arenas of 1 GiB in 0.1 s: by default a session may
+ * hold half of the RAM. */
+START_TEST(default_quota_is_half_of_ram)
+{
+  uint64_t half = (uint64_t)sysconf(_SC_PHYS_PAGES) * (uint64_t)sysconf(_SC_PAGESIZE) / 2;
+  mok_client *c = connect_ok();
+  mok_arena_info a;
+  ck_assert_uint_eq(mok_server_info(c)->session_quota_bytes, half);
+  ck_assert_int_eq(mok_arena_create(c, (size_t)half + 4096, &a), MOK_EDQUOT);
+  ck_assert_msg(strstr(mok_last_error(c), "(session_quota_bytes)") != NULL, "%s",
+                mok_last_error(c));
+  ck_assert_int_eq(mok_arena_create(c, 1 << 20, &a), 0);
+  mok_close(c);
+}
+END_TEST
+
 /* ---- releasing many results at once --------------------------------------- */
 
 /* A raw session with a small layer whose weights and inputs lie in one arena:
@@ -504,6 +520,7 @@ Suite *daemon_limits_suite(void)
   tcase_add_test(tc, failed_accept_is_logged);
   tcase_add_test(tc, silent_connections_are_closed);
   tcase_add_test(tc, imports_are_limited_per_session);
+  tcase_add_test(tc, default_quota_is_half_of_ram);
   tcase_add_test(tc, large_release_is_quick);
   suite_add_tcase(s, tc);
   return s;
