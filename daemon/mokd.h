@@ -53,6 +53,7 @@ typedef struct mokd_result {
   uint64_t id;
   int is_context;
   uint64_t layer;
+  mokk_grad_mode mode;    /* the layer's at the forward: the layer may go first */
   mokk_ctx *ctx;
   int64_t T;
   mokd_arena *out_arena;  /* block of daemon-allocated outputs */

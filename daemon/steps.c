@@ -330,6 +330,7 @@ int mokd_h_forward(mokd_session *s, const Mokd__Request *q, const int *fds, int 
   j->want_ctx = !f->inference;
   j->fr.x = px, j->fr.topk_ids = pi, j->fr.topk_weights = pw;
   r->layer = l->id;
+  r->mode = l->mode;
   r->T = dx[0];
   if ((rc = mokd_weights_resolve(s, l, j->fr.w, warenas, err)))
     goto fail;
@@ -385,8 +386,7 @@ int mokd_h_backward(mokd_session *s, const Mokd__Request *q, const int *fds, int
     return rc;
   if ((rc = check_ready(s, &b->ready_event, err)))
     return rc;
-  mokd_layer *l = mokd_layer_find(s, c->layer);
-  mokk_grad_mode mode = l != NULL ? l->mode : MOKK_GRAD_BF16;
+  mokk_grad_mode mode = c->mode;
   if (mode == MOKK_GRAD_FP32_ACCUM && (int)b->n_grads != nw)
     return mokk_fail(err, MOK_EINVAL, "the layer accumulates fp32 gradients: Backward "
                      "needs %d gradient buffers, got %zu", nw, b->n_grads);

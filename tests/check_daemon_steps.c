@@ -113,6 +113,37 @@ START_TEST(forward_backward_equal_engine)
 }
 END_TEST
 
+/* A context keeps its layer's gradient mode: destroying the layer must not
+ * turn an fp32-accumulating backward into a bf16 one. */
+START_TEST(context_keeps_its_gradient_mode)
+{
+  mok_client *c = connect_ok();
+  mok_layer_desc d = {.hidden = 64, .intermediate = 32, .experts = 4, .top_k = 2,
+                      .grad_mode = MOK_GRAD_FP32_ACCUM};
+  mok_testbed tb;
+  mok_forward_result f;
+  mok_backward_result b;
+  engine_out e;
+
+  ck_assert_int_eq(mok_testbed_setup(c, &d, 16, 6, &tb), 0);
+  engine_run(c, &tb, 1, MOKK_GRAD_FP32_ACCUM, &e);
+  ck_assert_int_eq(mok_forward(c, tb.layer, &tb.x, &tb.ids, &tb.tw, 0, &f), 0);
+  ck_assert_int_eq(mok_layer_destroy(c, tb.layer), 0);
+  ck_assert_msg(mok_backward(c, f.context, &tb.d_out, tb.g32, 3, &b) == 0, "%s",
+                mok_last_error(c));
+  ck_assert_int_eq(b.ngrads, 0);
+  for (int w = 0; w < 3; w++)
+    ck_assert(memcmp(mok_tensor_ptr(c, &tb.g32[w]), e.g32[w], mok_tensor_bytes(&tb.g32[w])) ==
+              0);
+  /* and still no bf16 gradients come back without buffers */
+  ck_assert_int_eq(mok_backward(c, f.context, &tb.d_out, NULL, 0, &b), MOK_EINVAL);
+  ck_assert_msg(strstr(mok_last_error(c), "accumulates fp32 gradients") != NULL, "%s",
+                mok_last_error(c));
+  engine_free(&e);
+  mok_close(c);
+}
+END_TEST
+
 typedef struct worker_arg {
   int index, failures, done;
 } worker_arg;
@@ -361,6 +392,7 @@ Suite *daemon_steps_suite(void)
   tcase_add_checked_fixture(tc, setup, teardown);
   tcase_set_timeout(tc, 120);
   tcase_add_test(tc, forward_backward_equal_engine);
+  tcase_add_test(tc, context_keeps_its_gradient_mode);
   tcase_add_test(tc, eight_concurrent_clients);
   tcase_add_test(tc, killed_client_leaks_nothing);
   tcase_add_test(tc, expert_id_out_of_range_through_daemon);
