@@ -82,6 +82,24 @@ void mokd_log_set(int level, unsigned sub)
   mokd_log_subsys_now = sub;
 }
 
+void mokd_log_escape(const char *in, size_t max, char *out)
+{
+  static const char hex[] = "0123456789abcdef";
+  for (size_t i = 0; i < max && in[i] != 0; i++) {
+    unsigned char c = (unsigned char)in[i];
+    if (c == '\\' || c == '"') {
+      *out++ = '\\', *out++ = (char)c;
+    } else if (c == '\n' || c == '\t' || c == '\r') {
+      *out++ = '\\', *out++ = c == '\n' ? 'n' : c == '\t' ? 't' : 'r';
+    } else if (c < 0x20 || c > 0x7e) {
+      *out++ = '\\', *out++ = 'x', *out++ = hex[c >> 4], *out++ = hex[c & 15];
+    } else {
+      *out++ = (char)c;
+    }
+  }
+  *out = 0;
+}
+
 static const char *sub_name(unsigned sub)
 {
   for (size_t i = 0; i < sizeof subsys / sizeof subsys[0]; i++)

@@ -108,7 +108,7 @@ struct mokd_session {
   pid_t pid;
   uid_t uid;
   gid_t gid;
-  char name[64];
+  char name[4 * 63 + 1]; /* the client_name of Hello, escaped (mokd_log_escape) */
   mokw_framer rx;
   mokd_rxfd rxfds[16];
   int nrxfds;

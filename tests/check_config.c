@@ -191,6 +191,19 @@ START_TEST(sighup_reload_reads_log_keys_only)
 }
 END_TEST
 
+START_TEST(peer_text_is_escaped_for_the_log)
+{
+  char out[4 * 16 + 1];
+  mokd_log_escape("a\"b\\c\nd\te\rf\x1b\x7f\xc3\xa9", 16, out);
+  ck_assert_str_eq(out, "a\\\"b\\\\c\\nd\\te\\rf\\x1b\\x7f\\xc3\\xa9");
+  mokd_log_escape("0123456789abcdefXYZ", 16, out); /* at most max bytes of input */
+  ck_assert_str_eq(out, "0123456789abcdef");
+  memset(out, 0x55, sizeof out);
+  mokd_log_escape("\x01\x01\x01\x01\x01\x01\x01\x01\x01\x01\x01\x01\x01\x01\x01\x01", 16, out);
+  ck_assert_uint_eq(strlen(out), 4 * 16); /* the longest it gets, and terminated */
+}
+END_TEST
+
 Suite *config_suite(void)
 {
   Suite *s = suite_create("config");
@@ -203,6 +216,7 @@ Suite *config_suite(void)
   tcase_add_test(tc, sizes_levels_and_subsystems);
   tcase_add_test(tc, help_and_version_exit);
   tcase_add_test(tc, sighup_reload_reads_log_keys_only);
+  tcase_add_test(tc, peer_text_is_escaped_for_the_log);
   suite_add_tcase(s, tc);
   return s;
 }

@@ -283,6 +283,27 @@ START_TEST(import_and_errors_through_libmok)
 END_TEST
 
 
+/* a client_name is the peer's text: logged escaped, it cannot forge a line */
+START_TEST(client_name_is_logged_escaped)
+{
+  mok_client *c;
+  ck_assert_int_eq(mok_connect(sock, "evil\n<3>mokd error [init] forged\x1b[2J\\", &c), 0);
+  uint64_t rtt;
+  ck_assert_int_eq(mok_ping(c, &rtt), 0);
+  mok_close(c);
+  char buf[65536];
+  FILE *f = fopen(logpath, "r");
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[n] = 0;
+  ck_assert_msg(strstr(buf, "hello from \"evil\\n<3>mokd error [init] forged\\x1b[2J\\\\\"") !=
+                    NULL, "log: %s", buf);
+  ck_assert_msg(strstr(buf, "\n<3>mokd error [init] forged") == NULL, "a forged line in: %s",
+                buf);
+  ck_assert_ptr_null(strchr(buf, 0x1b));
+}
+END_TEST
+
 /* a GPU asked for from a daemon on the cpu backend is a clear error */
 START_TEST(device_on_cpu_backend_is_refused)
 {
@@ -315,6 +336,7 @@ Suite *daemon_wire_suite(void)
   tcase_add_test(tc, fd_where_none_is_expected);
   tcase_add_test(tc, import_and_errors_through_libmok);
   tcase_add_test(tc, device_on_cpu_backend_is_refused);
+  tcase_add_test(tc, client_name_is_logged_escaped);
   suite_add_tcase(s, tc);
   return s;
 }
