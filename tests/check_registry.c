@@ -230,6 +230,12 @@ START_TEST(host_imports_must_be_sealed)
   ck_assert_int_eq(ftruncate(fd, 4096), 0);
   ck_assert_int_eq(mokd_arena_import(&r, &src, &a, err), MOK_EINVAL);
   ck_assert_ptr_nonnull(strstr(err, "F_SEAL_SHRINK"));
+  /* the seal comes first: the size of an unsealed file may change after any
+   * look at it, so it is only read once the file can no longer shrink */
+  src.bytes = 8192;
+  ck_assert_int_eq(mokd_arena_import(&r, &src, &a, err), MOK_EINVAL);
+  ck_assert_msg(strstr(err, "F_SEAL_SHRINK") != NULL, "%s", err);
+  src.bytes = 4096;
   ck_assert_int_eq(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK), 0);
   src.bytes = 8192;
   ck_assert_int_eq(mokd_arena_import(&r, &src, &a, err), MOK_ERANGE);
