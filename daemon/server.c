@@ -47,38 +47,39 @@ static int gid_allowed(const mokd_server *srv, gid_t gid)
   return 0;
 }
 
-/* SO_PEERCRED carries the primary gid only; the supplementary groups of the
- * peer come from /proc, read while it is connected */
-static int supplementary_allowed(const mokd_server *srv, pid_t pid)
+/* SO_PEERCRED carries the primary gid only; SO_PEERGROUPS the supplementary
+ * groups, as they were when the peer connected (not as /proc shows them
+ * now, which the peer may have changed, or another process may own). */
+static int supplementary_allowed(const mokd_server *srv, int fd)
 {
-  char path[64], line[1024];
-  FILE *f;
+  gid_t some[64], *g = some;
+  socklen_t len = sizeof some;
   int ok = 0;
 
-  snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
-  if ((f = fopen(path, "r")) == NULL)
-    return 0;
-  while (!ok && fgets(line, sizeof line, f) != NULL) {
-    char *p = line + 7, *end;
-    if (strncmp(line, "Groups:", 7) != 0)
-      continue;
-    for (unsigned long g = strtoul(p, &end, 10); end != p; g = strtoul(p, &end, 10)) {
-      ok |= gid_allowed(srv, (gid_t)g);
-      p = end;
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, g, &len) != 0) {
+    if (errno != ERANGE || (g = malloc(len)) == NULL ||
+        getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, g, &len) != 0) {
+      LOG_WARN(NET, "cannot read the groups of a peer (SO_PEERGROUPS): %s", strerror(errno));
+      if (g != some)
+        free(g);
+      return 0;
     }
   }
-  fclose(f);
+  for (size_t i = 0; i < len / sizeof *g && !ok; i++)
+    ok = gid_allowed(srv, g[i]);
+  if (g != some)
+    free(g);
   return ok;
 }
 
-static int peer_allowed(const mokd_server *srv, pid_t pid, uid_t uid, gid_t gid)
+static int peer_allowed(const mokd_server *srv, int fd, uid_t uid, gid_t gid)
 {
   if (uid == 0 || uid == geteuid() || gid_allowed(srv, gid))
     return 1;
   for (int i = 0; i < srv->nallow_uids; i++)
     if (srv->allow_uids[i] == uid)
       return 1;
-  return supplementary_allowed(srv, pid);
+  return supplementary_allowed(srv, fd);
 }
 
 static void refuse(int fd, const char *msg)
@@ -153,7 +154,7 @@ static void on_connection(uv_stream_t *server, int status)
     return;
   fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
   getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &len);
-  if (!peer_allowed(srv, cr.pid, cr.uid, cr.gid)) {
+  if (!peer_allowed(srv, fd, cr.uid, cr.gid)) {
     LOG_WARN(NET, "refused pid %d uid %u gid %u: not in the allow-list", (int)cr.pid,
              (unsigned)cr.uid, (unsigned)cr.gid);
     refuse(fd, "this uid/gid may not use mokd (allow_uids, allow_gids)");
