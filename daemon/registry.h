@@ -27,7 +27,7 @@ typedef struct mokd_arena {
   void *base;        /* buf's, for short */
   size_t bytes;
   int device;        /* CUDA ordinal; -1 = host memory */
-  int users;         /* contexts and results pointing into it */
+  int users;         /* forward contexts reading weights in it */
   uint64_t charged;  /* bytes charged to the quota `which` */
   int which;
   mokd_span *free;   /* output arenas: free ranges, sorted by offset */

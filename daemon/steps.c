@@ -91,6 +91,17 @@ void mokd_result_free(mokd_session *s, mokd_result *r)
   free(r);
 }
 
+/* The context reads the weights in a until the backward: a stays. Each arena
+ * counts a context once, however many of its weights lie there. */
+static void pin(mokd_result *r, mokd_arena *a)
+{
+  for (int i = 0; i < r->npinned; i++)
+    if (r->pinned[i] == a)
+      return;
+  r->pinned[r->npinned++] = a;
+  a->users++;
+}
+
 /* Output tensors of one request, laid out in one block: sizes in, offsets out. */
 static int alloc_outputs(mokd_session *s, mokd_result *r, int n, const size_t *bytes,
                          size_t *offs, char *err)
@@ -348,10 +359,8 @@ int mokd_h_forward(mokd_session *s, const Mokd__Request *q, const int *fds, int 
     goto fail;
   set_ready(j, &f->ready_event);
   if (j->want_ctx)
-    for (int i = 0; i < mokd_weight_count(&l->shape); i++) {
-      r->pinned[r->npinned++] = warenas[i];
-      warenas[i]->users++;
-    }
+    for (int i = 0; i < mokd_weight_count(&l->shape); i++)
+      pin(r, warenas[i]);
   step_queue(s, j);
   return 0;
 

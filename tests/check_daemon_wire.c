@@ -282,6 +282,31 @@ START_TEST(import_and_errors_through_libmok)
 }
 END_TEST
 
+/* An arena that holds the weights of live contexts cannot go; the message
+ * counts the contexts, whatever the number of weights each keeps there. */
+START_TEST(busy_arena_counts_contexts)
+{
+  mok_client *c = connect_ok();
+  mok_layer_desc d = {.hidden = 64, .intermediate = 32, .experts = 4, .top_k = 2,
+                      .shared_intermediate = 32};
+  mok_testbed tb;
+  mok_forward_result f[2];
+  ck_assert_int_eq(mok_testbed_setup(c, &d, 8, 2, &tb), 0);
+  ck_assert_int_eq(mok_forward(c, tb.layer, &tb.x, &tb.ids, &tb.tw, 0, &f[0]), 0);
+  ck_assert_int_eq(mok_arena_destroy(c, tb.arena.id), MOK_EBUSY);
+  ck_assert_msg(strstr(mok_last_error(c), "holds weights of 1 live forward context;") != NULL,
+                "%s", mok_last_error(c));
+  ck_assert_int_eq(mok_forward(c, tb.layer, &tb.x, &tb.ids, &tb.tw, 0, &f[1]), 0);
+  ck_assert_int_eq(mok_arena_destroy(c, tb.arena.id), MOK_EBUSY);
+  ck_assert_msg(strstr(mok_last_error(c), "holds weights of 2 live forward contexts;") != NULL,
+                "%s", mok_last_error(c));
+  uint64_t ids[2] = {f[0].context, f[1].context};
+  ck_assert_int_eq(mok_release(c, ids, 2), 0);
+  ck_assert_int_eq(mok_arena_destroy(c, tb.arena.id), 0);
+  mok_close(c);
+}
+END_TEST
+
 
 /* a client_name is the peer's text: logged escaped, it cannot forge a line */
 START_TEST(client_name_is_logged_escaped)
@@ -335,6 +360,7 @@ Suite *daemon_wire_suite(void)
   tcase_add_test(tc, another_sessions_arena_is_refused);
   tcase_add_test(tc, fd_where_none_is_expected);
   tcase_add_test(tc, import_and_errors_through_libmok);
+  tcase_add_test(tc, busy_arena_counts_contexts);
   tcase_add_test(tc, device_on_cpu_backend_is_refused);
   tcase_add_test(tc, client_name_is_logged_escaped);
   suite_add_tcase(s, tc);
