@@ -183,7 +183,8 @@ static void session_destroy(mokd_session *s)
     free(b);
   }
   for (int i = 0; i < s->nrxfds; i++)
-    close(s->rxfds[i].fd);
+    if (s->rxfds[i].fd >= 0)
+      close(s->rxfds[i].fd);
   mokw_framer_free(&s->rx);
   mokk_events_free(s->backend, s->events);
   if (s->gpu != NULL)
@@ -290,25 +291,36 @@ static void take_rxfd(mokd_session *s, int i)
   s->nrxfds--;
 }
 
+static void mark_bad_fds(mokd_pending *p)
+{
+  if (p->bad == 0) {
+    p->bad = MOK_EINVAL;
+    p->bad_id = p->req != NULL ? p->req->id : 0;
+  }
+}
+
 /* Gives the frame [at, end) the fds it takes: those that came with the read
  * holding its first byte. fds whose read ended inside this frame belong to no
- * later frame: they were sent where none is expected. */
+ * later frame: they were sent where none is expected. A read whose fds the
+ * kernel dropped spoils the first frame it overlaps. */
 static void attach_fds(mokd_session *s, mokd_pending *p, uint64_t at, uint64_t end,
                        int expects)
 {
   for (int i = 0; i < s->nrxfds;) {
     mokd_rxfd *r = &s->rxfds[i];
-    if (expects > 0 && r->c0 <= at && at < r->c1) {
+    if (r->fd < 0 && r->c0 < end) {
+      mark_bad_fds(p);
+      p->lost_fds = 1;
+      take_rxfd(s, i);
+    } else if (r->fd >= 0 && expects > 0 && r->c0 <= at && at < r->c1) {
       p->fds[p->nfds++] = r->fd;
       expects--;
       take_rxfd(s, i);
-    } else if (r->c1 <= end) {
+    } else if (r->fd >= 0 && r->c1 <= end) {
       close(r->fd);
       take_rxfd(s, i);
-      if (p->bad == 0) {
-        p->bad = MOK_EINVAL;
-        p->bad_id = p->req != NULL ? p->req->id : 0;
-      }
+      mark_bad_fds(p);
+      p->extra_fds++;
     } else {
       i++;
     }
@@ -373,16 +385,14 @@ static int read_some(mokd_session *s)
       mokd_session_close(s, strerror(errno));
       return -1;
     }
-    for (int i = 0; i < nfds; i++) {
+    for (int i = 0; i < nfds + (ctrunc != 0); i++) {
+      int fd = i < nfds ? fds[i] : -1; /* the last: the mark of dropped fds */
       if (s->nrxfds == (int)(sizeof s->rxfds / sizeof s->rxfds[0])) {
-        close(fds[i]);
+        if (fd >= 0)
+          close(fd);
         continue;
       }
-      s->rxfds[s->nrxfds++] = (mokd_rxfd){fds[i], c0, c0 + (uint64_t)(n > 0 ? n : 1)};
-    }
-    if (ctrunc) {
-      mokd_session_close(s, "too many file descriptors on one frame");
-      return -1;
+      s->rxfds[s->nrxfds++] = (mokd_rxfd){fd, c0, c0 + (uint64_t)(n > 0 ? n : 1)};
     }
     if (n == 0) {
       mokd_session_close(s, "peer closed the connection");

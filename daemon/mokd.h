@@ -71,6 +71,8 @@ typedef struct mokd_pending {
   int fds[MOKW_MAX_FDS];
   int nfds;
   int bad;                /* framing error to answer: MOK_* code */
+  int extra_fds;          /* MOK_EINVAL: fds beyond those the request takes */
+  int lost_fds;           /* MOK_EINVAL: the kernel dropped fds of this frame */
   uint64_t bad_id;
   struct mokd_pending *next;
 } mokd_pending;
@@ -84,7 +86,7 @@ typedef struct mokd_outbuf {
 } mokd_outbuf;
 
 typedef struct mokd_rxfd {
-  int fd;
+  int fd;          /* -1: fds of this read were dropped (more than MOKW_MAX_FDS) */
   uint64_t c0, c1; /* stream offsets of the read that brought it */
 } mokd_rxfd;
 

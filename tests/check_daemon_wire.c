@@ -243,6 +243,46 @@ START_TEST(fd_where_none_is_expected)
 }
 END_TEST
 
+/* Too many fds: ImportBuffer is told how many it takes, and a message with
+ * more fds than the daemon receives at once is answered, not hung up on. */
+START_TEST(too_many_fds_are_answered)
+{
+  int fd = raw_connect(), fds[20];
+  hello(fd);
+  for (int i = 0; i < 20; i++) {
+    fds[i] = memfd_create("many", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    ck_assert_int_eq(ftruncate(fds[i], 4096), 0);
+    ck_assert_int_eq(fcntl(fds[i], F_ADD_SEALS, F_SEAL_SHRINK), 0);
+  }
+  Mokd__Request req = MOKD__REQUEST__INIT;
+  Mokd__ImportBuffer ib = MOKD__IMPORT_BUFFER__INIT;
+  uint8_t *buf;
+  size_t len;
+  ib.bytes = 4096, ib.kind = MOKD__IMPORT_KIND__IMPORT_MEMFD;
+  req.id = 11, req.body_case = MOKD__REQUEST__BODY_IMPORT_BUFFER, req.import_buffer = &ib;
+  ck_assert_int_eq(mokw_pack(&req.base, &buf, &len), 0);
+  raw_send_fds(fd, buf, len, fds, 2);
+  expect_status(fd, MOK_EINVAL, "ImportBuffer takes exactly one fd (SCM_RIGHTS) on its frame; "
+                                "2 came");
+  free(buf);
+  Mokd__Ping p = MOKD__PING__INIT;
+  req.id = 12, req.body_case = MOKD__REQUEST__BODY_PING, req.ping = &p;
+  ck_assert_int_eq(mokw_pack(&req.base, &buf, &len), 0);
+  raw_send_fds(fd, buf, len, fds, 20);
+  expect_status(fd, MOK_EINVAL, "more than 8 file descriptors came on one message");
+  /* the connection goes on */
+  raw_send(fd, buf, len, -1);
+  Mokd__Response *r = raw_reply(fd);
+  ck_assert(r != NULL && r->status == 0 && r->body_case == MOKD__RESPONSE__BODY_PONG);
+  mokd__response__free_unpacked(r, NULL);
+  free(buf);
+  for (int i = 0; i < 20; i++)
+    close(fds[i]);
+  close(fd);
+  still_serving();
+}
+END_TEST
+
 START_TEST(import_and_errors_through_libmok)
 {
   mok_client *c = connect_ok();
@@ -359,6 +399,7 @@ Suite *daemon_wire_suite(void)
   tcase_add_test(tc, offset_out_of_range_is_refused);
   tcase_add_test(tc, another_sessions_arena_is_refused);
   tcase_add_test(tc, fd_where_none_is_expected);
+  tcase_add_test(tc, too_many_fds_are_answered);
   tcase_add_test(tc, import_and_errors_through_libmok);
   tcase_add_test(tc, busy_arena_counts_contexts);
   tcase_add_test(tc, device_on_cpu_backend_is_refused);

@@ -31,6 +31,8 @@ mok_client *connect_ok(void);
 /* raw frames */
 int raw_connect(void);
 void raw_send(int fd, const void *buf, size_t len, int pass_fd);
+/* nfds (up to 32) fds on the message's first byte */
+void raw_send_fds(int fd, const void *buf, size_t len, const int *fds, int nfds);
 void raw_request(int fd, Mokd__Request *req, int pass_fd);
 /* Reads one reply; NULL when the daemon closed the connection instead. */
 Mokd__Response *raw_reply(int fd);
