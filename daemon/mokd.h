@@ -26,6 +26,7 @@ _Static_assert(MOKD__GRAD_MODE__GRAD_BF16 == (int)MOKK_GRAD_BF16 &&
 _Static_assert(MOKW_IPC_BYTES == MOKK_IPC_BYTES, "IPC handles differ in size");
 
 typedef struct mokd_server mokd_server;
+typedef struct mokd_refused mokd_refused; /* a refused peer told why (server.c) */
 typedef struct mokd_session mokd_session;
 typedef struct mokd_step mokd_step; /* a forward or backward in flight (steps.c) */
 
@@ -154,6 +155,10 @@ struct mokd_server {
   uint64_t start_ns;
   int draining;
   int stopped;
+  mokd_refused *refused;     /* refused peers whose sockets linger */
+  int nrefused;
+  uv_timer_t refused_timer;  /* ends their linger */
+  int refused_timer_on;
   uint64_t max_maps;         /* arenas of all sessions: half of vm.max_map_count */
   uint64_t accept_logged_ns; /* when a failed accept was last logged */
   uint64_t accept_failures;  /* since then */

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "executor.h"
+#include "fdpass.h"
 #include "log.h"
 #include "mokd.h"
 #include "notify.h"
@@ -82,19 +83,108 @@ static int peer_allowed(const mokd_server *srv, int fd, uid_t uid, gid_t gid)
   return supplementary_allowed(srv, fd);
 }
 
-static void refuse(int fd, const char *msg)
+/* ---- refused peers --------------------------------------------------------- */
+
+/* A refused peer is told why at once; its socket then stays open until the
+ * peer has sent something (its Hello) or hung up, or a second has passed.
+ * Closed at once, the peer's Hello would meet a closed socket, and it would
+ * see "Broken pipe" instead of the reason. A few at a time: the rest are
+ * closed at once. */
+#define REFUSED_MAX 64
+#define REFUSED_LINGER_NS 1000000000ull
+
+struct mokd_refused {
+  uv_poll_t poll;
+  mokd_server *srv;
+  int fd;
+  uint64_t since;
+  mokd_refused *next, *prev;
+};
+
+static void on_refused_closed(uv_handle_t *h)
 {
-  Mokd__Response r = MOKD__RESPONSE__INIT;
+  mokd_refused *r = h->data;
+  close(r->fd);
+  free(r);
+}
+
+static void refused_end(mokd_refused *r)
+{
+  mokd_server *srv = r->srv;
+  if (r->prev != NULL)
+    r->prev->next = r->next;
+  else
+    srv->refused = r->next;
+  if (r->next != NULL)
+    r->next->prev = r->prev;
+  if (--srv->nrefused == 0)
+    uv_timer_stop(&srv->refused_timer);
+  uv_close((uv_handle_t *)&r->poll, on_refused_closed);
+}
+
+/* It spoke or hung up: take what it sent (closing any fds), so that the
+ * close does not reset the connection before it reads the reason. */
+static void on_refused_poll(uv_poll_t *h, int status, int events)
+{
+  mokd_refused *r = h->data;
+  uint8_t sink[4096];
+  (void)status, (void)events;
+  for (int i = 0; i < 16; i++) {
+    int fds[MOKW_MAX_FDS], nfds = MOKW_MAX_FDS;
+    ssize_t n = mokw_recv(r->fd, sink, sizeof sink, MSG_DONTWAIT, fds, &nfds, NULL);
+    for (int k = 0; k < nfds; k++)
+      close(fds[k]);
+    if (n <= 0)
+      break;
+  }
+  refused_end(r);
+}
+
+static void on_refused_timer(uv_timer_t *t)
+{
+  mokd_server *srv = t->data;
+  uint64_t now = mokd_now_ns();
+  for (mokd_refused *r = srv->refused, *next; r != NULL; r = next) {
+    next = r->next;
+    if (now - r->since >= REFUSED_LINGER_NS)
+      refused_end(r);
+  }
+}
+
+static void refuse(mokd_server *srv, int fd, const char *msg)
+{
+  Mokd__Response resp = MOKD__RESPONSE__INIT;
+  mokd_refused *r;
   uint8_t *buf;
   size_t len;
-  r.status = MOK_EPERM;
-  r.message = (char *)msg;
-  if (mokw_pack(&r.base, &buf, &len) == 0) {
+
+  resp.status = MOK_EPERM;
+  resp.message = (char *)msg;
+  if (mokw_pack(&resp.base, &buf, &len) == 0) {
     if (send(fd, buf, len, MSG_NOSIGNAL | MSG_DONTWAIT) < 0)
       LOG_DEBUG(NET, "could not tell a refused peer why: %s", strerror(errno));
     free(buf);
   }
-  close(fd);
+  if (srv->nrefused >= REFUSED_MAX || srv->stopped || (r = calloc(1, sizeof *r)) == NULL) {
+    close(fd);
+    return;
+  }
+  if (uv_poll_init(srv->loop, &r->poll, fd) != 0) {
+    free(r);
+    close(fd);
+    return;
+  }
+  r->poll.data = r;
+  r->srv = srv;
+  r->fd = fd;
+  r->since = mokd_now_ns();
+  uv_poll_start(&r->poll, UV_READABLE | UV_DISCONNECT, on_refused_poll);
+  r->next = srv->refused;
+  if (srv->refused != NULL)
+    srv->refused->prev = r;
+  srv->refused = r;
+  if (srv->nrefused++ == 0)
+    uv_timer_start(&srv->refused_timer, on_refused_timer, 100, 100);
 }
 
 static void on_conn_pipe_closed(uv_handle_t *h)
@@ -157,11 +247,12 @@ static void on_connection(uv_stream_t *server, int status)
   if (!peer_allowed(srv, fd, cr.uid, cr.gid)) {
     LOG_WARN(NET, "refused pid %d uid %u gid %u: not in the allow-list", (int)cr.pid,
              (unsigned)cr.uid, (unsigned)cr.gid);
-    refuse(fd, "this uid/gid may not use mokd (allow_uids, allow_gids)");
+    refuse(srv, fd, "this uid/gid may not use mokd (allow_uids, allow_gids)");
     return;
   }
   if (srv->draining || srv->nsessions >= srv->cfg.max_sessions) {
-    refuse(fd, srv->draining ? "mokd is shutting down" : "too many sessions (max_sessions)");
+    refuse(srv, fd, srv->draining ? "mokd is shutting down"
+                                  : "too many sessions (max_sessions)");
     return;
   }
   if (mokd_session_new(srv, fd) == NULL) {
@@ -323,6 +414,9 @@ int mokd_server_start(mokd_server *srv, char *err, size_t errlen)
   uv_signal_start(&srv->sig_int, on_signal, SIGINT);
   uv_signal_start(&srv->sig_hup, on_signal, SIGHUP);
   start_hello_timer(srv);
+  uv_timer_init(srv->loop, &srv->refused_timer);
+  srv->refused_timer.data = srv;
+  srv->refused_timer_on = 1;
   uint64_t wd = mokd_notify_watchdog_usec();
   if (wd > 0) {
     uv_timer_init(srv->loop, &srv->watchdog);
@@ -406,6 +500,10 @@ void mokd_server_maybe_stop(mokd_server *srv)
     uv_close((uv_handle_t *)&srv->watchdog, NULL);
   if (srv->hello_timer_on)
     uv_close((uv_handle_t *)&srv->hello_timer, NULL);
+  while (srv->refused != NULL)
+    refused_end(srv->refused);
+  if (srv->refused_timer_on)
+    uv_close((uv_handle_t *)&srv->refused_timer, NULL);
   if (srv->reaper_on)
     uv_close((uv_handle_t *)&srv->reaper, NULL);
   srv->reaper_on = 0;

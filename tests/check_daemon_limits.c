@@ -298,6 +298,51 @@ START_TEST(silent_connections_are_closed)
 }
 END_TEST
 
+/* ---- refusals ---------------------------------------------------------------- */
+
+/* A refused client reads why, even when it sends its Hello only after the
+ * daemon has refused it (it used to meet a closed socket: "Broken pipe"). */
+START_TEST(refused_client_reads_the_reason)
+{
+  char path[128], log2[128];
+  snprintf(path, sizeof path, "%s/full.sock", dir);
+  snprintf(log2, sizeof log2, "%s/full.log", dir);
+  pid_t pid = spawn_daemon(path, "--max-sessions=1", log2);
+  wait_for_socket(path, pid);
+  char *save = strdup(sock);
+  strcpy(sock, path);
+  usleep(100000); /* wait_for_socket's probe session is gone */
+  mok_client *in = connect_ok(), *out;
+  int fd = raw_connect();
+  usleep(200000); /* the daemon has refused it by now */
+  Mokd__Request req = MOKD__REQUEST__INIT;
+  Mokd__Hello h = MOKD__HELLO__INIT;
+  h.protocol_version = MOK_PROTOCOL_VERSION;
+  req.id = 1, req.body_case = MOKD__REQUEST__BODY_HELLO, req.hello = &h;
+  raw_request(fd, &req, -1);
+  expect_status(fd, MOK_EPERM, "too many sessions (max_sessions)");
+  ck_assert_ptr_null(raw_reply(fd)); /* then it is closed */
+  close(fd);
+  ck_assert_int_eq(mok_connect(path, "second", &out), MOK_EPERM);
+  ck_assert_msg(strstr(mok_last_error(out), "too many sessions") != NULL, "%s",
+                mok_last_error(out));
+  mok_close(out);
+  /* a refused peer that never speaks is closed after a second */
+  fd = raw_connect();
+  expect_status(fd, MOK_EPERM, "too many sessions (max_sessions)");
+  double t0 = now_s();
+  ck_assert_ptr_null(raw_reply(fd));
+  ck_assert_msg(now_s() - t0 < 3.0, "closed after %.1f s", now_s() - t0);
+  close(fd);
+  mok_close(in);
+  strcpy(sock, save);
+  free(save);
+  int st = stop_daemon(pid);
+  ck_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+  unlink(log2);
+}
+END_TEST
+
 /* ---- imports ---------------------------------------------------------------- */
 
 /* 65k imports of one memfd used to reach vm.max_map_count: then every
@@ -519,6 +564,7 @@ Suite *daemon_limits_suite(void)
   tcase_add_test(tc, unread_fds_are_bounded);
   tcase_add_test(tc, failed_accept_is_logged);
   tcase_add_test(tc, silent_connections_are_closed);
+  tcase_add_test(tc, refused_client_reads_the_reason);
   tcase_add_test(tc, imports_are_limited_per_session);
   tcase_add_test(tc, default_quota_is_half_of_ram);
   tcase_add_test(tc, large_release_is_quick);
