@@ -61,7 +61,7 @@ typedef struct mokd_result {
   mokd_span out;
   mokd_arena *pinned[MOKK_NWEIGHTS]; /* weight arenas the saved state points into */
   int npinned;
-  size_t ctx_bytes;
+  uint64_t ctx_bytes;      /* charged to the quota and counted in usage */
   uint64_t mark;          /* Release: the request that named it last */
   struct mokd_result *next, *prev;
 } mokd_result;

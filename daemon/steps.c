@@ -5,6 +5,7 @@
  * that names the outputs. Release frees contexts and results. On a device
  * backend the reply leaves while the device still works: it carries the done
  * event, and a status word for the errors only the device can see. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -67,6 +68,23 @@ static mokd_result *result_new(mokd_session *s, int is_context)
   return r;
 }
 
+/* Sets what the context r is charged (quota, and the usage Stats shows) to
+ * bytes; more than before may be refused by the quota. */
+static int ctx_charge(mokd_session *s, mokd_result *r, uint64_t bytes, char *err)
+{
+  int which = s->device >= 0 ? MOKD_DEVICE : MOKD_HOST, rc;
+
+  if (bytes > r->ctx_bytes &&
+      (rc = mokd_quota_take(&s->reg, bytes - r->ctx_bytes, which, err)) != 0)
+    return rc;
+  if (bytes < r->ctx_bytes)
+    mokd_quota_give(&s->reg, r->ctx_bytes - bytes, which);
+  s->usage.context_bytes += bytes - r->ctx_bytes;
+  s->srv->usage.context_bytes += bytes - r->ctx_bytes;
+  r->ctx_bytes = bytes;
+  return 0;
+}
+
 void mokd_result_free(mokd_session *s, mokd_result *r)
 {
   if (r->prev != NULL)
@@ -80,13 +98,11 @@ void mokd_result_free(mokd_session *s, mokd_result *r)
     mokk_ctx_free(s->backend, r->ctx);
   for (int i = 0; i < r->npinned; i++)
     r->pinned[i]->users--;
-  mokd_quota_give(&s->reg, r->ctx_bytes, s->device >= 0 ? MOKD_DEVICE : MOKD_HOST);
-  if (r->is_context) {
+  ctx_charge(s, r, 0, NULL);
+  if (r->is_context)
     s->usage.contexts--, s->srv->usage.contexts--;
-    s->usage.context_bytes -= r->ctx_bytes, s->srv->usage.context_bytes -= r->ctx_bytes;
-  } else {
+  else
     s->usage.results--, s->srv->usage.results--;
-  }
   mokd_out_release(r->out_arena, r->out);
   free(r);
 }
@@ -258,14 +274,8 @@ static void step_done(mokd_work *w)
 
   s->busy = NULL;
   if (rc == 0 && !j->backward && j->ctx != NULL) {
-    r->ctx = j->ctx;
-    r->ctx_bytes = mokk_ctx_bytes(s->backend, j->ctx);
-    rc = mokd_quota_take(&s->reg, r->ctx_bytes, s->device >= 0 ? MOKD_DEVICE : MOKD_HOST,
-                         j->err);
-    if (rc != 0)
-      r->ctx_bytes = 0;
-    else
-      s->usage.context_bytes += r->ctx_bytes, s->srv->usage.context_bytes += r->ctx_bytes;
+    r->ctx = j->ctx; /* from the bound charged before the step to what it holds */
+    rc = ctx_charge(s, r, mokk_ctx_bytes(s->backend, j->ctx), j->err);
   }
   if (j->backward)
     s->usage.backwards++, s->srv->usage.backwards++;
@@ -357,6 +367,14 @@ int mokd_h_forward(mokd_session *s, const Mokd__Request *q, const int *fds, int 
   }
   if ((rc = status_slot(s, j, r, off[1], err)))
     goto fail;
+  /* the context is charged before the step allocates it */
+  if (j->want_ctx && (rc = ctx_charge(s, r, mokk_ctx_bytes_bound(&l->shape, j->T), err))) {
+    char why[MOK_ERRLEN];
+    snprintf(why, sizeof why, "%s", err);
+    rc = mokk_fail(err, rc, "the forward context of this step (up to %llu bytes) does not "
+                   "fit: %s", (unsigned long long)mokk_ctx_bytes_bound(&l->shape, j->T), why);
+    goto fail;
+  }
   set_ready(j, &f->ready_event);
   if (j->want_ctx)
     for (int i = 0; i < mokd_weight_count(&l->shape); i++)

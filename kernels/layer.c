@@ -100,6 +100,19 @@ int64_t mokk_weight_elems(const mokk_shape *s, int which)
   return 0;
 }
 
+uint64_t mokk_ctx_bytes_bound(const mokk_shape *s, int64_t T)
+{
+  typedef unsigned __int128 u128;
+  /* the layouts of cpu_moe.c and cuda_moe.cu: bf16 x, h, y and fp32 g, u per
+   * pair with at most 28 bytes of its routing; bf16 x, h, ys and fp32 gs, us
+   * per token; int64 plan arrays per expert; 256-byte alignment slop */
+  u128 tokens = (uint64_t)(s->P * T), pairs = tokens * (uint64_t)s->K;
+  u128 b = pairs * (uint64_t)(4 * s->H + 10 * s->I + 28) +
+           tokens * (uint64_t)(4 * s->H + 10 * s->I_s) +
+           (u128)(uint64_t)((3 + s->P) * s->E + 2 * s->P + 2) * 8 + 16 * 256;
+  return b > UINT64_MAX ? UINT64_MAX : (uint64_t)b;
+}
+
 static const char *const weight_names[MOKK_NWEIGHTS] = {
     "w_gate", "w_up", "w_down", "s_gate", "s_up", "s_down"};
 

@@ -385,6 +385,41 @@ START_TEST(session_quota_is_enforced)
 }
 END_TEST
 
+/* A forward's context is charged before the step: one that cannot fit is
+ * refused without being computed (it used to be computed, then refused). */
+START_TEST(context_is_charged_before_the_step)
+{
+  char q[128], log2[128];
+  snprintf(q, sizeof q, "%s/ctxquota.sock", dir);
+  snprintf(log2, sizeof log2, "%s/ctxquota.log", dir);
+  pid_t p = spawn_daemon(q, "--session-quota-bytes=128M", log2);
+  wait_for_socket(q, p);
+  mok_client *c;
+  mok_layer_desc d = {.hidden = 512, .intermediate = 512, .experts = 8, .top_k = 4};
+  mok_testbed tb;
+  mok_forward_result f;
+  mok_stats st;
+  ck_assert_int_eq(mok_connect(q, "ctxquota", &c), 0);
+  ck_assert_int_eq(mok_testbed_setup(c, &d, 2048, 1, &tb), 0);
+  /* 8192 routed rows keep about 59 MB; the arena and the outputs hold 106 MB */
+  ck_assert_int_eq(mok_forward(c, tb.layer, &tb.x, &tb.ids, &tb.tw, 0, &f), MOK_EDQUOT);
+  ck_assert_msg(strstr(mok_last_error(c), "the forward context of this step (up to ") != NULL,
+                "%s", mok_last_error(c));
+  ck_assert_int_eq(mok_stats_get(c, &st), 0);
+  ck_assert_uint_eq(st.session.forwards, 0); /* nothing was computed */
+  ck_assert_uint_eq(st.session.contexts, 0);
+  ck_assert_uint_eq(st.session.context_bytes, 0);
+  /* without a context the same step fits */
+  ck_assert_int_eq(mok_forward(c, tb.layer, &tb.x, &tb.ids, &tb.tw, 1, &f), 0);
+  ck_assert_int_eq(mok_stats_get(c, &st), 0);
+  ck_assert_uint_eq(st.session.forwards, 1);
+  mok_close(c);
+  int s = stop_daemon(p);
+  ck_assert(WIFEXITED(s) && WEXITSTATUS(s) == 0);
+  unlink(log2);
+}
+END_TEST
+
 Suite *daemon_steps_suite(void)
 {
   Suite *s = suite_create("daemon_steps");
@@ -399,6 +434,7 @@ Suite *daemon_steps_suite(void)
   tcase_add_test(tc, ids_flipped_during_forwards_are_contained);
   tcase_add_test(tc, outputs_reuse_their_room);
   tcase_add_test(tc, session_quota_is_enforced);
+  tcase_add_test(tc, context_is_charged_before_the_step);
   suite_add_tcase(s, tc);
   return s;
 }
