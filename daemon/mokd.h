@@ -30,8 +30,6 @@ typedef struct mokd_refused mokd_refused; /* a refused peer told why (server.c) 
 typedef struct mokd_session mokd_session;
 typedef struct mokd_step mokd_step; /* a forward or backward in flight (steps.c) */
 
-#define MOKD_MAX_GPUS 16
-
 /* One GPU of the daemon: its backend (stream) and its executor thread. */
 typedef struct mokd_gpu {
   int ordinal;
@@ -162,9 +160,9 @@ struct mokd_server {
   uint64_t max_maps;         /* arenas of all sessions: half of vm.max_map_count */
   uint64_t accept_logged_ns; /* when a failed accept was last logged */
   uint64_t accept_failures;  /* since then */
-  uid_t allow_uids[32];
+  uid_t allow_uids[MOKD_MAX_IDS];
   int nallow_uids;
-  gid_t allow_gids[32];
+  gid_t allow_gids[MOKD_MAX_IDS];
   int nallow_gids;
 };
 

@@ -18,28 +18,6 @@
 #include "notify.h"
 #include "paths.h"
 
-static int parse_ids(const char *list, unsigned *out, int max, int *n, char *err,
-                     size_t errlen, const char *what)
-{
-  char buf[256], *tok, *save;
-  *n = 0;
-  snprintf(buf, sizeof buf, "%s", list);
-  for (tok = strtok_r(buf, ", ", &save); tok != NULL; tok = strtok_r(NULL, ", ", &save)) {
-    char *end;
-    unsigned long v = strtoul(tok, &end, 10);
-    if (*end != 0 || end == tok) {
-      snprintf(err, errlen, "%s: \"%s\" is not a number", what, tok);
-      return MOK_EINVAL;
-    }
-    if (*n == max) {
-      snprintf(err, errlen, "%s: at most %d entries", what, max);
-      return MOK_EINVAL;
-    }
-    out[(*n)++] = (unsigned)v;
-  }
-  return 0;
-}
-
 static int gid_allowed(const mokd_server *srv, gid_t gid)
 {
   for (int i = 0; i < srv->nallow_gids; i++)
@@ -375,10 +353,11 @@ int mokd_server_start(mokd_server *srv, char *err, size_t errlen)
   struct stat st;
   int rc;
 
-  if (parse_ids(srv->cfg.allow_uids, (unsigned *)srv->allow_uids, 32, &srv->nallow_uids, err,
-                errlen, "allow_uids") ||
-      parse_ids(srv->cfg.allow_gids, (unsigned *)srv->allow_gids, 32, &srv->nallow_gids, err,
-                errlen, "allow_gids"))
+  /* the lists were checked with the rest of the configuration */
+  if (mokd_config_ids(srv->cfg.allow_uids, (unsigned *)srv->allow_uids, MOKD_MAX_IDS,
+                      &srv->nallow_uids, err, errlen) ||
+      mokd_config_ids(srv->cfg.allow_gids, (unsigned *)srv->allow_gids, MOKD_MAX_IDS,
+                      &srv->nallow_gids, err, errlen))
     return MOK_EINVAL;
   if ((rc = mok_socket_dir_check(path, err, errlen)) != 0)
     return rc;

@@ -115,6 +115,47 @@ START_TEST(bad_file_names_file_and_line)
 }
 END_TEST
 
+/* Values checked only after every source was read lost their file:line. */
+START_TEST(every_bad_value_names_its_line)
+{
+  static const struct {
+    const char *text, *want;
+  } cases[] = {
+      {"[mokd]\nbackend = gpu\n", ":2: backend: \"gpu\" is "},
+      {"[mokd]\n\nallow_uids = 0, bob\n", ":3: allow_uids: \"bob\" is not a number"},
+      {"[mokd]\nallow_gids = -5\n", ":2: allow_gids: \"-5\" is not a number"},
+      {"[mokd]\nallow_uids = 4294967295\n", ":2: allow_uids: 4294967295 is too large"},
+      {"[mokd]\ndevices\n", ":2: syntax error"},
+      {"[mokd]\ndevices = 0,x\n", ":2: devices: \"x\" is not a number; devices are CUDA "
+                                   "ordinals"},
+      {"[mokd]\ndevices = 1,0,1\n", ":2: devices: device 1 is named twice"},
+      {"# before the header\nlog_level = debug\n[mokd]\n",
+       ":2: \"log_level\" comes before the [mokd] section header"},
+  };
+  char *argv[] = {"mokd", "--config", path};
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    char want[160];
+    write_conf(cases[i].text);
+    ck_assert_int_eq(load(3, argv), MOK_EINVAL);
+    snprintf(want, sizeof want, "%s%s", path, cases[i].want);
+    ck_assert_msg(strstr(err, want) != NULL, "case %zu: got: %s", i, err);
+    unlink(path);
+  }
+  /* the same checks name the variable or the flag */
+  char *argv2[] = {"mokd", "--config", "/dev/null", "--allow-gids", "staff"};
+  ck_assert_int_eq(load(5, argv2), MOK_EINVAL);
+  ck_assert_msg(strstr(err, "flag allow_gids: \"staff\" is not a number") != NULL, "got: %s",
+                err);
+  setenv("MOKD_BACKEND", "gpu", 1);
+  ck_assert_int_eq(load(3, (char *[]){"mokd", "--config", "/dev/null"}), MOK_EINVAL);
+  ck_assert_msg(strstr(err, "environment MOKD_BACKEND: backend: \"gpu\"") != NULL, "got: %s",
+                err);
+  unsetenv("MOKD_BACKEND");
+  char *argv3[] = {"mokd", "--config", "/dev/null", "--allow-uids", "0, 1000,1001"};
+  ck_assert_int_eq(load(5, argv3), MOKD_CONFIG_RUN);
+}
+END_TEST
+
 START_TEST(bad_env_and_flags)
 {
   char *argv[] = {"mokd", "--config", "/dev/null"};
@@ -128,7 +169,7 @@ START_TEST(bad_env_and_flags)
   ck_assert_msg(strstr(err, "unknown argument \"--no-such-thing\"") != NULL, "got: %s", err);
   char *argv3[] = {"mokd", "--config", "/dev/null", "--backend", "tpu"};
   ck_assert_int_eq(load(5, argv3), MOK_EINVAL);
-  ck_assert_msg(strstr(err, "backend \"tpu\"") != NULL, "got: %s", err);
+  ck_assert_msg(strstr(err, "flag backend: \"tpu\"") != NULL, "got: %s", err);
   char *argv4[] = {"mokd", "--config", "/nonexistent/mokd.conf"};
   ck_assert_int_eq(load(3, argv4), MOK_ENOENT);
   ck_assert_msg(strstr(err, "/nonexistent/mokd.conf: cannot open") != NULL, "got: %s", err);
@@ -137,7 +178,8 @@ START_TEST(bad_env_and_flags)
   ck_assert_msg(strstr(err, "--socket needs a value") != NULL, "got: %s", err);
   char *argv6[] = {"mokd", "--config", "/dev/null", "--devices", "gpu0"};
   ck_assert_int_eq(load(5, argv6), MOK_EINVAL);
-  ck_assert_msg(strstr(err, "must be CUDA ordinals") != NULL, "got: %s", err);
+  ck_assert_msg(strstr(err, "flag devices: \"gpu0\" is not a number; devices are CUDA "
+                            "ordinals") != NULL, "got: %s", err);
   char *argv7[] = {"mokd", "--config", "/dev/null", "--backend", "cuda", "--devices", "1,0"};
 #ifdef MOKK_HAVE_CUDA
   ck_assert_int_eq(load(7, argv7), MOKD_CONFIG_RUN);
@@ -166,12 +208,58 @@ START_TEST(sizes_levels_and_subsystems)
 }
 END_TEST
 
+/* load() with what it prints on stdout kept in out, not in the test log */
+static int load_quietly(int argc, char **argv, char *out, size_t n)
+{
+  FILE *f = tmpfile();
+  int saved = dup(1), rc;
+  size_t got;
+  ck_assert_ptr_nonnull(f);
+  fflush(stdout);
+  dup2(fileno(f), 1);
+  rc = load(argc, argv);
+  fflush(stdout);
+  dup2(saved, 1);
+  close(saved);
+  rewind(f);
+  got = fread(out, 1, n - 1, f);
+  out[got] = 0;
+  fclose(f);
+  return rc;
+}
+
 START_TEST(help_and_version_exit)
 {
+  char out[16384];
   char *argv[] = {"mokd", "--version"};
-  ck_assert_int_eq(load(2, argv), MOKD_CONFIG_EXIT);
+  ck_assert_int_eq(load_quietly(2, argv, out, sizeof out), MOKD_CONFIG_EXIT);
+  ck_assert_str_eq(out, "mokd " MOKD_VERSION " (protocol 1)\n");
   char *argv2[] = {"mokd", "--help"};
-  ck_assert_int_eq(load(2, argv2), MOKD_CONFIG_EXIT);
+  ck_assert_int_eq(load_quietly(2, argv2, out, sizeof out), MOKD_CONFIG_EXIT);
+  ck_assert_msg(strncmp(out, "usage: mokd [options]\n", 22) == 0, "%.200s", out);
+  ck_assert_ptr_nonnull(strstr(out, "--hello-timeout-ms"));
+  ck_assert_ptr_nonnull(strstr(out, "MOKD_MAX_ARENAS"));
+}
+END_TEST
+
+/* --print-config says which file it read, or that there was none */
+START_TEST(print_config_names_its_file)
+{
+  char out[16384], want[192];
+  char *argv[] = {"mokd", "--config", path, "--print-config"};
+  write_conf("[mokd]\ncpu_threads = 3\n");
+  ck_assert_int_eq(load_quietly(4, argv, out, sizeof out), MOKD_CONFIG_EXIT);
+  snprintf(want, sizeof want, "effective configuration (config file: %s)\n[mokd]\n", path);
+  ck_assert_msg(strstr(out, want) != NULL, "%.300s", out);
+  ck_assert_ptr_nonnull(strstr(out, "\ncpu_threads = 3\n"));
+  unlink(path);
+  /* the default file, absent: said so, not named as if it had been read */
+  if (access(MOKD_DEFAULT_CONFIG, F_OK) != 0) {
+    char *argv2[] = {"mokd", "--print-config"};
+    ck_assert_int_eq(load_quietly(2, argv2, out, sizeof out), MOKD_CONFIG_EXIT);
+    ck_assert_msg(strstr(out, "(no config file: " MOKD_DEFAULT_CONFIG " does not exist)") !=
+                      NULL, "%.300s", out);
+  }
 }
 END_TEST
 
@@ -212,9 +300,11 @@ Suite *config_suite(void)
   tcase_add_test(tc, quota_as_a_share_of_ram);
   tcase_add_test(tc, precedence);
   tcase_add_test(tc, bad_file_names_file_and_line);
+  tcase_add_test(tc, every_bad_value_names_its_line);
   tcase_add_test(tc, bad_env_and_flags);
   tcase_add_test(tc, sizes_levels_and_subsystems);
   tcase_add_test(tc, help_and_version_exit);
+  tcase_add_test(tc, print_config_names_its_file);
   tcase_add_test(tc, sighup_reload_reads_log_keys_only);
   tcase_add_test(tc, peer_text_is_escaped_for_the_log);
   suite_add_tcase(s, tc);
