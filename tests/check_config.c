@@ -1,5 +1,6 @@
 /* check_config.c - the option table and its precedence: defaults < file <
  * environment < flags; every bad value stops start-up with where it was. */
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -292,6 +293,47 @@ START_TEST(peer_text_is_escaped_for_the_log)
 }
 END_TEST
 
+/* One log line written with stderr on fd, as mokd_log_set finds it. */
+static void log_one_line_to(int fd)
+{
+  int saved = dup(2);
+  dup2(fd, 2);
+  mokd_log_set(MOKD_LOG_INFO, MOKD_SUB_ALL);
+  LOG_INFO(INIT, "ready");
+  dup2(saved, 2);
+  close(saved);
+  mokd_log_set(MOKD_LOG_INFO, MOKD_SUB_ALL);
+}
+
+START_TEST(terminal_lines_carry_a_timestamp)
+{
+  char line[256] = "";
+  int y, mo, d, h, mi, sec, ms, n = 0;
+  int master = posix_openpt(O_RDWR | O_NOCTTY), tty;
+  ck_assert_int_ge(master, 0);
+  ck_assert_int_eq(grantpt(master), 0);
+  ck_assert_int_eq(unlockpt(master), 0);
+  tty = open(ptsname(master), O_RDWR | O_NOCTTY);
+  ck_assert_int_ge(tty, 0);
+  log_one_line_to(tty);
+  ck_assert_int_gt(read(master, line, sizeof line - 1), 0);
+  ck_assert_msg(sscanf(line, "%4d-%2d-%2d %2d:%2d:%2d.%3d mokd info [init] ready%n", &y, &mo, &d,
+                       &h, &mi, &sec, &ms, &n) == 7 && n > 0,
+                "terminal line: %s", line);
+  close(tty);
+  close(master);
+  /* for journald: its priority prefix, and its own timestamps */
+  int p[2];
+  ck_assert_int_eq(pipe(p), 0);
+  log_one_line_to(p[1]);
+  memset(line, 0, sizeof line);
+  ck_assert_int_gt(read(p[0], line, sizeof line - 1), 0);
+  ck_assert_str_eq(line, "<6>mokd info [init] ready\n");
+  close(p[0]);
+  close(p[1]);
+}
+END_TEST
+
 Suite *config_suite(void)
 {
   Suite *s = suite_create("config");
@@ -307,6 +349,7 @@ Suite *config_suite(void)
   tcase_add_test(tc, print_config_names_its_file);
   tcase_add_test(tc, sighup_reload_reads_log_keys_only);
   tcase_add_test(tc, peer_text_is_escaped_for_the_log);
+  tcase_add_test(tc, terminal_lines_carry_a_timestamp);
   suite_add_tcase(s, tc);
   return s;
 }
