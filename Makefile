@@ -177,7 +177,8 @@ $(PC_FILE): Makefile
 	@printf 'prefix=%s\nlibdir=$${prefix}/lib\nincludedir=$${prefix}/include\n\nName: mok\nDescription: client library of the mokd MoE daemon\nVersion: 0.1.0\nRequires.private: libprotobuf-c\nLibs: -L$${libdir} -lmok\nCflags: -I$${includedir}\n' '$(PREFIX)' > $@
 
 ifeq ($(HAVE_CUDA),1)
-$(DAEMON_OBJ) $(call obj,$(UNIT_DAEMON) tests/check_config.c): CFLAGS += -DMOKK_HAVE_CUDA
+$(DAEMON_OBJ) $(call obj,$(UNIT_DAEMON) tests/check_config.c tests/check_daemon_service.c): \
+  CFLAGS += -DMOKK_HAVE_CUDA
 $(MOKD_BIN): $(DAEMON_OBJ) $(LIBMOKK_CUDA) $(LIBMOKK) $(LIBCOMMON)
 	$(CC) $(LDSAN) -o $@ $^ $(DAEMON_LIBS) $(CUDA_LIBS) $(LDLIBS)
 else

@@ -1,6 +1,7 @@
 /* check_daemon_service.c - mokd as a service: drain on SIGTERM, one daemon
  * per socket, a bad config stops start-up, the allow-list, sd_notify and the
  * watchdog, and mokctl next to it. */
+#include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
@@ -102,6 +103,45 @@ START_TEST(config_error_stops_startup)
   snprintf(want, sizeof want, "%s:3: max_frame_bytes", conf);
   ck_assert_msg(strstr(out, want) != NULL, "output: %s", out);
   unlink(conf);
+}
+END_TEST
+
+/* On a machine without the NVIDIA driver, the CUDA runtime says the driver
+ * is "insufficient": mokd says there is none. */
+START_TEST(no_driver_is_named)
+{
+  char cmd[512], out[4096] = "";
+  snprintf(cmd, sizeof cmd, "%s --config /dev/null --backend cuda --socket %s/x.sock 2>&1",
+           mokd_bin(), dir);
+#ifdef MOKK_HAVE_CUDA
+  void *driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (driver != NULL) { /* a driver is here: nothing to show */
+    dlclose(driver);
+    return;
+  }
+  FILE *pp = popen(cmd, "r");
+  size_t n = fread(out, 1, sizeof out - 1, pp);
+  int st = pclose(pp);
+  out[n] = 0;
+  ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 1, "status %d: %s", st, out);
+  ck_assert_msg(strstr(out, "no usable CUDA device: no NVIDIA driver is installed "
+                            "(libcuda.so.1 cannot be loaded)") != NULL, "%s", out);
+  ck_assert_msg(strstr(out, "insufficient") == NULL, "%s", out);
+  /* and backend auto, as the fixture's daemon runs, says it on its way to cpu */
+  FILE *f = fopen(logpath, "r");
+  n = fread(out, 1, sizeof out - 1, f);
+  fclose(f);
+  out[n] = 0;
+  ck_assert_msg(strstr(out, "backend auto: no usable CUDA device (no NVIDIA driver is "
+                            "installed") != NULL, "%s", out);
+#else
+  FILE *pp = popen(cmd, "r");
+  size_t n = fread(out, 1, sizeof out - 1, pp);
+  int st = pclose(pp);
+  out[n] = 0;
+  ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 2, "status %d: %s", st, out);
+  ck_assert_msg(strstr(out, "not available in this build") != NULL, "%s", out);
+#endif
 }
 END_TEST
 
@@ -362,6 +402,7 @@ Suite *daemon_service_suite(void)
   tcase_add_test(tc, second_daemon_and_stale_socket);
   tcase_add_test(tc, config_error_stops_startup);
   tcase_add_test(tc, missing_socket_directory_is_named);
+  tcase_add_test(tc, no_driver_is_named);
   suite_add_tcase(s, tc);
   tc = tcase_create("mokctl");
   tcase_add_checked_fixture(tc, setup, teardown);
