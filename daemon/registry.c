@@ -242,8 +242,10 @@ int mokd_out_alloc(mokd_registry *r, size_t len, mokd_arena **arena, mokd_span *
         if (a->free[i].len >= len && (best == NULL || a->free[i].len < best->free[besti].len))
           best = a, besti = i;
   if (best == NULL) {
-    if ((rc = mokd_arena_new(r, len > OUT_ARENA_MIN ? len : OUT_ARENA_MIN, ARENA_OUTPUT, &best,
-                             err)))
+    /* room for many steps' outputs, as far as max_arena_bytes allows */
+    size_t size = OUT_ARENA_MIN < r->lim.max_arena_bytes ? OUT_ARENA_MIN
+                                                         : (size_t)r->lim.max_arena_bytes;
+    if ((rc = mokd_arena_new(r, len > size ? len : size, ARENA_OUTPUT, &best, err)))
       return rc;
     besti = 0;
   }

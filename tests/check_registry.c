@@ -74,6 +74,23 @@ START_TEST(best_fit_reuses_the_smallest_hole)
 }
 END_TEST
 
+/* Output arenas are made 64 MiB at least, to serve many steps; a daemon
+ * whose max_arena_bytes is smaller still serves outputs that fit it. */
+START_TEST(output_arenas_follow_max_arena_bytes)
+{
+  mokd_registry r;
+  mokd_arena *a;
+  mokd_span sp;
+  mokd_limits lim = {.max_arena_bytes = 1 << 20};
+  mokd_registry_init(&r, cpu, &next_id, &lim, &sess, &daemon_usage);
+  ck_assert_msg(mokd_out_alloc(&r, 1000, &a, &sp, err) == 0, "%s", err);
+  ck_assert_uint_eq(a->bytes, 1 << 20);
+  ck_assert_int_eq(mokd_out_alloc(&r, (1 << 20) + 1, &a, &sp, err), MOK_EINVAL);
+  ck_assert_msg(strstr(err, "larger than max_arena_bytes") != NULL, "%s", err);
+  mokd_registry_clear(&r);
+}
+END_TEST
+
 /* Giving back many blocks at once leaves the free list one by one would. */
 START_TEST(release_many_equals_one_by_one)
 {
@@ -302,6 +319,7 @@ Suite *registry_suite(void)
   tcase_add_checked_fixture(tc, setup, teardown);
   tcase_add_test(tc, best_fit_reuses_the_smallest_hole);
   tcase_add_test(tc, release_many_equals_one_by_one);
+  tcase_add_test(tc, output_arenas_follow_max_arena_bytes);
   tcase_add_test(tc, overflowing_and_misplaced_refs_are_refused);
   tcase_add_test(tc, another_sessions_arena_is_not_found);
   tcase_add_test(tc, quota_edges);
