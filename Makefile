@@ -288,17 +288,36 @@ FUZZ_DIR     := $(BUILD)/fuzz
 FUZZ_CFLAGS  := $(CSTD) -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all \
                 -Iclient/include -Iproto -I$(BUILD)
 FUZZ_FRAME   := $(FUZZ_DIR)/fuzz_frame
+FUZZ_REQUEST := $(FUZZ_DIR)/fuzz_request
+# the request harness runs the daemon's own code, all but main.c, on the CPU backend
+FUZZ_REQ_SRC := tests/fuzz/fuzz_request.c $(filter-out daemon/main.c kernels/devices.c,$(DAEMON_SRC)) \
+                $(KERNEL_SRC) $(COMMON_SRC) $(PROTO_C)
 
 fuzz:
 	@command -v $(FUZZ_CC) >/dev/null 2>&1 || { echo "fuzz: $(FUZZ_CC) not found; libFuzzer comes with clang (apt-get install clang, or set FUZZ_CC)" >&2; exit 1; }
-	@$(MAKE) --no-print-directory $(FUZZ_FRAME)
-	@mkdir -p $(FUZZ_DIR)/corpus/frame
+	@$(MAKE) --no-print-directory $(FUZZ_FRAME) $(FUZZ_REQUEST)
+	@mkdir -p $(FUZZ_DIR)/corpus/frame $(FUZZ_DIR)/corpus/request
 	$(FUZZ_FRAME) -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 \
 	  -artifact_prefix=$(FUZZ_DIR)/ $(FUZZ_DIR)/corpus/frame tests/fuzz/corpus/frame
+	$(FUZZ_REQUEST) -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 -timeout=10 \
+	  -artifact_prefix=$(FUZZ_DIR)/request- $(FUZZ_DIR)/corpus/request tests/fuzz/corpus/request
+
+# regenerates the committed seeds of the request harness
+.PHONY: fuzz-seeds
+fuzz-seeds: $(LIBCOMMON)
+	@mkdir -p $(FUZZ_DIR) tests/fuzz/corpus/request
+	$(CC) $(CSTD) $(WARN) $(OPT) $(INCLUDES) -o $(FUZZ_DIR)/seed_request tests/fuzz/seed_request.c $(LIBCOMMON) \
+	  $(PROTOBUF_LIBS)
+	$(FUZZ_DIR)/seed_request tests/fuzz/corpus/request
 
 $(FUZZ_FRAME): tests/fuzz/fuzz_frame.c proto/frame.c proto/frame.h $(PROTO_C) $(PROTO_H)
 	@mkdir -p $(dir $@)
 	$(FUZZ_CC) $(FUZZ_CFLAGS) -o $@ tests/fuzz/fuzz_frame.c proto/frame.c $(PROTO_C) $(PROTOBUF_LIBS)
+
+$(FUZZ_REQUEST): $(FUZZ_REQ_SRC) $(wildcard daemon/*.h kernels/*.h kernels/cpu/*.h proto/*.h) $(PROTO_H)
+	@mkdir -p $(dir $@)
+	$(FUZZ_CC) $(FUZZ_CFLAGS) $(INCLUDES) -ffp-contract=off -o $@ $(FUZZ_REQ_SRC) $(DAEMON_LIBS) \
+	  -lm -lpthread -ldl
 
 clean:
 	rm -rf $(BUILD)
