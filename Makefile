@@ -1,7 +1,8 @@
 # mokd - GNU make build. `make` builds into build/; `make check` runs the C
-# unit and end-to-end suites, the Python suite, then gpu-check (which says it
-# skipped when no GPU is visible); `make asan` runs the C suites under
-# ASan+UBSan; `make bench-cpu` measures.
+# unit and end-to-end suites, a short stress run, the Python suite, then
+# gpu-check (which says it skipped when no GPU is visible); `make asan` runs
+# the C suites under ASan+UBSan; `make stress` the whole stress run;
+# `make bench-cpu` measures.
 
 BUILD     ?= build
 CUDA_HOME ?= /usr/local/cuda
@@ -93,6 +94,7 @@ DEMO_BIN   := $(BUILD)/mok_demo
 UNIT_BIN   := $(BUILD)/tests/check_mokd
 INTEG_BIN  := $(BUILD)/tests/check_daemon
 BENCH_BIN  := $(BUILD)/bench_cpu
+STRESS_BIN := $(BUILD)/tests/stress
 PC_FILE    := $(BUILD)/mok.pc
 LIBMOKK_CUDA := $(BUILD)/libmokk_cuda.a
 GPU_BIN    := $(BUILD)/tests/check_gpu
@@ -116,11 +118,11 @@ endif
 PREFIX ?= /usr/local
 
 .PHONY: all deps check check-run check-c check-python asan bench-cpu bench bench-gpu clean \
-        demo demo-run install gpu-check bench-gemm
+        demo demo-run install gpu-check bench-gemm stress
 .DEFAULT_GOAL := all
 
 all: $(MOKD_BIN) $(MOKCTL_BIN) $(DEMO_BIN) $(LIBMOK_A) $(LIBMOK_SO) $(PC_FILE) \
-     $(UNIT_BIN) $(INTEG_BIN) $(BENCH_BIN) $(CUDA_TARGETS)
+     $(UNIT_BIN) $(INTEG_BIN) $(BENCH_BIN) $(STRESS_BIN) $(CUDA_TARGETS)
 
 deps:
 	@bash deploy/install-deps.sh
@@ -199,6 +201,9 @@ $(INTEG_BIN): $(INTEG_OBJ) $(call obj,client/testbed.c) $(LIBMOK_A) $(LIBMOKK)
 	$(CC) $(LDSAN) -o $@ $^ $(CHECK_LIBS) $(PROTOBUF_LIBS) $(LDLIBS)
 $(BENCH_BIN): $(BENCH_OBJ) $(LIBMOKK) $(LIBCOMMON)
 	$(CC) $(LDSAN) -o $@ $^ $(LDLIBS)
+$(STRESS_BIN): $(call obj,tests/stress/stress.c client/testbed.c) $(LIBMOK_A) $(LIBMOKK)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDSAN) -o $@ $^ $(PROTOBUF_LIBS) $(LDLIBS)
 
 # check runs deps first so a fresh machine needs nothing else; the build is a
 # recursive make so that it sees the freshly installed pkg-config files.
@@ -210,10 +215,16 @@ check-run: check-c check-python gpu-check
 check-c: all
 	CK_FORK=yes $(UNIT_BIN)
 	CK_FORK=yes MOKD_BIN=$(MOKD_BIN) $(INTEG_BIN)
+	MOKD_BIN=$(MOKD_BIN) $(STRESS_BIN) --short
 
 check-python: $(MOKD_BIN) $(LIBMOK_SO)
 	@test -n "$(PYTHON)" || { echo "check: no python3 with numpy (tried python3, /usr/bin/python3); run make deps" >&2; exit 1; }
 	MOKD_BIN=$(MOKD_BIN) MOK_LIB=$(LIBMOK_SO) PYTHONPATH=client/python $(PYTHON) -m unittest discover -s tests/python -v
+
+# a mokd under killed, crowding, unread and input-flipping clients (tests/stress);
+# on the ASan build: make stress BUILD=build/asan SAN=1
+stress: $(STRESS_BIN) $(MOKD_BIN)
+	MOKD_BIN=$(MOKD_BIN) $(STRESS_BIN)
 
 # the Python suite loads libmok into an uninstrumented interpreter: C suites only
 asan: deps
@@ -290,7 +301,8 @@ FUZZ_CFLAGS  := $(CSTD) -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize
 FUZZ_FRAME   := $(FUZZ_DIR)/fuzz_frame
 FUZZ_REQUEST := $(FUZZ_DIR)/fuzz_request
 # the request harness runs the daemon's own code, all but main.c, on the CPU backend
-FUZZ_REQ_SRC := tests/fuzz/fuzz_request.c $(filter-out daemon/main.c kernels/devices.c,$(DAEMON_SRC)) \
+FUZZ_REQ_SRC := tests/fuzz/fuzz_request.c \
+                $(filter-out daemon/main.c kernels/devices.c,$(DAEMON_SRC)) \
                 $(KERNEL_SRC) $(COMMON_SRC) $(PROTO_C)
 
 fuzz:
@@ -306,8 +318,8 @@ fuzz:
 .PHONY: fuzz-seeds
 fuzz-seeds: $(LIBCOMMON)
 	@mkdir -p $(FUZZ_DIR) tests/fuzz/corpus/request
-	$(CC) $(CSTD) $(WARN) $(OPT) $(INCLUDES) -o $(FUZZ_DIR)/seed_request tests/fuzz/seed_request.c $(LIBCOMMON) \
-	  $(PROTOBUF_LIBS)
+	$(CC) $(CSTD) $(WARN) $(OPT) $(INCLUDES) -o $(FUZZ_DIR)/seed_request \
+	  tests/fuzz/seed_request.c $(LIBCOMMON) $(PROTOBUF_LIBS)
 	$(FUZZ_DIR)/seed_request tests/fuzz/corpus/request
 
 $(FUZZ_FRAME): tests/fuzz/fuzz_frame.c proto/frame.c proto/frame.h $(PROTO_C) $(PROTO_H)
