@@ -362,6 +362,7 @@ static int raw_connect(void)
 static uint8_t *pack_many(Mokd__Request *q, int n, size_t *len)
 {
   uint8_t *all = NULL;
+  size_t cap = 0;
   *len = 0;
   for (int i = 0; i < n; i++) {
     uint8_t *one;
@@ -369,7 +370,8 @@ static uint8_t *pack_many(Mokd__Request *q, int n, size_t *len)
     q->id = (uint64_t)i + 1;
     if (mokw_pack(&q->base, &one, &l) != 0)
       fail("pack");
-    all = realloc(all, *len + l);
+    if (*len + l > cap && (all = realloc(all, cap = 2 * (*len + l))) == NULL)
+      fail("out of memory");
     memcpy(all + *len, one, l);
     *len += l;
     free(one);
