@@ -510,7 +510,8 @@ static void release_all(mokd_session *s, const uint64_t *ids, size_t n)
     }
     mokd_result_free(s, r);
   }
-  qsort(blk, nb, sizeof *blk, block_cmp);
+  if (nb > 0) /* blk may be NULL when memory ran short: each block went back alone */
+    qsort(blk, nb, sizeof *blk, block_cmp);
   for (size_t i = 0, j; i < nb; i = j) {
     for (j = i; j < nb && blk[j].arena == blk[i].arena; j++)
       spans[j - i] = blk[j].span;
