@@ -4,13 +4,13 @@
  * the fuzzer's bytes and fds on the other. `make fuzz` builds and runs it.
  *
  * Input: chunks of [ctl][kind x nfds][len: 2 bytes LE][len bytes]. The bytes
- * are sent in one message with nfds = ctl & 15 fds on its first byte (more
- * than the daemon takes at once, 8, are possible); each kind byte picks an
- * fd: sealed memfds of several sizes, an unsealed one, a pipe, /dev/null, an
- * eventfd, a socket, a directory. ctl & 0x80 hangs up right after the chunk,
- * a step possibly in flight. Ids are deterministic (the daemon's counter
- * starts at 0 for every input: session 1, then 2, 3, ...), so seeds can name
- * their arenas, layers and contexts.
+ * are sent in one message with nfds = ctl & 15 fds (at most 12) on its
+ * first byte, more than the daemon takes at once (8) included; each kind
+ * byte picks an fd: sealed memfds of several sizes, an unsealed one, a pipe,
+ * /dev/null, an eventfd, a socket, a directory. ctl & 0x80 hangs up right
+ * after the chunk, a step possibly in flight. Ids are deterministic (the
+ * daemon's counter starts at 0 for every input: session 1, then 2, 3, ...),
+ * so seeds can name their arenas, layers and contexts.
  *
  * Checked besides memory safety: every reply is a Response; the daemon
  * settles (no hang); once the peer is gone the session is destroyed and
