@@ -1,7 +1,8 @@
 # mokd - GNU make build. `make` builds into build/; `make check` runs the C
-# unit and end-to-end suites, the Python suite, then gpu-check (which says it
-# skipped when no GPU is visible); `make asan` runs the C suites under
-# ASan+UBSan; `make bench-cpu` measures.
+# unit and end-to-end suites, a short stress run, the Python suite, then
+# gpu-check (which says it skipped when no GPU is visible); `make asan` runs
+# the C suites under ASan+UBSan; `make stress` the whole stress run;
+# `make bench-cpu` measures.
 
 BUILD     ?= build
 CUDA_HOME ?= /usr/local/cuda
@@ -54,7 +55,7 @@ KERNEL_SRC := kernels/layer.c kernels/backend.c kernels/cpu/ops.c \
 DAEMON_SRC := daemon/main.c daemon/config.c daemon/log.c daemon/server.c daemon/conn.c \
               daemon/dispatch.c daemon/session.c daemon/arenas.c daemon/layers.c \
               daemon/steps.c daemon/registry.c daemon/executor.c daemon/notify.c \
-              kernels/devices.c
+              daemon/idmap.c kernels/devices.c
 CLIENT_SRC := client/mok.c client/cudamap.c
 UNIT_SRC   := tests/check_main.c tests/ref.c tests/check_bf16.c \
               tests/check_schedule.c tests/check_forward.c tests/check_backward.c \
@@ -62,11 +63,12 @@ UNIT_SRC   := tests/check_main.c tests/ref.c tests/check_bf16.c \
               tests/check_pool.c tests/check_frame.c tests/check_config.c \
               tests/check_registry.c
 UNIT_SRC   += tests/check_paths.c
-UNIT_SRC   += tests/check_mokctl.c
-# config.c, log.c and registry.c are unit-tested without the rest of the daemon
-UNIT_DAEMON := daemon/config.c daemon/log.c daemon/registry.c
+UNIT_SRC   += tests/check_mokctl.c tests/check_idmap.c
+# config.c, log.c, registry.c and idmap.c are unit-tested without the rest of the daemon
+UNIT_DAEMON := daemon/config.c daemon/log.c daemon/registry.c daemon/idmap.c
 INTEG_SRC  := tests/check_daemon.c tests/daemon_fixture.c tests/check_daemon_steps.c \
-              tests/check_daemon_wire.c tests/check_daemon_service.c tests/ref.c
+              tests/check_daemon_wire.c tests/check_daemon_service.c tests/ref.c \
+              tests/check_daemon_limits.c
 BENCH_SRC  := tests/bench/bench_cpu.c
 CUDA_SRC   := kernels/cuda/cuda_moe.cu kernels/cuda/cuda_backend.cu kernels/cuda/gpumem.cu \
               kernels/cuda/ipc.cu kernels/cuda/route.cu kernels/cuda/sm90/tma.cu
@@ -94,6 +96,7 @@ DEMO_BIN   := $(BUILD)/mok_demo
 UNIT_BIN   := $(BUILD)/tests/check_mokd
 INTEG_BIN  := $(BUILD)/tests/check_daemon
 BENCH_BIN  := $(BUILD)/bench_cpu
+STRESS_BIN := $(BUILD)/tests/stress
 PC_FILE    := $(BUILD)/mok.pc
 LIBMOKK_CUDA := $(BUILD)/libmokk_cuda.a
 GPU_BIN    := $(BUILD)/tests/check_gpu
@@ -117,11 +120,11 @@ endif
 PREFIX ?= /usr/local
 
 .PHONY: all deps check check-run check-c check-python asan bench-cpu bench bench-gpu clean \
-        demo demo-run install gpu-check bench-gemm
+        demo demo-run install gpu-check bench-gemm stress
 .DEFAULT_GOAL := all
 
 all: $(MOKD_BIN) $(MOKCTL_BIN) $(DEMO_BIN) $(LIBMOK_A) $(LIBMOK_SO) $(PC_FILE) \
-     $(UNIT_BIN) $(INTEG_BIN) $(BENCH_BIN) $(CUDA_TARGETS)
+     $(UNIT_BIN) $(INTEG_BIN) $(BENCH_BIN) $(STRESS_BIN) $(CUDA_TARGETS)
 
 deps:
 	@bash deploy/install-deps.sh
@@ -178,7 +181,8 @@ $(PC_FILE): Makefile
 	@printf 'prefix=%s\nlibdir=$${prefix}/lib\nincludedir=$${prefix}/include\n\nName: mok\nDescription: client library of the mokd MoE daemon\nVersion: 0.1.0\nRequires.private: libprotobuf-c\nLibs: -L$${libdir} -lmok\nCflags: -I$${includedir}\n' '$(PREFIX)' > $@
 
 ifeq ($(HAVE_CUDA),1)
-$(DAEMON_OBJ) $(call obj,$(UNIT_DAEMON) tests/check_config.c): CFLAGS += -DMOKK_HAVE_CUDA
+$(DAEMON_OBJ) $(call obj,$(UNIT_DAEMON) tests/check_config.c tests/check_daemon_service.c): \
+  CFLAGS += -DMOKK_HAVE_CUDA
 $(MOKD_BIN): $(DAEMON_OBJ) $(LIBMOKK_CUDA) $(LIBMOKK) $(LIBCOMMON)
 	$(CC) $(LDSAN) -o $@ $^ $(DAEMON_LIBS) $(CUDA_LIBS) $(LDLIBS)
 else
@@ -199,6 +203,9 @@ $(INTEG_BIN): $(INTEG_OBJ) $(call obj,client/testbed.c) $(LIBMOK_A) $(LIBMOKK)
 	$(CC) $(LDSAN) -o $@ $^ $(CHECK_LIBS) $(PROTOBUF_LIBS) $(LDLIBS)
 $(BENCH_BIN): $(BENCH_OBJ) $(LIBMOKK) $(LIBCOMMON)
 	$(CC) $(LDSAN) -o $@ $^ $(LDLIBS)
+$(STRESS_BIN): $(call obj,tests/stress/stress.c client/testbed.c) $(LIBMOK_A) $(LIBMOKK)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDSAN) -o $@ $^ $(PROTOBUF_LIBS) $(LDLIBS)
 
 # check runs deps first so a fresh machine needs nothing else; the build is a
 # recursive make so that it sees the freshly installed pkg-config files.
@@ -210,10 +217,16 @@ check-run: check-c check-python gpu-check
 check-c: all
 	CK_FORK=yes $(UNIT_BIN)
 	CK_FORK=yes MOKD_BIN=$(MOKD_BIN) $(INTEG_BIN)
+	MOKD_BIN=$(MOKD_BIN) $(STRESS_BIN) --short
 
 check-python: $(MOKD_BIN) $(LIBMOK_SO)
 	@test -n "$(PYTHON)" || { echo "check: no python3 with numpy (tried python3, /usr/bin/python3); run make deps" >&2; exit 1; }
 	MOKD_BIN=$(MOKD_BIN) MOK_LIB=$(LIBMOK_SO) PYTHONPATH=client/python $(PYTHON) -m unittest discover -s tests/python -v
+
+# a mokd under killed, crowding, unread and input-flipping clients (tests/stress);
+# on the ASan build: make stress BUILD=build/asan SAN=1
+stress: $(STRESS_BIN) $(MOKD_BIN)
+	MOKD_BIN=$(MOKD_BIN) $(STRESS_BIN)
 
 # the Python suite loads libmok into an uninstrumented interpreter: C suites only
 asan: deps
@@ -288,17 +301,37 @@ FUZZ_DIR     := $(BUILD)/fuzz
 FUZZ_CFLAGS  := $(CSTD) -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all \
                 -Iclient/include -Iproto -I$(BUILD)
 FUZZ_FRAME   := $(FUZZ_DIR)/fuzz_frame
+FUZZ_REQUEST := $(FUZZ_DIR)/fuzz_request
+# the request harness runs the daemon's own code, all but main.c, on the CPU backend
+FUZZ_REQ_SRC := tests/fuzz/fuzz_request.c \
+                $(filter-out daemon/main.c kernels/devices.c,$(DAEMON_SRC)) \
+                $(KERNEL_SRC) $(COMMON_SRC) $(PROTO_C)
 
 fuzz:
 	@command -v $(FUZZ_CC) >/dev/null 2>&1 || { echo "fuzz: $(FUZZ_CC) not found; libFuzzer comes with clang (apt-get install clang, or set FUZZ_CC)" >&2; exit 1; }
-	@$(MAKE) --no-print-directory $(FUZZ_FRAME)
-	@mkdir -p $(FUZZ_DIR)/corpus/frame
+	@$(MAKE) --no-print-directory $(FUZZ_FRAME) $(FUZZ_REQUEST)
+	@mkdir -p $(FUZZ_DIR)/corpus/frame $(FUZZ_DIR)/corpus/request
 	$(FUZZ_FRAME) -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 \
 	  -artifact_prefix=$(FUZZ_DIR)/ $(FUZZ_DIR)/corpus/frame tests/fuzz/corpus/frame
+	$(FUZZ_REQUEST) -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 -timeout=10 \
+	  -artifact_prefix=$(FUZZ_DIR)/request- $(FUZZ_DIR)/corpus/request tests/fuzz/corpus/request
+
+# regenerates the committed seeds of the request harness
+.PHONY: fuzz-seeds
+fuzz-seeds: $(LIBCOMMON)
+	@mkdir -p $(FUZZ_DIR) tests/fuzz/corpus/request
+	$(CC) $(CSTD) $(WARN) $(OPT) $(INCLUDES) -o $(FUZZ_DIR)/seed_request \
+	  tests/fuzz/seed_request.c $(LIBCOMMON) $(PROTOBUF_LIBS)
+	$(FUZZ_DIR)/seed_request tests/fuzz/corpus/request
 
 $(FUZZ_FRAME): tests/fuzz/fuzz_frame.c proto/frame.c proto/frame.h $(PROTO_C) $(PROTO_H)
 	@mkdir -p $(dir $@)
 	$(FUZZ_CC) $(FUZZ_CFLAGS) -o $@ tests/fuzz/fuzz_frame.c proto/frame.c $(PROTO_C) $(PROTOBUF_LIBS)
+
+$(FUZZ_REQUEST): $(FUZZ_REQ_SRC) $(wildcard daemon/*.h kernels/*.h kernels/cpu/*.h proto/*.h) $(PROTO_H)
+	@mkdir -p $(dir $@)
+	$(FUZZ_CC) $(FUZZ_CFLAGS) $(INCLUDES) -ffp-contract=off -o $@ $(FUZZ_REQ_SRC) $(DAEMON_LIBS) \
+	  -lm -lpthread -ldl
 
 clean:
 	rm -rf $(BUILD)

@@ -94,7 +94,8 @@ int mokd_h_destroy_arena(mokd_session *s, const Mokd__Request *q, const int *fds
                      "contexts and results instead", (unsigned long long)a->id);
   if (a->users > 0)
     return mokk_fail(err, MOK_EBUSY, "arena %llu holds weights of %d live forward "
-                     "contexts; release them first", (unsigned long long)a->id, a->users);
+                     "context%s; release %s first", (unsigned long long)a->id, a->users,
+                     a->users == 1 ? "" : "s", a->users == 1 ? "it" : "them");
   mokd_arena_free(&s->reg, a);
   mokd_server_reap(s->srv);
   mokd_send_done(s, q->id);

@@ -15,7 +15,8 @@
 #include "log.h"
 #include "mok.h"
 
-typedef enum { T_STR, T_INT, T_SIZE, T_LEVEL, T_SUBSYS } opt_type;
+/* T_RAM: a size, or N% of this machine's physical memory */
+typedef enum { T_STR, T_INT, T_SIZE, T_RAM, T_LEVEL, T_SUBSYS } opt_type;
 
 typedef struct opt {
   const char *name; /* in the file; the flag is --name with '-' for '_' */
@@ -25,48 +26,101 @@ typedef struct opt {
   int64_t min, max;
   const char *env;
   const char *help;
+  /* T_STR: checks the value wherever it comes from, so that a file's error
+   * names its line; 0, or -1 with why */
+  int (*check)(const char *val, char *why, size_t n);
 } opt;
 
 #define STR(f) T_STR, offsetof(mokd_config, f), sizeof(((mokd_config *)0)->f)
 #define NUM(t, f) t, offsetof(mokd_config, f), 0
 
+static int check_backend(const char *val, char *why, size_t n)
+{
+  const char *gpu = mokk_gpu_backend();
+  if (strcmp(val, "cpu") == 0 || strcmp(val, "auto") == 0 ||
+      (gpu != NULL && strcmp(val, gpu) == 0))
+    return 0;
+  if (gpu != NULL)
+    snprintf(why, n, "\"%s\" is unknown; use %s, cpu or auto", val, gpu);
+  else
+    snprintf(why, n, "\"%s\" is not available in this build; use cpu or auto", val);
+  return -1;
+}
+
+static int check_devices(const char *val, char *why, size_t n)
+{
+  unsigned ord[MOKD_MAX_GPUS];
+  int count;
+  char what[160];
+  if (mokd_config_ids(val, ord, MOKD_MAX_GPUS, &count, what, sizeof what) != 0) {
+    snprintf(why, n, "%s; devices are CUDA ordinals, such as 0 or 0,1", what);
+    return -1;
+  }
+  for (int i = 0; i < count; i++)
+    for (int j = 0; j < i; j++)
+      if (ord[i] == ord[j]) {
+        snprintf(why, n, "device %u is named twice", ord[i]);
+        return -1;
+      }
+  return 0;
+}
+
+static int check_ids(const char *val, char *why, size_t n)
+{
+  unsigned ids[MOKD_MAX_IDS];
+  int count;
+  return mokd_config_ids(val, ids, MOKD_MAX_IDS, &count, why, n);
+}
+
 static const opt options[] = {
     {"socket", STR(socket), "", 0, 0, "MOKD_SOCKET",
      "Unix socket path (default /run/mokd/mokd.sock as root, else "
-     "$XDG_RUNTIME_DIR/mokd.sock)"},
+     "$XDG_RUNTIME_DIR/mokd.sock)", NULL},
     {"backend", STR(backend), "auto", 0, 0, "MOKD_BACKEND",
      "compute backend: cuda, cpu, or auto (cuda when this build has it and a GPU is "
-     "visible, else cpu)"},
+     "visible, else cpu)", check_backend},
     {"devices", STR(devices), "", 0, 0, "MOKD_DEVICES",
      "CUDA devices to run on, a comma-separated list of ordinals (one executor thread "
-     "and stream each; a session runs on one of them); empty = every visible device"},
+     "and stream each; a session runs on one of them); empty = every visible device",
+     check_devices},
     {"cpu_threads", NUM(T_INT, cpu_threads), "0", 0, 1024, "MOKD_CPU_THREADS",
-     "CPU backend worker threads; 0 = one per online CPU"},
+     "CPU backend worker threads; 0 = one per online CPU", NULL},
     {"executor_threads", NUM(T_INT, executor_threads), "2", 1, 64, "MOKD_EXECUTOR_THREADS",
-     "requests computed at once (sessions served in parallel)"},
+     "requests computed at once (sessions served in parallel)", NULL},
     {"max_frame_bytes", NUM(T_SIZE, max_frame_bytes), "1M", 4096, 64 << 20,
-     "MOKD_MAX_FRAME_BYTES", "largest accepted wire frame"},
+     "MOKD_MAX_FRAME_BYTES", "largest accepted wire frame", NULL},
     {"max_arena_bytes", NUM(T_SIZE, max_arena_bytes), "64G", 4096, INT64_MAX / 2,
-     "MOKD_MAX_ARENA_BYTES", "largest single arena a client may create or import"},
-    {"session_quota_bytes", NUM(T_SIZE, session_quota_bytes), "0", 0, INT64_MAX / 2,
+     "MOKD_MAX_ARENA_BYTES", "largest single arena a client may create or import", NULL},
+    {"session_quota_bytes", NUM(T_RAM, session_quota_bytes), "50%", 0, INT64_MAX / 2,
      "MOKD_SESSION_QUOTA_BYTES",
-     "host memory a session may hold in arenas, outputs and contexts; 0 = unlimited"},
+     "host memory a session may hold in arenas (imported memfds included), outputs and "
+     "contexts: a size, or N% of this machine's RAM; 0 = unlimited", NULL},
     {"session_gpu_quota_bytes", NUM(T_SIZE, session_gpu_quota_bytes), "0", 0, INT64_MAX / 2,
      "MOKD_SESSION_GPU_QUOTA_BYTES",
      "GPU memory a session may hold in daemon-made arenas, outputs and contexts (the "
-     "memory a client imports is its own and not counted); 0 = unlimited"},
+     "memory a client imports is its own and not counted); 0 = unlimited. No default "
+     "share of the device: the backend does not report its memory size, so set it per "
+     "node", NULL},
     {"max_sessions", NUM(T_INT, max_sessions), "256", 1, 65536, "MOKD_MAX_SESSIONS",
-     "clients connected at once"},
+     "clients connected at once", NULL},
+    {"hello_timeout_ms", NUM(T_INT, hello_timeout_ms), "10000", 0, 3600000,
+     "MOKD_HELLO_TIMEOUT_MS",
+     "a connection that has not said Hello after this long is told so and closed, "
+     "freeing its session slot; 0 = wait forever", NULL},
     {"max_layers", NUM(T_INT, max_layers), "1024", 1, 1 << 20, "MOKD_MAX_LAYERS",
-     "layers per session"},
+     "layers per session", NULL},
+    {"max_arenas", NUM(T_INT, max_arenas), "1024", 1, 1 << 20, "MOKD_MAX_ARENAS",
+     "arenas per session, created, imported and of outputs together (each is a mapping "
+     "in the daemon; all sessions together stay under half of vm.max_map_count)", NULL},
     {"allow_uids", STR(allow_uids), "", 0, 0, "MOKD_ALLOW_UIDS",
-     "comma list of uids allowed to connect, besides root and the daemon's own uid"},
+     "comma list of uids allowed to connect, besides root and the daemon's own uid",
+     check_ids},
     {"allow_gids", STR(allow_gids), "", 0, 0, "MOKD_ALLOW_GIDS",
-     "comma list of gids allowed to connect; empty = the socket's group"},
+     "comma list of gids allowed to connect; empty = the socket's group", check_ids},
     {"log_level", NUM(T_LEVEL, log_level), "info", 0, 4, "MOKD_DEBUG",
-     "error, warn, info, debug or trace"},
+     "error, warn, info, debug or trace", NULL},
     {"log_subsys", NUM(T_SUBSYS, log_subsys), "all", 0, MOKD_SUB_ALL, "MOKD_DEBUG_SUBSYS",
-     "comma list of init,net,sess,exec,conf,all; ^list turns them off"},
+     "comma list of init,net,sess,exec,conf,all; ^list turns them off", NULL},
 };
 #define NOPTS (sizeof options / sizeof options[0])
 
@@ -101,6 +155,15 @@ static int parse_size(const char *s, int64_t *out)
   return 0;
 }
 
+/* pct% of the physical memory, or -1 */
+static int64_t ram_share(int64_t pct)
+{
+  long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page <= 0)
+    return -1;
+  return (int64_t)((__int128)pages * page * pct / 100);
+}
+
 /* Sets one option from text; on error writes why into why. */
 static int set_opt(mokd_config *cfg, const opt *o, const char *val, char *why, size_t n)
 {
@@ -108,14 +171,20 @@ static int set_opt(mokd_config *cfg, const opt *o, const char *val, char *why, s
   int64_t v;
 
   switch (o->type) {
-  case T_STR:
+  case T_STR: {
+    char what[200];
     if (strlen(val) >= o->size) {
       snprintf(why, n, "%s: value is %zu characters; at most %zu", o->name, strlen(val),
                o->size - 1);
       return -1;
     }
+    if (o->check != NULL && o->check(val, what, sizeof what) != 0) {
+      snprintf(why, n, "%s: %s", o->name, what);
+      return -1;
+    }
     strcpy(base, val);
     return 0;
+  }
   case T_INT: {
     char *end;
     errno = 0;
@@ -127,7 +196,23 @@ static int set_opt(mokd_config *cfg, const opt *o, const char *val, char *why, s
     v = x;
     break;
   }
+  case T_RAM:
   case T_SIZE:
+    if (o->type == T_RAM && strchr(val, '%') != NULL) {
+      size_t len = strlen(val);
+      char *end;
+      long long pct = strtoll(val, &end, 10);
+      if (end != val + len - 1 || pct < 1 || pct > 100) {
+        snprintf(why, n, "%s: \"%s\" is not a share of RAM from 1%% to 100%%", o->name, val);
+        return -1;
+      }
+      if ((v = ram_share(pct)) < 0) {
+        snprintf(why, n, "%s: \"%s\": the size of this machine's RAM is unknown; give "
+                 "bytes", o->name, val);
+        return -1;
+      }
+      break;
+    }
     if (parse_size(val, &v) != 0) {
       snprintf(why, n, "%s: \"%s\" is not a size (a number, optionally K, M, G or T)",
                o->name, val);
@@ -173,7 +258,12 @@ static int on_ini(void *user, const char *section, const char *name, const char 
 
   if (fc->why[0] != 0)
     return 1; /* report the first error only */
-  if (section[0] != 0 && strcmp(section, "mokd") != 0) {
+  if (section[0] == 0) {
+    snprintf(fc->why, sizeof fc->why, "\"%s\" comes before the [mokd] section header; "
+             "options go in [mokd]", name);
+    return 0;
+  }
+  if (strcmp(section, "mokd") != 0) {
     snprintf(fc->why, sizeof fc->why, "unknown section [%s]; options go in [mokd]",
              section);
     return 0;
@@ -196,6 +286,7 @@ static int load_file(mokd_config *cfg, const char *path, int required, int only_
 
   if (!required && access(path, F_OK) != 0)
     return 0;
+  cfg->config_read = 1;
   rc = ini_parse(path, on_ini, &fc);
   if (rc == -1) {
     snprintf(err, errlen, "%s: cannot open: %s", path, strerror(errno));
@@ -286,7 +377,7 @@ static void default_socket(mokd_config *cfg)
 
 int mokd_config_load(mokd_config *cfg, int argc, char **argv, char *err, size_t errlen)
 {
-  const char *file = NULL, *gpu = mokk_gpu_backend();
+  const char *file = NULL;
   int print = 0, rc;
 
   defaults(cfg);
@@ -349,27 +440,46 @@ int mokd_config_load(mokd_config *cfg, int argc, char **argv, char *err, size_t 
       return MOK_EINVAL;
     }
   }
-  if (strcmp(cfg->backend, "cpu") != 0 && strcmp(cfg->backend, "auto") != 0 &&
-      (gpu == NULL || strcmp(cfg->backend, gpu) != 0)) {
-    if (gpu != NULL)
-      snprintf(err, errlen, "backend \"%s\" is unknown; use %s, cpu or auto", cfg->backend,
-               gpu);
-    else
-      snprintf(err, errlen, "backend \"%s\" is not available in this build; use cpu or auto",
-               cfg->backend);
-    return MOK_EINVAL;
-  }
-  if (cfg->devices[0] != '\0' && (cfg->devices[0] < '0' || cfg->devices[0] > '9')) {
-    snprintf(err, errlen, "devices \"%s\" must be CUDA ordinals, such as 0 or 0,1",
-             cfg->devices);
-    return MOK_EINVAL;
-  }
   default_socket(cfg);
   if (print) {
     mokd_config_print(cfg, stdout);
     return MOKD_CONFIG_EXIT;
   }
   return MOKD_CONFIG_RUN;
+}
+
+int mokd_config_ids(const char *list, unsigned *out, int max, int *n, char *why, size_t len)
+{
+  const char *p = list;
+
+  *n = 0;
+  for (;;) {
+    char *end;
+    unsigned long v;
+    p += strspn(p, ", ");
+    if (*p == 0)
+      return 0;
+    if (*p < '0' || *p > '9') {
+      snprintf(why, len, "\"%.*s\" is not a number", (int)strcspn(p, ", "), p);
+      return -1;
+    }
+    errno = 0;
+    v = strtoul(p, &end, 10);
+    if (*end != 0 && *end != ',' && *end != ' ') {
+      snprintf(why, len, "\"%.*s\" is not a number", (int)strcspn(p, ", "), p);
+      return -1;
+    }
+    if (errno != 0 || v >= UINT32_MAX) {
+      snprintf(why, len, "%.*s is too large", (int)(end - p), p);
+      return -1;
+    }
+    if (*n == max) {
+      snprintf(why, len, "at most %d entries", max);
+      return -1;
+    }
+    out[(*n)++] = (unsigned)v;
+    p = end;
+  }
 }
 
 int mokd_config_reload_log(mokd_config *cfg, char *err, size_t errlen)
@@ -390,8 +500,12 @@ int mokd_config_reload_log(mokd_config *cfg, char *err, size_t errlen)
 
 void mokd_config_print(const mokd_config *cfg, FILE *out)
 {
-  fprintf(out, "# mokd %s effective configuration (config file: %s)\n[mokd]\n", MOKD_VERSION,
-          cfg->config_file);
+  if (cfg->config_read)
+    fprintf(out, "# mokd %s effective configuration (config file: %s)\n[mokd]\n",
+            MOKD_VERSION, cfg->config_file);
+  else
+    fprintf(out, "# mokd %s effective configuration (no config file: %s does not exist)\n"
+            "[mokd]\n", MOKD_VERSION, cfg->config_file);
   for (size_t i = 0; i < NOPTS; i++) {
     const opt *o = &options[i];
     const char *base = (const char *)cfg + o->off;

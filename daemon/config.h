@@ -9,6 +9,8 @@
 
 #define MOKD_VERSION "0.1.0"
 #define MOKD_DEFAULT_CONFIG "/etc/mokd/mokd.conf"
+#define MOKD_MAX_GPUS 16 /* devices one daemon runs on */
+#define MOKD_MAX_IDS 32  /* entries of allow_uids, of allow_gids */
 
 typedef struct mokd_config {
   char socket[108];
@@ -21,12 +23,15 @@ typedef struct mokd_config {
   int64_t session_quota_bytes;
   int64_t session_gpu_quota_bytes;
   int64_t max_sessions;
+  int64_t hello_timeout_ms;
   int64_t max_layers;
+  int64_t max_arenas;
   char allow_uids[256];
   char allow_gids[256];
   int64_t log_level;
   int64_t log_subsys;
   char config_file[256];
+  int config_read;       /* config_file existed and was read */
 } mokd_config;
 
 enum {
@@ -40,6 +45,9 @@ int mokd_config_load(mokd_config *cfg, int argc, char **argv, char *err, size_t 
 /* Re-reads the log level and subsystems (file, then env); for SIGHUP. */
 int mokd_config_reload_log(mokd_config *cfg, char *err, size_t errlen);
 void mokd_config_print(const mokd_config *cfg, FILE *out);
+/* The numbers of a list (allow_uids, allow_gids, devices), separated by
+ * commas or spaces: 0 and *n of them in out, or -1 with why. */
+int mokd_config_ids(const char *list, unsigned *out, int max, int *n, char *why, size_t len);
 void mokd_config_usage(FILE *out);
 
 #endif

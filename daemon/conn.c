@@ -14,6 +14,11 @@
 
 #define MAX_PENDING 64
 #define READ_CHUNK 65536
+/* Replies a peer has not read yet, beyond what its socket holds: past either
+ * bound the session is not read from until they drain, so a client that
+ * never reads can hold neither the daemon's memory nor its fds. */
+#define OUT_MAX_BYTES (1u << 20)
+#define OUT_MAX_FDS 32
 
 static void on_poll(uv_poll_t *h, int status, int events);
 
@@ -30,12 +35,14 @@ static int write_out(mokd_session *s)
       return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? 0 : -1;
     for (int i = 0; i < b->nfds; i++)
       close(b->fds[i]); /* the peer has its own copies now */
+    s->out_fds -= b->nfds;
     b->nfds = 0;
     b->off += (size_t)n;
     if (b->off == b->len) {
       s->out_head = b->next;
       if (s->out_head == NULL)
         s->out_tail = NULL;
+      s->out_bytes -= sizeof *b + b->len;
       free(b->data);
       free(b);
     }
@@ -73,8 +80,15 @@ int mokd_send(mokd_session *s, Mokd__Response *resp, const int *fds, int nfds)
   else
     s->out_head = b;
   s->out_tail = b;
+  s->out_bytes += sizeof *b + b->len;
+  s->out_fds += b->nfds;
   flush(s);
   return 0;
+}
+
+int mokd_session_out_full(const mokd_session *s)
+{
+  return s->out_bytes >= OUT_MAX_BYTES || s->out_fds >= OUT_MAX_FDS;
 }
 
 void mokd_send_done(mokd_session *s, uint64_t id)
@@ -105,6 +119,16 @@ void mokd_reply_error(mokd_session *s, uint64_t id, int code, const char *msg)
   mokd_send(s, &r, NULL, 0);
 }
 
+void mokd_session_fail(mokd_session *s, uint64_t id, int code, const char *msg)
+{
+  mokd_reply_error(s, id, code, msg);
+  s->fatal = 1; /* read nothing more: flush the reply, then close (on_poll) */
+  if (s->out_head == NULL)
+    mokd_session_close(s, msg);
+  else
+    mokd_session_arm(s);
+}
+
 /* ---- lifetime ----------------------------------------------------------- */
 
 void mokd_session_arm(mokd_session *s)
@@ -112,7 +136,7 @@ void mokd_session_arm(mokd_session *s)
   int ev = 0;
   if (s->closing || !s->handle_open)
     return;
-  if (s->npending < MAX_PENDING && !s->fatal)
+  if (s->npending < MAX_PENDING && !s->fatal && !mokd_session_out_full(s))
     ev |= UV_READABLE;
   if (s->out_head != NULL)
     ev |= UV_WRITABLE;
@@ -140,6 +164,7 @@ static void session_destroy(mokd_session *s)
 
   while (s->results != NULL)
     mokd_result_free(s, s->results);
+  mokd_idmap_free(&s->result_ids);
   while (s->layers != NULL)
     mokd_layer_free(s, s->layers);
   mokd_registry_clear(&s->reg);
@@ -158,7 +183,8 @@ static void session_destroy(mokd_session *s)
     free(b);
   }
   for (int i = 0; i < s->nrxfds; i++)
-    close(s->rxfds[i].fd);
+    if (s->rxfds[i].fd >= 0)
+      close(s->rxfds[i].fd);
   mokw_framer_free(&s->rx);
   mokk_events_free(s->backend, s->events);
   if (s->gpu != NULL)
@@ -215,13 +241,17 @@ mokd_session *mokd_session_new(mokd_server *srv, int fd)
   s->srv = srv;
   s->fd = fd;
   s->id = ++srv->next_id;
+  s->born_ns = mokd_now_ns();
   /* the CPU backend, or placed on a GPU at Hello */
   s->backend = srv->backend;
   s->device = mokk_backend_device(srv->backend);
   s->exec = srv->exec;
-  mokd_registry_init(&s->reg, s->backend, &srv->next_id, (uint64_t)srv->cfg.max_arena_bytes,
-                     (uint64_t)srv->cfg.session_quota_bytes,
-                     (uint64_t)srv->cfg.session_gpu_quota_bytes, &s->usage, &srv->usage);
+  mokd_limits lim = {.max_arena_bytes = (uint64_t)srv->cfg.max_arena_bytes,
+                     .quota = {(uint64_t)srv->cfg.session_quota_bytes,
+                               (uint64_t)srv->cfg.session_gpu_quota_bytes},
+                     .max_arenas = (uint64_t)srv->cfg.max_arenas,
+                     .daemon_max_arenas = srv->max_maps};
+  mokd_registry_init(&s->reg, s->backend, &srv->next_id, &lim, &s->usage, &srv->usage);
   if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &len) == 0)
     s->pid = cr.pid, s->uid = cr.uid, s->gid = cr.gid;
   mokw_framer_init(&s->rx, (size_t)srv->cfg.max_frame_bytes);
@@ -261,25 +291,36 @@ static void take_rxfd(mokd_session *s, int i)
   s->nrxfds--;
 }
 
+static void mark_bad_fds(mokd_pending *p)
+{
+  if (p->bad == 0) {
+    p->bad = MOK_EINVAL;
+    p->bad_id = p->req != NULL ? p->req->id : 0;
+  }
+}
+
 /* Gives the frame [at, end) the fds it takes: those that came with the read
  * holding its first byte. fds whose read ended inside this frame belong to no
- * later frame: they were sent where none is expected. */
+ * later frame: they were sent where none is expected. A read whose fds the
+ * kernel dropped spoils the first frame it overlaps. */
 static void attach_fds(mokd_session *s, mokd_pending *p, uint64_t at, uint64_t end,
                        int expects)
 {
   for (int i = 0; i < s->nrxfds;) {
     mokd_rxfd *r = &s->rxfds[i];
-    if (expects > 0 && r->c0 <= at && at < r->c1) {
+    if (r->fd < 0 && r->c0 < end) {
+      mark_bad_fds(p);
+      p->lost_fds = 1;
+      take_rxfd(s, i);
+    } else if (r->fd >= 0 && expects > 0 && r->c0 <= at && at < r->c1) {
       p->fds[p->nfds++] = r->fd;
       expects--;
       take_rxfd(s, i);
-    } else if (r->c1 <= end) {
+    } else if (r->fd >= 0 && r->c1 <= end) {
       close(r->fd);
       take_rxfd(s, i);
-      if (p->bad == 0) {
-        p->bad = MOK_EINVAL;
-        p->bad_id = p->req != NULL ? p->req->id : 0;
-      }
+      mark_bad_fds(p);
+      p->extra_fds++;
     } else {
       i++;
     }
@@ -301,9 +342,7 @@ static void parse_frames(mokd_session *s)
       char msg[160];
       snprintf(msg, sizeof msg, "frame length prefix is over max_frame_bytes (%lld); "
                "closing the connection", (long long)s->srv->cfg.max_frame_bytes);
-      mokd_reply_error(s, 0, MOK_EMSGSIZE, msg);
-      s->fatal = 1; /* flush the reply, then close: see on_poll */
-      mokd_session_arm(s);
+      mokd_session_fail(s, 0, MOK_EMSGSIZE, msg);
       return;
     }
     p = calloc(1, sizeof *p);
@@ -346,16 +385,14 @@ static int read_some(mokd_session *s)
       mokd_session_close(s, strerror(errno));
       return -1;
     }
-    for (int i = 0; i < nfds; i++) {
+    for (int i = 0; i < nfds + (ctrunc != 0); i++) {
+      int fd = i < nfds ? fds[i] : -1; /* the last: the mark of dropped fds */
       if (s->nrxfds == (int)(sizeof s->rxfds / sizeof s->rxfds[0])) {
-        close(fds[i]);
+        if (fd >= 0)
+          close(fd);
         continue;
       }
-      s->rxfds[s->nrxfds++] = (mokd_rxfd){fds[i], c0, c0 + (uint64_t)(n > 0 ? n : 1)};
-    }
-    if (ctrunc) {
-      mokd_session_close(s, "too many file descriptors on one frame");
-      return -1;
+      s->rxfds[s->nrxfds++] = (mokd_rxfd){fd, c0, c0 + (uint64_t)(n > 0 ? n : 1)};
     }
     if (n == 0) {
       mokd_session_close(s, "peer closed the connection");
@@ -394,6 +431,10 @@ static void on_poll(uv_poll_t *h, int status, int events)
       mokd_session_close(s, "framing error");
     return;
   }
-  if (!s->closing && (events & UV_READABLE))
+  if (s->closing)
+    return;
+  if (events & UV_READABLE)
     on_readable(s);
+  else
+    mokd_session_pump(s); /* requests held while the replies were over the bound */
 }

@@ -1,7 +1,8 @@
 /* dispatch.c - one row per request body: its handler, how many fds it takes,
  * whether it may come before Hello, whether a draining daemon refuses it.
  * Requests of a session run strictly in order: while a step is in flight the
- * queue waits, so a reply never overtakes an earlier one. */
+ * queue waits, so a reply never overtakes an earlier one; while the peer
+ * leaves too many replies unread, it waits too. */
 #include "mokd.h"
 
 typedef struct route {
@@ -41,6 +42,24 @@ int mokd_dispatch_fds(const Mokd__Request *q)
   return r != NULL && r->fds != NULL ? r->fds(q) : 0;
 }
 
+/* What was wrong with the fds of a frame (p->bad == MOK_EINVAL). */
+static int bad_fds(const mokd_pending *p, char *err)
+{
+  const route *r = p->req != NULL ? route_of(p->req) : NULL;
+  int want = r != NULL && r->fds != NULL ? r->fds(p->req) : 0;
+
+  if (p->lost_fds)
+    return mokk_fail(err, MOK_EINVAL, "more than %d file descriptors came on one message; "
+                     "the daemon takes at most %d at once and the kernel dropped the rest; "
+                     "the request was not run", MOKW_MAX_FDS, MOKW_MAX_FDS);
+  if (want == 0)
+    return mokk_fail(err, MOK_EINVAL, "a file descriptor came with a request that takes "
+                     "none; it was closed and the request not run");
+  return mokk_fail(err, MOK_EINVAL, "%s takes exactly one fd (SCM_RIGHTS) on its frame; %d "
+                   "came; they were closed and the request not run", r->name,
+                   p->nfds + p->extra_fds);
+}
+
 static int handle(mokd_session *s, const mokd_pending *p, char *err)
 {
   const Mokd__Request *q = p->req;
@@ -51,9 +70,8 @@ static int handle(mokd_session *s, const mokd_pending *p, char *err)
     return mokk_fail(err, MOK_EPROTO, q == NULL ? "frame is not a packed Request "
                      "(garbage or a zero-length frame)" : "malformed request");
   if (p->bad == MOK_EINVAL)
-    return mokk_fail(err, MOK_EINVAL, "a file descriptor came with a request that takes "
-                     "none; it was closed and the request not run");
-  if ((unknown = mokw_unknown_field(&q->base)) != 0)
+    return bad_fds(p, err);
+  if (mokw_find_unknown_field(&q->base, &unknown))
     return mokk_fail(err, MOK_EPROTO, "request carries unknown field %u; this daemon "
                      "speaks protocol %d", unknown, MOK_PROTOCOL_VERSION);
   if ((r = route_of(q)) == NULL)
@@ -71,7 +89,8 @@ static int handle(mokd_session *s, const mokd_pending *p, char *err)
 
 void mokd_session_pump(mokd_session *s)
 {
-  while (!s->closing && s->busy == NULL && s->pend_head != NULL) {
+  while (!s->closing && s->busy == NULL && s->pend_head != NULL &&
+         !mokd_session_out_full(s)) {
     mokd_pending *p = s->pend_head;
     char err[MOK_ERRLEN] = "";
     int rc;

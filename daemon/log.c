@@ -7,10 +7,14 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <time.h>
 #include <unistd.h>
 
 int mokd_log_level_now = MOKD_LOG_INFO;
 unsigned mokd_log_subsys_now = MOKD_SUB_ALL;
+/* stderr is a terminal: lines get a timestamp (journald adds its own) and
+ * no priority prefix (only journald reads it) */
+static int to_tty;
 
 static const char *const level_names[] = {"error", "warn", "info", "debug", "trace"};
 /* sd-daemon(3) priority prefixes, read by journald */
@@ -80,6 +84,25 @@ void mokd_log_set(int level, unsigned sub)
 {
   mokd_log_level_now = level;
   mokd_log_subsys_now = sub;
+  to_tty = isatty(STDERR_FILENO);
+}
+
+void mokd_log_escape(const char *in, size_t max, char *out)
+{
+  static const char hex[] = "0123456789abcdef";
+  for (size_t i = 0; i < max && in[i] != 0; i++) {
+    unsigned char c = (unsigned char)in[i];
+    if (c == '\\' || c == '"') {
+      *out++ = '\\', *out++ = (char)c;
+    } else if (c == '\n' || c == '\t' || c == '\r') {
+      *out++ = '\\', *out++ = c == '\n' ? 'n' : c == '\t' ? 't' : 'r';
+    } else if (c < 0x20 || c > 0x7e) {
+      *out++ = '\\', *out++ = 'x', *out++ = hex[c >> 4], *out++ = hex[c & 15];
+    } else {
+      *out++ = (char)c;
+    }
+  }
+  *out = 0;
 }
 
 static const char *sub_name(unsigned sub)
@@ -97,8 +120,18 @@ void mokd_log_write(int level, unsigned sub, const char *file, int line, const c
   int n;
   va_list ap;
 
-  n = snprintf(msg, sizeof msg, "%smokd %s [%s] ", level_prio[level], level_names[level],
-               sub_name(sub));
+  if (to_tty) {
+    struct timespec ts;
+    struct tm tm;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    localtime_r(&ts.tv_sec, &tm);
+    n = (int)strftime(msg, sizeof msg, "%Y-%m-%d %H:%M:%S", &tm);
+    n += snprintf(msg + n, sizeof msg - (size_t)n, ".%03ld mokd %s [%s] ",
+                  ts.tv_nsec / 1000000, level_names[level], sub_name(sub));
+  } else {
+    n = snprintf(msg, sizeof msg, "%smokd %s [%s] ", level_prio[level], level_names[level],
+                 sub_name(sub));
+  }
   if (level >= MOKD_LOG_DEBUG)
     n += snprintf(msg + n, sizeof msg - (size_t)n, "%s:%d: ", file, line);
   va_start(ap, fmt);

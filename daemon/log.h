@@ -1,6 +1,7 @@
 /* log.h - level x subsystem logging to stderr (journald adds the timestamps
- * and keeps the priority prefix). The macros test the level and subsystem
- * before anything is formatted. MOKD_DEBUG / MOKD_DEBUG_SUBSYS set them. */
+ * and keeps the priority prefix; on a terminal, lines carry a local
+ * timestamp instead). The macros test the level and subsystem before
+ * anything is formatted. MOKD_DEBUG / MOKD_DEBUG_SUBSYS set them. */
 #ifndef MOKD_LOG_H
 #define MOKD_LOG_H
 
@@ -33,7 +34,13 @@ long mokd_log_parse_subsys(const char *s);
 const char *mokd_log_level_name(int level);
 /* the mask as a list that mokd_log_parse_subsys reads back */
 void mokd_log_subsys_names(unsigned mask, char *buf, size_t n);
+/* Also looks again whether stderr is a terminal. */
 void mokd_log_set(int level, unsigned subsys);
+/* Text a peer chose, made safe to log: the first `max` bytes of in with
+ * backslash, quote and every byte outside printable ASCII written as \\, \"
+ * and \n, \t, \r or \xNN, so that it can neither end a line nor drive a
+ * terminal. out holds at least 4 * max + 1 bytes. */
+void mokd_log_escape(const char *in, size_t max, char *out);
 void mokd_log_write(int level, unsigned sub, const char *file, int line, const char *fmt,
                     ...) __attribute__((format(printf, 5, 6)));
 

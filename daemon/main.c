@@ -25,32 +25,26 @@ static void destroy_backends(mokd_server *s)
 /* One backend per GPU named in --devices (every visible one when empty). */
 static int open_gpus(mokd_server *s, int visible, char *err)
 {
-  int ords[MOKD_MAX_GPUS], n = 0, rc;
+  unsigned ords[MOKD_MAX_GPUS];
+  int n = 0, rc;
   if (s->cfg.devices[0] == 0) {
     for (int i = 0; i < visible && i < MOKD_MAX_GPUS; i++)
-      ords[n++] = i;
+      ords[n++] = (unsigned)i;
   } else {
-    for (const char *p = s->cfg.devices; *p != 0;) {
-      int d = atoi(p);
-      if (n == MOKD_MAX_GPUS)
-        return mokk_fail(err, MOK_EINVAL, "devices: at most %d GPUs", MOKD_MAX_GPUS);
-      if (d >= visible)
-        return mokk_fail(err, MOK_EDEVICE, "devices: CUDA device %d does not exist (%d "
-                         "visible)", d, visible);
-      for (int i = 0; i < n; i++)
-        if (ords[i] == d)
-          return mokk_fail(err, MOK_EINVAL, "devices: %d is named twice", d);
-      ords[n++] = d;
-      p += strcspn(p, ",");
-      p += *p == ',';
-    }
+    /* the list was checked with the rest of the configuration */
+    if (mokd_config_ids(s->cfg.devices, ords, MOKD_MAX_GPUS, &n, err, MOK_ERRLEN) != 0)
+      return MOK_EINVAL;
+    for (int i = 0; i < n; i++)
+      if (ords[i] >= (unsigned)visible)
+        return mokk_fail(err, MOK_EDEVICE, "devices: CUDA device %u does not exist (%d "
+                         "visible)", ords[i], visible);
   }
   for (int i = 0; i < n; i++) {
-    if ((rc = mokk_gpu_open(ords[i], &s->gpus[i].backend, err)) != 0) {
+    if ((rc = mokk_gpu_open((int)ords[i], &s->gpus[i].backend, err)) != 0) {
       destroy_backends(s);
       return rc;
     }
-    s->gpus[i].ordinal = ords[i];
+    s->gpus[i].ordinal = (int)ords[i];
     s->ngpus = i + 1;
   }
   s->backend = s->gpus[0].backend;

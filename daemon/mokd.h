@@ -14,6 +14,7 @@
 #include "executor.h"
 #include "fdpass.h"
 #include "frame.h"
+#include "idmap.h"
 #include "mok.h"
 #include "proto/mokd.pb-c.h"
 #include "registry.h"
@@ -25,10 +26,9 @@ _Static_assert(MOKD__GRAD_MODE__GRAD_BF16 == (int)MOKK_GRAD_BF16 &&
 _Static_assert(MOKW_IPC_BYTES == MOKK_IPC_BYTES, "IPC handles differ in size");
 
 typedef struct mokd_server mokd_server;
+typedef struct mokd_refused mokd_refused; /* a refused peer told why (server.c) */
 typedef struct mokd_session mokd_session;
 typedef struct mokd_step mokd_step; /* a forward or backward in flight (steps.c) */
-
-#define MOKD_MAX_GPUS 16
 
 /* One GPU of the daemon: its backend (stream) and its executor thread. */
 typedef struct mokd_gpu {
@@ -52,14 +52,16 @@ typedef struct mokd_result {
   uint64_t id;
   int is_context;
   uint64_t layer;
+  mokk_grad_mode mode;    /* the layer's at the forward: the layer may go first */
   mokk_ctx *ctx;
   int64_t T;
   mokd_arena *out_arena;  /* block of daemon-allocated outputs */
   mokd_span out;
   mokd_arena *pinned[MOKK_NWEIGHTS]; /* weight arenas the saved state points into */
   int npinned;
-  size_t ctx_bytes;
-  struct mokd_result *next;
+  uint64_t ctx_bytes;      /* charged to the quota and counted in usage */
+  uint64_t mark;          /* Release: the request that named it last */
+  struct mokd_result *next, *prev;
 } mokd_result;
 
 /* One request waiting in a session's queue, with the fds that came with it. */
@@ -68,6 +70,8 @@ typedef struct mokd_pending {
   int fds[MOKW_MAX_FDS];
   int nfds;
   int bad;                /* framing error to answer: MOK_* code */
+  int extra_fds;          /* MOK_EINVAL: fds beyond those the request takes */
+  int lost_fds;           /* MOK_EINVAL: the kernel dropped fds of this frame */
   uint64_t bad_id;
   struct mokd_pending *next;
 } mokd_pending;
@@ -81,7 +85,7 @@ typedef struct mokd_outbuf {
 } mokd_outbuf;
 
 typedef struct mokd_rxfd {
-  int fd;
+  int fd;          /* -1: fds of this read were dropped (more than MOKW_MAX_FDS) */
   uint64_t c0, c1; /* stream offsets of the read that brought it */
 } mokd_rxfd;
 
@@ -101,20 +105,25 @@ struct mokd_session {
   int fatal;            /* framing lost: flush the error reply, then close */
   int handle_open;
   int hello_done;
+  uint64_t born_ns;     /* accepted at (mokd_now_ns) */
   pid_t pid;
   uid_t uid;
   gid_t gid;
-  char name[64];
+  char name[4 * 63 + 1]; /* the client_name of Hello, escaped (mokd_log_escape) */
   mokw_framer rx;
   mokd_rxfd rxfds[16];
   int nrxfds;
   mokd_pending *pend_head, *pend_tail;
   int npending;
   mokd_outbuf *out_head, *out_tail;
+  size_t out_bytes;     /* replies queued here, not yet taken by the socket */
+  int out_fds;          /* fds riding on them */
   mokd_step *busy;      /* the step in flight, at most one */
   mokd_registry reg;    /* arenas, quotas, outputs */
   mokd_layer *layers;
   mokd_result *results;
+  mokd_idmap result_ids;  /* id -> mokd_result */
+  uint64_t release_marks; /* Release requests seen */
   int nlayers;
   mokk_events *events;  /* device backends: the done event, opened ready events */
   mok_usage usage; /* the counters Stats reports, as libmok spells them */
@@ -132,6 +141,8 @@ struct mokd_server {
   uv_signal_t sig_term, sig_int, sig_hup;
   uv_timer_t watchdog;
   int watchdog_on;
+  uv_timer_t hello_timer; /* closes sessions silent past hello_timeout_ms */
+  int hello_timer_on;
   mokd_executor *exec;  /* the CPU backend's */
   mokd_session *sessions;
   int nsessions;
@@ -142,9 +153,16 @@ struct mokd_server {
   uint64_t start_ns;
   int draining;
   int stopped;
-  uid_t allow_uids[32];
+  mokd_refused *refused;     /* refused peers whose sockets linger */
+  int nrefused;
+  uv_timer_t refused_timer;  /* ends their linger */
+  int refused_timer_on;
+  uint64_t max_maps;         /* arenas of all sessions: half of vm.max_map_count */
+  uint64_t accept_logged_ns; /* when a failed accept was last logged */
+  uint64_t accept_failures;  /* since then */
+  uid_t allow_uids[MOKD_MAX_IDS];
   int nallow_uids;
-  gid_t allow_gids[32];
+  gid_t allow_gids[MOKD_MAX_IDS];
   int nallow_gids;
 };
 
@@ -159,12 +177,17 @@ void mokd_session_close(mokd_session *s, const char *why);
 /* Frees the session once its socket is closed and no step is in flight. */
 void mokd_session_maybe_destroy(mokd_session *s);
 void mokd_session_arm(mokd_session *s);
+/* Whether the replies queued for a peer that does not read are over the bound:
+ * then nothing more is read or run for the session until they drain. */
+int mokd_session_out_full(const mokd_session *s);
 /* Closes the fds a request came with and frees it. */
 void mokd_pending_free(mokd_pending *p);
 /* Queues a reply; fds are dup'ed (the caller keeps its own). */
 int mokd_send(mokd_session *s, Mokd__Response *resp, const int *fds, int nfds);
 void mokd_send_done(mokd_session *s, uint64_t id);
 void mokd_reply_error(mokd_session *s, uint64_t id, int code, const char *msg);
+/* Answers with an error, then closes the session once the answer is out. */
+void mokd_session_fail(mokd_session *s, uint64_t id, int code, const char *msg);
 
 /* dispatch.c: the table of request bodies */
 /* How many fds the request takes (0 when the body is unknown). */

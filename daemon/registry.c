@@ -13,14 +13,11 @@
 static const char *const quota_names[2] = {"session_quota_bytes", "session_gpu_quota_bytes"};
 
 void mokd_registry_init(mokd_registry *r, mokk_backend *b, uint64_t *next_id,
-                        uint64_t max_arena_bytes, uint64_t host_quota, uint64_t device_quota,
-                        mok_usage *session, mok_usage *daemon)
+                        const mokd_limits *lim, mok_usage *session, mok_usage *daemon)
 {
   memset(r, 0, sizeof *r);
   r->next_id = next_id;
-  r->max_arena_bytes = max_arena_bytes;
-  r->quota[MOKD_HOST] = host_quota;
-  r->quota[MOKD_DEVICE] = device_quota;
+  r->lim = *lim;
   r->usage[0] = session;
   r->usage[1] = daemon;
   mokd_registry_place(r, b);
@@ -40,7 +37,7 @@ void mokd_registry_clear(mokd_registry *r)
 
 int mokd_quota_take(mokd_registry *r, uint64_t bytes, int which, char *err)
 {
-  uint64_t q = r->quota[which], *held = &r->held[which];
+  uint64_t q = r->lim.quota[which], *held = &r->held[which];
   if (q > 0 && (*held + bytes > q || *held + bytes < *held))
     return mokk_fail(err, MOK_EDQUOT, "session would hold %llu bytes of %s memory; its quota "
                      "is %llu (%s)", (unsigned long long)(*held + bytes),
@@ -63,6 +60,7 @@ void mokd_quota_give(mokd_registry *r, uint64_t bytes, int which)
 
 static void account(mokd_registry *r, const mokd_arena *a, int sign)
 {
+  r->narenas += (uint64_t)(int64_t)sign;
   for (int i = 0; i < 2; i++)
     if (r->usage[i] != NULL) {
       r->usage[i]->arenas += (uint64_t)(int64_t)sign;
@@ -101,9 +99,25 @@ static int size_ok(const mokd_registry *r, size_t bytes, const char *what, char 
 {
   if (bytes == 0)
     return mokk_fail(err, MOK_EZEROSIZE, "%s size is 0", what);
-  if (bytes > r->max_arena_bytes)
+  if (bytes > r->lim.max_arena_bytes)
     return mokk_fail(err, MOK_EINVAL, "%s of %zu bytes is larger than max_arena_bytes (%llu)",
-                     what, bytes, (unsigned long long)r->max_arena_bytes);
+                     what, bytes, (unsigned long long)r->lim.max_arena_bytes);
+  return 0;
+}
+
+/* Every arena, whatever its kind, is one more mapping in the daemon. */
+static int count_ok(const mokd_registry *r, char *err)
+{
+  uint64_t all = r->usage[1] != NULL ? r->usage[1]->arenas : r->narenas;
+
+  if (r->lim.max_arenas > 0 && r->narenas >= r->lim.max_arenas)
+    return mokk_fail(err, MOK_EDQUOT, "session already holds %llu arenas (max_arenas), "
+                     "imported, created and of outputs together; destroy some first",
+                     (unsigned long long)r->narenas);
+  if (r->lim.daemon_max_arenas > 0 && all >= r->lim.daemon_max_arenas)
+    return mokk_fail(err, MOK_EDQUOT, "mokd holds %llu arenas for all sessions, the most "
+                     "its mappings allow (half of vm.max_map_count); try again later",
+                     (unsigned long long)all);
   return 0;
 }
 
@@ -114,7 +128,8 @@ int mokd_arena_new(mokd_registry *r, size_t bytes, mokd_arena_kind kind, mokd_ar
   mokk_buffer *buf;
   char why[MOK_ERRLEN];
 
-  if ((rc = size_ok(r, bytes, "arena", err)) || (rc = mokd_quota_take(r, bytes, which, err)))
+  if ((rc = size_ok(r, bytes, "arena", err)) || (rc = count_ok(r, err)) ||
+      (rc = mokd_quota_take(r, bytes, which, err)))
     return rc;
   if ((rc = mokk_buffer_alloc(r->backend, bytes, &buf, &fd, err))) {
     mokd_quota_give(r, bytes, which);
@@ -128,6 +143,8 @@ int mokd_arena_new(mokd_registry *r, size_t bytes, mokd_arena_kind kind, mokd_ar
     rc = mokk_fail(err, MOK_ENOMEM, "out of memory");
     goto fail;
   }
+  (*out)->charged = buf->bytes;
+  (*out)->which = which;
   return 0;
 
 fail:
@@ -142,19 +159,27 @@ int mokd_arena_import(mokd_registry *r, const mokk_import *src, mokd_arena **out
 {
   mokk_buffer *buf;
   char why[MOK_ERRLEN];
+  /* the GPU memory a client imports stays its own allocation: not charged */
+  uint64_t charge = src->kind == MOKK_IMPORT_HOST_FD ? src->bytes : 0;
   int rc;
 
   if (src->kind != MOKK_IMPORT_HOST_FD && r->device < 0)
     return mokk_fail(err, MOK_ENOTSUP, "this daemon runs the %s backend; it imports GPU "
                      "memory only on the cuda backend", mokk_backend_name(r->backend));
-  if ((rc = size_ok(r, src->bytes, "imported buffer", err)))
+  if ((rc = size_ok(r, src->bytes, "imported buffer", err)) || (rc = count_ok(r, err)) ||
+      (rc = mokd_quota_take(r, charge, MOKD_HOST, err)))
     return rc;
-  if ((rc = mokk_buffer_import(r->backend, src, &buf, err)))
+  if ((rc = mokk_buffer_import(r->backend, src, &buf, err))) {
+    mokd_quota_give(r, charge, MOKD_HOST);
     return rc;
+  }
   if ((*out = arena_link(r, buf, ARENA_IMPORTED, -1)) == NULL) {
+    mokd_quota_give(r, charge, MOKD_HOST);
     mokk_buffer_release(r->backend, buf, why);
     return mokk_fail(err, MOK_ENOMEM, "out of memory");
   }
+  (*out)->charged = charge;
+  (*out)->which = MOKD_HOST;
   return 0;
 }
 
@@ -176,8 +201,7 @@ void mokd_arena_free(mokd_registry *r, mokd_arena *a)
   if (*pp == a)
     *pp = a->next;
   account(r, a, -1);
-  if (a->kind != ARENA_IMPORTED)
-    mokd_quota_give(r, a->bytes, a->device >= 0 ? MOKD_DEVICE : MOKD_HOST);
+  mokd_quota_give(r, a->charged, a->which);
   if (a->fd >= 0)
     close(a->fd);
   if (mokk_buffer_release(r->backend, a->buf, err) != 0)
@@ -218,8 +242,10 @@ int mokd_out_alloc(mokd_registry *r, size_t len, mokd_arena **arena, mokd_span *
         if (a->free[i].len >= len && (best == NULL || a->free[i].len < best->free[besti].len))
           best = a, besti = i;
   if (best == NULL) {
-    if ((rc = mokd_arena_new(r, len > OUT_ARENA_MIN ? len : OUT_ARENA_MIN, ARENA_OUTPUT, &best,
-                             err)))
+    /* room for many steps' outputs, as far as max_arena_bytes allows */
+    size_t size = OUT_ARENA_MIN < r->lim.max_arena_bytes ? OUT_ARENA_MIN
+                                                         : (size_t)r->lim.max_arena_bytes;
+    if ((rc = mokd_arena_new(r, len > size ? len : size, ARENA_OUTPUT, &best, err)))
       return rc;
     besti = 0;
   }
@@ -259,6 +285,49 @@ void mokd_out_release(mokd_arena *a, mokd_span sp)
     a->nfree--;
   }
   /* output arenas stay until the session ends: the client keeps them mapped */
+}
+
+static int span_cmp(const void *a, const void *b)
+{
+  const mokd_span *x = a, *y = b;
+  return x->off < y->off ? -1 : x->off > y->off;
+}
+
+void mokd_out_release_many(mokd_arena *a, mokd_span *spans, size_t n)
+{
+  mokd_span *merged;
+  size_t i = 0, j = 0, m = 0, cap;
+
+  if (a == NULL || n == 0)
+    return;
+  cap = a->nfree + n;
+  merged = malloc(cap * sizeof *merged);
+  if (merged == NULL) {
+    for (size_t k = 0; k < n; k++)
+      mokd_out_release(a, spans[k]);
+    return;
+  }
+  qsort(spans, n, sizeof *spans, span_cmp);
+  /* one merge of two sorted lists, joining neighbours as they meet */
+  while (i < a->nfree || j < n) {
+    mokd_span next;
+    if (j == n || (i < a->nfree && a->free[i].off < spans[j].off)) {
+      next = a->free[i++];
+    } else {
+      next = spans[j++];
+      a->used -= next.len;
+    }
+    if (next.len == 0)
+      continue;
+    if (m > 0 && merged[m - 1].off + merged[m - 1].len == next.off)
+      merged[m - 1].len += next.len;
+    else
+      merged[m++] = next;
+  }
+  free(a->free);
+  a->free = merged;
+  a->nfree = m;
+  a->capfree = cap;
 }
 
 static size_t dtype_size(Mokd__DType d)

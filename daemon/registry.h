@@ -27,7 +27,9 @@ typedef struct mokd_arena {
   void *base;        /* buf's, for short */
   size_t bytes;
   int device;        /* CUDA ordinal; -1 = host memory */
-  int users;         /* contexts and results pointing into it */
+  int users;         /* forward contexts reading weights in it */
+  uint64_t charged;  /* bytes charged to the quota `which` */
+  int which;
   mokd_span *free;   /* output arenas: free ranges, sorted by offset */
   size_t nfree, capfree, used;
   struct mokd_arena *next;
@@ -35,20 +37,28 @@ typedef struct mokd_arena {
 
 enum { MOKD_HOST, MOKD_DEVICE }; /* the two quotas */
 
+typedef struct mokd_limits {
+  uint64_t max_arena_bytes;
+  uint64_t quota[2];          /* [MOKD_HOST], [MOKD_DEVICE]; 0 = no limit */
+  uint64_t max_arenas;        /* arenas of one session, of every kind; 0 = no limit */
+  /* arenas of all sessions together (each is a mapping of the daemon's, and
+   * vm.max_map_count bounds them all); 0 = no limit */
+  uint64_t daemon_max_arenas;
+} mokd_limits;
+
 typedef struct mokd_registry {
   mokk_backend *backend;   /* makes the memory of new arenas; steps run on it */
   int device;              /* the backend's device: CUDA ordinal, -1 = host */
   uint64_t *next_id;       /* ids come from the daemon's one counter */
-  uint64_t max_arena_bytes;
-  uint64_t quota[2];       /* [MOKD_HOST], [MOKD_DEVICE]; 0 = no limit */
+  mokd_limits lim;
   uint64_t held[2];
+  uint64_t narenas;
   mok_usage *usage[2];     /* counters kept up to date: the session's, the daemon's */
   mokd_arena *arenas;
 } mokd_registry;
 
 void mokd_registry_init(mokd_registry *r, mokk_backend *b, uint64_t *next_id,
-                        uint64_t max_arena_bytes, uint64_t host_quota, uint64_t device_quota,
-                        mok_usage *session, mok_usage *daemon);
+                        const mokd_limits *lim, mok_usage *session, mok_usage *daemon);
 /* The backend (and so the device) new arenas are made on. */
 void mokd_registry_place(mokd_registry *r, mokk_backend *b);
 /* Frees every arena. */
@@ -58,7 +68,9 @@ void mokd_registry_clear(mokd_registry *r);
  * device backend, a memfd on the CPU); its fd stays open until sent. */
 int mokd_arena_new(mokd_registry *r, size_t bytes, mokd_arena_kind kind, mokd_arena **out,
                    char *err);
-/* Client memory: a memfd on any backend, GPU memory on a device backend. */
+/* Client memory: a memfd on any backend, GPU memory on a device backend. A
+ * memfd is charged to the host quota: the daemon's mapping keeps its pages
+ * alive after the client lets go of them. */
 int mokd_arena_import(mokd_registry *r, const mokk_import *src, mokd_arena **out, char *err);
 mokd_arena *mokd_arena_find(const mokd_registry *r, uint64_t id);
 /* Device memory goes once the work queued before the call has run (the loop
@@ -71,6 +83,10 @@ void mokd_arena_free(mokd_registry *r, mokd_arena *a);
 int mokd_out_alloc(mokd_registry *r, size_t len, mokd_arena **arena, mokd_span *span,
                    char *err);
 void mokd_out_release(mokd_arena *a, mokd_span span);
+/* Gives back n blocks of one output arena at once, in O((n + free ranges)
+ * log n) where n single releases would cost O(n * free ranges); spans is
+ * reordered. */
+void mokd_out_release_many(mokd_arena *a, mokd_span *spans, size_t n);
 
 /* Validates a wire tensor against the registry's arenas. shape entries < 0
  * are free (and filled in); *ptr gets the mapped address, *arena (may be

@@ -12,32 +12,11 @@
 #include <unistd.h>
 
 #include "executor.h"
+#include "fdpass.h"
 #include "log.h"
 #include "mokd.h"
 #include "notify.h"
 #include "paths.h"
-
-static int parse_ids(const char *list, unsigned *out, int max, int *n, char *err,
-                     size_t errlen, const char *what)
-{
-  char buf[256], *tok, *save;
-  *n = 0;
-  snprintf(buf, sizeof buf, "%s", list);
-  for (tok = strtok_r(buf, ", ", &save); tok != NULL; tok = strtok_r(NULL, ", ", &save)) {
-    char *end;
-    unsigned long v = strtoul(tok, &end, 10);
-    if (*end != 0 || end == tok) {
-      snprintf(err, errlen, "%s: \"%s\" is not a number", what, tok);
-      return MOK_EINVAL;
-    }
-    if (*n == max) {
-      snprintf(err, errlen, "%s: at most %d entries", what, max);
-      return MOK_EINVAL;
-    }
-    out[(*n)++] = (unsigned)v;
-  }
-  return 0;
-}
 
 static int gid_allowed(const mokd_server *srv, gid_t gid)
 {
@@ -47,53 +26,143 @@ static int gid_allowed(const mokd_server *srv, gid_t gid)
   return 0;
 }
 
-/* SO_PEERCRED carries the primary gid only; the supplementary groups of the
- * peer come from /proc, read while it is connected */
-static int supplementary_allowed(const mokd_server *srv, pid_t pid)
+/* SO_PEERCRED carries the primary gid only; SO_PEERGROUPS the supplementary
+ * groups, as they were when the peer connected (not as /proc shows them
+ * now, which the peer may have changed, or another process may own). */
+static int supplementary_allowed(const mokd_server *srv, int fd)
 {
-  char path[64], line[1024];
-  FILE *f;
+  gid_t some[64], *g = some;
+  socklen_t len = sizeof some;
   int ok = 0;
 
-  snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
-  if ((f = fopen(path, "r")) == NULL)
-    return 0;
-  while (!ok && fgets(line, sizeof line, f) != NULL) {
-    char *p = line + 7, *end;
-    if (strncmp(line, "Groups:", 7) != 0)
-      continue;
-    for (unsigned long g = strtoul(p, &end, 10); end != p; g = strtoul(p, &end, 10)) {
-      ok |= gid_allowed(srv, (gid_t)g);
-      p = end;
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, g, &len) != 0) {
+    if (errno != ERANGE || (g = malloc(len)) == NULL ||
+        getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, g, &len) != 0) {
+      LOG_WARN(NET, "cannot read the groups of a peer (SO_PEERGROUPS): %s", strerror(errno));
+      if (g != some)
+        free(g);
+      return 0;
     }
   }
-  fclose(f);
+  for (size_t i = 0; i < len / sizeof *g && !ok; i++)
+    ok = gid_allowed(srv, g[i]);
+  if (g != some)
+    free(g);
   return ok;
 }
 
-static int peer_allowed(const mokd_server *srv, pid_t pid, uid_t uid, gid_t gid)
+static int peer_allowed(const mokd_server *srv, int fd, uid_t uid, gid_t gid)
 {
   if (uid == 0 || uid == geteuid() || gid_allowed(srv, gid))
     return 1;
   for (int i = 0; i < srv->nallow_uids; i++)
     if (srv->allow_uids[i] == uid)
       return 1;
-  return supplementary_allowed(srv, pid);
+  return supplementary_allowed(srv, fd);
 }
 
-static void refuse(int fd, const char *msg)
+/* ---- refused peers --------------------------------------------------------- */
+
+/* A refused peer is told why at once; its socket then stays open until the
+ * peer has sent something (its Hello) or hung up, or a second has passed.
+ * Closed at once, the peer's Hello would meet a closed socket, and it would
+ * see "Broken pipe" instead of the reason. A few at a time: the rest are
+ * closed at once. */
+#define REFUSED_MAX 64
+#define REFUSED_LINGER_NS 1000000000ull
+
+struct mokd_refused {
+  uv_poll_t poll;
+  mokd_server *srv;
+  int fd;
+  uint64_t since;
+  mokd_refused *next, *prev;
+};
+
+static void on_refused_closed(uv_handle_t *h)
 {
-  Mokd__Response r = MOKD__RESPONSE__INIT;
+  mokd_refused *r = h->data;
+  close(r->fd);
+  free(r);
+}
+
+static void refused_end(mokd_refused *r)
+{
+  mokd_server *srv = r->srv;
+  if (r->prev != NULL)
+    r->prev->next = r->next;
+  else
+    srv->refused = r->next;
+  if (r->next != NULL)
+    r->next->prev = r->prev;
+  if (--srv->nrefused == 0)
+    uv_timer_stop(&srv->refused_timer);
+  uv_close((uv_handle_t *)&r->poll, on_refused_closed);
+}
+
+/* It spoke or hung up: take what it sent (closing any fds), so that the
+ * close does not reset the connection before it reads the reason. */
+static void on_refused_poll(uv_poll_t *h, int status, int events)
+{
+  mokd_refused *r = h->data;
+  uint8_t sink[4096];
+  (void)status, (void)events;
+  for (int i = 0; i < 16; i++) {
+    int fds[MOKW_MAX_FDS], nfds = MOKW_MAX_FDS;
+    ssize_t n = mokw_recv(r->fd, sink, sizeof sink, MSG_DONTWAIT, fds, &nfds, NULL);
+    for (int k = 0; k < nfds; k++)
+      close(fds[k]);
+    if (n <= 0)
+      break;
+  }
+  refused_end(r);
+}
+
+static void on_refused_timer(uv_timer_t *t)
+{
+  mokd_server *srv = t->data;
+  uint64_t now = mokd_now_ns();
+  for (mokd_refused *r = srv->refused, *next; r != NULL; r = next) {
+    next = r->next;
+    if (now - r->since >= REFUSED_LINGER_NS)
+      refused_end(r);
+  }
+}
+
+static void refuse(mokd_server *srv, int fd, const char *msg)
+{
+  Mokd__Response resp = MOKD__RESPONSE__INIT;
+  mokd_refused *r;
   uint8_t *buf;
   size_t len;
-  r.status = MOK_EPERM;
-  r.message = (char *)msg;
-  if (mokw_pack(&r.base, &buf, &len) == 0) {
+
+  resp.status = MOK_EPERM;
+  resp.message = (char *)msg;
+  if (mokw_pack(&resp.base, &buf, &len) == 0) {
     if (send(fd, buf, len, MSG_NOSIGNAL | MSG_DONTWAIT) < 0)
       LOG_DEBUG(NET, "could not tell a refused peer why: %s", strerror(errno));
     free(buf);
   }
-  close(fd);
+  if (srv->nrefused >= REFUSED_MAX || srv->stopped || (r = calloc(1, sizeof *r)) == NULL) {
+    close(fd);
+    return;
+  }
+  if (uv_poll_init(srv->loop, &r->poll, fd) != 0) {
+    free(r);
+    close(fd);
+    return;
+  }
+  r->poll.data = r;
+  r->srv = srv;
+  r->fd = fd;
+  r->since = mokd_now_ns();
+  uv_poll_start(&r->poll, UV_READABLE | UV_DISCONNECT, on_refused_poll);
+  r->next = srv->refused;
+  if (srv->refused != NULL)
+    srv->refused->prev = r;
+  srv->refused = r;
+  if (srv->nrefused++ == 0)
+    uv_timer_start(&srv->refused_timer, on_refused_timer, 100, 100);
 }
 
 static void on_conn_pipe_closed(uv_handle_t *h)
@@ -101,47 +170,71 @@ static void on_conn_pipe_closed(uv_handle_t *h)
   free(h);
 }
 
+/* A connection that could not be taken: the client sees its socket closed,
+ * so the operator must see why. Once a second at most, with a count of the
+ * ones not logged, so that a flood of them does not flood the log too. */
+static void accept_failed(mokd_server *srv, const char *what, const char *why)
+{
+  uint64_t now = mokd_now_ns();
+
+  srv->accept_failures++;
+  if (srv->accept_logged_ns != 0 && now - srv->accept_logged_ns < 1000000000ull)
+    return;
+  LOG_WARN(NET, "cannot accept a connection: %s: %s (%llu failed since the last report; "
+           "%d sessions open; raise LimitNOFILE or lower max_sessions if it is the fd "
+           "limit)", what, why, (unsigned long long)srv->accept_failures, srv->nsessions);
+  srv->accept_logged_ns = now;
+  srv->accept_failures = 0;
+}
+
 static void on_connection(uv_stream_t *server, int status)
 {
   mokd_server *srv = server->data;
   uv_pipe_t *tmp;
   uv_os_fd_t ufd;
-  int fd;
+  int fd, rc;
   struct ucred cr = {0};
   socklen_t len = sizeof cr;
 
   if (status < 0) {
-    LOG_WARN(NET, "accept failed: %s", uv_strerror(status));
+    accept_failed(srv, "accept", uv_strerror(status));
     return;
   }
   tmp = malloc(sizeof *tmp);
-  if (tmp == NULL || uv_pipe_init(srv->loop, tmp, 0) != 0) {
+  if (tmp == NULL || (rc = uv_pipe_init(srv->loop, tmp, 0)) != 0) {
     free(tmp);
+    accept_failed(srv, "uv_pipe_init", tmp == NULL ? "out of memory" : uv_strerror(rc));
     return;
   }
   /* libuv accepts; the session then owns a dup of the fd and drives it with
    * recvmsg/sendmsg under a uv_poll_t, since fds ride on the frames */
-  if (uv_accept(server, (uv_stream_t *)tmp) != 0 || uv_fileno((uv_handle_t *)tmp, &ufd) != 0) {
+  if ((rc = uv_accept(server, (uv_stream_t *)tmp)) != 0 ||
+      (rc = uv_fileno((uv_handle_t *)tmp, &ufd)) != 0) {
     uv_close((uv_handle_t *)tmp, on_conn_pipe_closed);
+    accept_failed(srv, "accept", uv_strerror(rc));
     return;
   }
   fd = fcntl(ufd, F_DUPFD_CLOEXEC, 0);
+  if (fd < 0)
+    accept_failed(srv, "dup of the accepted socket", strerror(errno));
   uv_close((uv_handle_t *)tmp, on_conn_pipe_closed);
   if (fd < 0)
     return;
   fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
   getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &len);
-  if (!peer_allowed(srv, cr.pid, cr.uid, cr.gid)) {
+  if (!peer_allowed(srv, fd, cr.uid, cr.gid)) {
     LOG_WARN(NET, "refused pid %d uid %u gid %u: not in the allow-list", (int)cr.pid,
              (unsigned)cr.uid, (unsigned)cr.gid);
-    refuse(fd, "this uid/gid may not use mokd (allow_uids, allow_gids)");
+    refuse(srv, fd, "this uid/gid may not use mokd (allow_uids, allow_gids)");
     return;
   }
   if (srv->draining || srv->nsessions >= srv->cfg.max_sessions) {
-    refuse(fd, srv->draining ? "mokd is shutting down" : "too many sessions (max_sessions)");
+    refuse(srv, fd, srv->draining ? "mokd is shutting down"
+                                  : "too many sessions (max_sessions)");
     return;
   }
   if (mokd_session_new(srv, fd) == NULL) {
+    accept_failed(srv, "new session", "out of memory");
     close(fd);
     return;
   }
@@ -203,6 +296,56 @@ static void on_watchdog(uv_timer_t *t)
   mokd_notify("WATCHDOG=1");
 }
 
+/* Connections that never say Hello would hold their session slots forever:
+ * max_sessions of them lock everyone out. */
+static void on_hello_timer(uv_timer_t *t)
+{
+  mokd_server *srv = t->data;
+  uint64_t now = mokd_now_ns(), limit = (uint64_t)srv->cfg.hello_timeout_ms * 1000000ull;
+  mokd_session *s, *next;
+
+  for (s = srv->sessions; s != NULL; s = next) {
+    next = s->next;
+    if (!s->hello_done && !s->closing && now - s->born_ns >= limit) {
+      char msg[128];
+      LOG_INFO(SESS, "session %llu (pid %d uid %u): no Hello within %lld ms; closing",
+               (unsigned long long)s->id, (int)s->pid, (unsigned)s->uid,
+               (long long)srv->cfg.hello_timeout_ms);
+      snprintf(msg, sizeof msg, "no Hello within %lld ms (hello_timeout_ms); closing the "
+               "connection", (long long)srv->cfg.hello_timeout_ms);
+      mokd_session_fail(s, 0, MOK_EPROTO, msg);
+    }
+  }
+}
+
+static void start_hello_timer(mokd_server *srv)
+{
+  uint64_t period = (uint64_t)srv->cfg.hello_timeout_ms / 4;
+
+  if (srv->cfg.hello_timeout_ms == 0)
+    return;
+  /* checked every quarter of the timeout, between 10 ms and 1 s */
+  period = period < 10 ? 10 : period > 1000 ? 1000 : period;
+  uv_timer_init(srv->loop, &srv->hello_timer);
+  srv->hello_timer.data = srv;
+  uv_timer_start(&srv->hello_timer, on_hello_timer, period, period);
+  srv->hello_timer_on = 1;
+}
+
+/* Each arena is a mapping of the daemon's: past vm.max_map_count mmap fails
+ * for everyone. Half of it goes to arenas, the rest to the daemon itself. */
+static uint64_t max_maps(void)
+{
+  FILE *f = fopen("/proc/sys/vm/max_map_count", "r");
+  unsigned long long n = 65530; /* the kernel's default */
+  if (f != NULL) {
+    if (fscanf(f, "%llu", &n) != 1)
+      n = 65530;
+    fclose(f);
+  }
+  return n / 2;
+}
+
 int mokd_server_start(mokd_server *srv, char *err, size_t errlen)
 {
   const char *path = srv->cfg.socket;
@@ -210,13 +353,15 @@ int mokd_server_start(mokd_server *srv, char *err, size_t errlen)
   struct stat st;
   int rc;
 
-  if (parse_ids(srv->cfg.allow_uids, (unsigned *)srv->allow_uids, 32, &srv->nallow_uids, err,
-                errlen, "allow_uids") ||
-      parse_ids(srv->cfg.allow_gids, (unsigned *)srv->allow_gids, 32, &srv->nallow_gids, err,
-                errlen, "allow_gids"))
+  /* the lists were checked with the rest of the configuration */
+  if (mokd_config_ids(srv->cfg.allow_uids, (unsigned *)srv->allow_uids, MOKD_MAX_IDS,
+                      &srv->nallow_uids, err, errlen) ||
+      mokd_config_ids(srv->cfg.allow_gids, (unsigned *)srv->allow_gids, MOKD_MAX_IDS,
+                      &srv->nallow_gids, err, errlen))
     return MOK_EINVAL;
   if ((rc = mok_socket_dir_check(path, err, errlen)) != 0)
     return rc;
+  srv->max_maps = max_maps();
   if ((rc = clear_stale(path, err, errlen)))
     return rc;
   if ((rc = uv_pipe_init(srv->loop, &srv->listener, 0)) != 0) {
@@ -247,6 +392,10 @@ int mokd_server_start(mokd_server *srv, char *err, size_t errlen)
   uv_signal_start(&srv->sig_term, on_signal, SIGTERM);
   uv_signal_start(&srv->sig_int, on_signal, SIGINT);
   uv_signal_start(&srv->sig_hup, on_signal, SIGHUP);
+  start_hello_timer(srv);
+  uv_timer_init(srv->loop, &srv->refused_timer);
+  srv->refused_timer.data = srv;
+  srv->refused_timer_on = 1;
   uint64_t wd = mokd_notify_watchdog_usec();
   if (wd > 0) {
     uv_timer_init(srv->loop, &srv->watchdog);
@@ -328,6 +477,12 @@ void mokd_server_maybe_stop(mokd_server *srv)
   uv_close((uv_handle_t *)&srv->sig_hup, NULL);
   if (srv->watchdog_on)
     uv_close((uv_handle_t *)&srv->watchdog, NULL);
+  if (srv->hello_timer_on)
+    uv_close((uv_handle_t *)&srv->hello_timer, NULL);
+  while (srv->refused != NULL)
+    refused_end(srv->refused);
+  if (srv->refused_timer_on)
+    uv_close((uv_handle_t *)&srv->refused_timer, NULL);
   if (srv->reaper_on)
     uv_close((uv_handle_t *)&srv->reaper, NULL);
   srv->reaper_on = 0;

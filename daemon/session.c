@@ -58,7 +58,7 @@ int mokd_h_hello(mokd_session *s, const Mokd__Request *q, const int *fds, int nf
                      h->protocol_version, MOK_PROTOCOL_VERSION);
   if ((rc = place(s, h->device - 1, err))) /* the wire: ordinal + 1, 0 = any */
     return rc;
-  snprintf(s->name, sizeof s->name, "%s", h->client_name != NULL ? h->client_name : "");
+  mokd_log_escape(h->client_name != NULL ? h->client_name : "", 63, s->name);
   s->hello_done = 1;
   LOG_INFO(SESS, "session %llu: hello from \"%s\" (pid %d uid %u gid %u)",
            (unsigned long long)s->id, s->name, (int)s->pid, (unsigned)s->uid,

@@ -5,6 +5,7 @@
  * that names the outputs. Release frees contexts and results. On a device
  * backend the reply leaves while the device still works: it carries the done
  * event, and a status word for the errors only the device can see. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -42,10 +43,7 @@ struct mokd_step {
 
 static mokd_result *result_find(mokd_session *s, uint64_t id)
 {
-  for (mokd_result *r = s->results; r != NULL; r = r->next)
-    if (r->id == id)
-      return r;
-  return NULL;
+  return mokd_idmap_get(&s->result_ids, id);
 }
 
 static mokd_result *result_new(mokd_session *s, int is_context)
@@ -54,8 +52,14 @@ static mokd_result *result_new(mokd_session *s, int is_context)
   if (r == NULL)
     return NULL;
   r->id = ++s->srv->next_id;
+  if (mokd_idmap_put(&s->result_ids, r->id, r) != 0) {
+    free(r);
+    return NULL;
+  }
   r->is_context = is_context;
   r->next = s->results;
+  if (s->results != NULL)
+    s->results->prev = r;
   s->results = r;
   if (is_context)
     s->usage.contexts++, s->srv->usage.contexts++;
@@ -64,26 +68,54 @@ static mokd_result *result_new(mokd_session *s, int is_context)
   return r;
 }
 
+/* Sets what the context r is charged (quota, and the usage Stats shows) to
+ * bytes; more than before may be refused by the quota. */
+static int ctx_charge(mokd_session *s, mokd_result *r, uint64_t bytes, char *err)
+{
+  int which = s->device >= 0 ? MOKD_DEVICE : MOKD_HOST, rc;
+
+  if (bytes > r->ctx_bytes &&
+      (rc = mokd_quota_take(&s->reg, bytes - r->ctx_bytes, which, err)) != 0)
+    return rc;
+  if (bytes < r->ctx_bytes)
+    mokd_quota_give(&s->reg, r->ctx_bytes - bytes, which);
+  s->usage.context_bytes += bytes - r->ctx_bytes;
+  s->srv->usage.context_bytes += bytes - r->ctx_bytes;
+  r->ctx_bytes = bytes;
+  return 0;
+}
+
 void mokd_result_free(mokd_session *s, mokd_result *r)
 {
-  mokd_result **pp = &s->results;
-  while (*pp != NULL && *pp != r)
-    pp = &(*pp)->next;
-  if (*pp == r)
-    *pp = r->next;
+  if (r->prev != NULL)
+    r->prev->next = r->next;
+  else
+    s->results = r->next;
+  if (r->next != NULL)
+    r->next->prev = r->prev;
+  mokd_idmap_del(&s->result_ids, r->id);
   if (r->ctx != NULL)
     mokk_ctx_free(s->backend, r->ctx);
   for (int i = 0; i < r->npinned; i++)
     r->pinned[i]->users--;
-  mokd_quota_give(&s->reg, r->ctx_bytes, s->device >= 0 ? MOKD_DEVICE : MOKD_HOST);
-  if (r->is_context) {
+  ctx_charge(s, r, 0, NULL);
+  if (r->is_context)
     s->usage.contexts--, s->srv->usage.contexts--;
-    s->usage.context_bytes -= r->ctx_bytes, s->srv->usage.context_bytes -= r->ctx_bytes;
-  } else {
+  else
     s->usage.results--, s->srv->usage.results--;
-  }
   mokd_out_release(r->out_arena, r->out);
   free(r);
+}
+
+/* The context reads the weights in a until the backward: a stays. Each arena
+ * counts a context once, however many of its weights lie there. */
+static void pin(mokd_result *r, mokd_arena *a)
+{
+  for (int i = 0; i < r->npinned; i++)
+    if (r->pinned[i] == a)
+      return;
+  r->pinned[r->npinned++] = a;
+  a->users++;
 }
 
 /* Output tensors of one request, laid out in one block: sizes in, offsets out. */
@@ -242,14 +274,8 @@ static void step_done(mokd_work *w)
 
   s->busy = NULL;
   if (rc == 0 && !j->backward && j->ctx != NULL) {
-    r->ctx = j->ctx;
-    r->ctx_bytes = mokk_ctx_bytes(s->backend, j->ctx);
-    rc = mokd_quota_take(&s->reg, r->ctx_bytes, s->device >= 0 ? MOKD_DEVICE : MOKD_HOST,
-                         j->err);
-    if (rc != 0)
-      r->ctx_bytes = 0;
-    else
-      s->usage.context_bytes += r->ctx_bytes, s->srv->usage.context_bytes += r->ctx_bytes;
+    r->ctx = j->ctx; /* from the bound charged before the step to what it holds */
+    rc = ctx_charge(s, r, mokk_ctx_bytes(s->backend, j->ctx), j->err);
   }
   if (j->backward)
     s->usage.backwards++, s->srv->usage.backwards++;
@@ -325,6 +351,7 @@ int mokd_h_forward(mokd_session *s, const Mokd__Request *q, const int *fds, int 
   j->want_ctx = !f->inference;
   j->fr.x = px, j->fr.topk_ids = pi, j->fr.topk_weights = pw;
   r->layer = l->id;
+  r->mode = l->mode;
   r->T = dx[0];
   if ((rc = mokd_weights_resolve(s, l, j->fr.w, warenas, err)))
     goto fail;
@@ -340,12 +367,18 @@ int mokd_h_forward(mokd_session *s, const Mokd__Request *q, const int *fds, int 
   }
   if ((rc = status_slot(s, j, r, off[1], err)))
     goto fail;
+  /* the context is charged before the step allocates it */
+  if (j->want_ctx && (rc = ctx_charge(s, r, mokk_ctx_bytes_bound(&l->shape, j->T), err))) {
+    char why[MOK_ERRLEN];
+    snprintf(why, sizeof why, "%s", err);
+    rc = mokk_fail(err, rc, "the forward context of this step (up to %llu bytes) does not "
+                   "fit: %s", (unsigned long long)mokk_ctx_bytes_bound(&l->shape, j->T), why);
+    goto fail;
+  }
   set_ready(j, &f->ready_event);
   if (j->want_ctx)
-    for (int i = 0; i < mokd_weight_count(&l->shape); i++) {
-      r->pinned[r->npinned++] = warenas[i];
-      warenas[i]->users++;
-    }
+    for (int i = 0; i < mokd_weight_count(&l->shape); i++)
+      pin(r, warenas[i]);
   step_queue(s, j);
   return 0;
 
@@ -380,8 +413,7 @@ int mokd_h_backward(mokd_session *s, const Mokd__Request *q, const int *fds, int
     return rc;
   if ((rc = check_ready(s, &b->ready_event, err)))
     return rc;
-  mokd_layer *l = mokd_layer_find(s, c->layer);
-  mokk_grad_mode mode = l != NULL ? l->mode : MOKK_GRAD_BF16;
+  mokk_grad_mode mode = c->mode;
   if (mode == MOKK_GRAD_FP32_ACCUM && (int)b->n_grads != nw)
     return mokk_fail(err, MOK_EINVAL, "the layer accumulates fp32 gradients: Backward "
                      "needs %d gradient buffers, got %zu", nw, b->n_grads);
@@ -451,6 +483,44 @@ fail:
   return rc;
 }
 
+typedef struct out_block {
+  mokd_arena *arena;
+  mokd_span span;
+} out_block;
+
+static int block_cmp(const void *a, const void *b)
+{
+  const out_block *x = a, *y = b;
+  return x->arena->id < y->arena->id ? -1 : x->arena->id > y->arena->id;
+}
+
+/* Frees the results named (all live, none twice); their output blocks go
+ * back to each arena in one merge. */
+static void release_all(mokd_session *s, const uint64_t *ids, size_t n)
+{
+  out_block *blk = malloc(n * sizeof *blk);
+  mokd_span *spans = malloc(n * sizeof *spans);
+  size_t nb = 0;
+
+  for (size_t i = 0; i < n; i++) {
+    mokd_result *r = result_find(s, ids[i]);
+    if (blk != NULL && spans != NULL && r->out_arena != NULL) {
+      blk[nb++] = (out_block){r->out_arena, r->out};
+      r->out_arena = NULL;
+    }
+    mokd_result_free(s, r);
+  }
+  if (nb > 0) /* blk may be NULL when memory ran short: each block went back alone */
+    qsort(blk, nb, sizeof *blk, block_cmp);
+  for (size_t i = 0, j; i < nb; i = j) {
+    for (j = i; j < nb && blk[j].arena == blk[i].arena; j++)
+      spans[j - i] = blk[j].span;
+    mokd_out_release_many(blk[i].arena, spans, j - i);
+  }
+  free(blk);
+  free(spans);
+}
+
 int mokd_h_release(mokd_session *s, const Mokd__Request *q, const int *fds, int nfds,
                    char *err)
 {
@@ -459,17 +529,19 @@ int mokd_h_release(mokd_session *s, const Mokd__Request *q, const int *fds, int 
   Mokd__Released done = MOKD__RELEASED__INIT;
 
   (void)fds, (void)nfds;
+  /* all or nothing, in O(n): each id is looked up once and marked */
+  uint64_t mark = ++s->release_marks;
   for (size_t i = 0; i < rl->n_ids; i++) {
-    if (result_find(s, rl->ids[i]) == NULL)
+    mokd_result *res = result_find(s, rl->ids[i]);
+    if (res == NULL)
       return mokk_fail(err, MOK_ECONTEXT, "id %llu is not a live context or result of this "
                        "session; nothing was released", (unsigned long long)rl->ids[i]);
-    for (size_t k = 0; k < i; k++)
-      if (rl->ids[k] == rl->ids[i])
-        return mokk_fail(err, MOK_EINVAL, "id %llu is named twice; nothing was released",
-                         (unsigned long long)rl->ids[i]);
+    if (res->mark == mark)
+      return mokk_fail(err, MOK_EINVAL, "id %llu is named twice; nothing was released",
+                       (unsigned long long)rl->ids[i]);
+    res->mark = mark;
   }
-  for (size_t i = 0; i < rl->n_ids; i++)
-    mokd_result_free(s, result_find(s, rl->ids[i]));
+  release_all(s, rl->ids, rl->n_ids);
   done.count = (uint32_t)rl->n_ids;
   r.id = q->id;
   r.body_case = MOKD__RESPONSE__BODY_RELEASED;

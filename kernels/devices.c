@@ -2,11 +2,26 @@
 #include "devices.h"
 
 #ifdef MOKK_HAVE_CUDA
+#include <dlfcn.h>
+
 #include "cuda/cuda_backend.h"
 
 int mokk_gpu_count(char *err)
 {
-  return mokk_cuda_devices(err);
+  int n = mokk_cuda_devices(err);
+  void *driver;
+
+  if (n > 0)
+    return n;
+  /* without the driver the static runtime reports cudaErrorInsufficientDriver,
+   * "CUDA driver version is insufficient", as if an old one were there */
+  if ((driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL)) == NULL) {
+    mokk_fail(err, MOK_EDEVICE, "no NVIDIA driver is installed (libcuda.so.1 "
+              "cannot be loaded): this machine has no GPU that mokd can use");
+    return n;
+  }
+  dlclose(driver);
+  return n;
 }
 
 int mokk_gpu_open(int ordinal, mokk_backend **out, char *err)

@@ -100,6 +100,19 @@ int64_t mokk_weight_elems(const mokk_shape *s, int which)
   return 0;
 }
 
+uint64_t mokk_ctx_bytes_bound(const mokk_shape *s, int64_t T)
+{
+  typedef unsigned __int128 u128;
+  /* the layouts of cpu_moe.c and cuda_moe.cu: bf16 x, h, y and fp32 g, u per
+   * pair with at most 28 bytes of its routing; bf16 x, h, ys and fp32 gs, us
+   * per token; int64 plan arrays per expert; 256-byte alignment slop */
+  u128 tokens = (uint64_t)(s->P * T), pairs = tokens * (uint64_t)s->K;
+  u128 b = pairs * (uint64_t)(4 * s->H + 10 * s->I + 28) +
+           tokens * (uint64_t)(4 * s->H + 10 * s->I_s) +
+           (u128)(uint64_t)((3 + s->P) * s->E + 2 * s->P + 2) * 8 + 16 * 256;
+  return b > UINT64_MAX ? UINT64_MAX : (uint64_t)b;
+}
+
 static const char *const weight_names[MOKK_NWEIGHTS] = {
     "w_gate", "w_up", "w_down", "s_gate", "s_up", "s_down"};
 
@@ -222,11 +235,13 @@ int mokk_plan_build(mokk_plan *plan, const mokk_shape *s, int64_t T,
                      (long long)pairs);
   }
 
-  /* counts per (source rank, expert); the same exchange a real dispatch makes */
+  /* counts per (source rank, expert); the same exchange a real dispatch makes.
+   * Each id is read once, into slot[]: the ids may lie in memory a client
+   * shares and writes, and the id that was checked must be the one placed. */
   for (int64_t r = 0; r < P; r++) {
     const int32_t *ids = topk_ids[r];
     for (int64_t i = 0; i < T * K; i++) {
-      int32_t e = ids[i];
+      int32_t e = ((const volatile int32_t *)ids)[i];
       if (e < 0 || e >= E) {
         free(cursor);
         mokk_plan_free(plan);
@@ -236,6 +251,7 @@ int mokk_plan_build(mokk_plan *plan, const mokk_shape *s, int64_t T,
                          (long long)E);
       }
       plan->count[r * E + e]++;
+      plan->slot[r * T * K + i] = e;
     }
   }
   for (int64_t e = 0; e < E; e++)
@@ -257,9 +273,8 @@ int mokk_plan_build(mokk_plan *plan, const mokk_shape *s, int64_t T,
   for (int64_t e = 0; e < E; e++)
     cursor[e] = plan->seg_start[e];
   for (int64_t r = 0; r < P; r++) {
-    const int32_t *ids = topk_ids[r];
     for (int64_t i = 0; i < T * K; i++) {
-      int64_t e = ids[i], owner = e / El, row = cursor[e]++;
+      int64_t e = plan->slot[r * T * K + i], owner = e / El, row = cursor[e]++;
       plan->slot[r * T * K + i] = row;
       plan->src[plan->recv_base[owner] + row] = r * T * K + i;
     }

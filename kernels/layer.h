@@ -79,6 +79,13 @@ typedef struct mokk_plan {
 int mokk_shape_check(const mokk_shape *s, char *err);
 int64_t mokk_weight_elems(const mokk_shape *s, int which);
 
+/* At least the bytes any backend's forward context holds for a step of T
+ * tokens per rank: per routed pair its x, g, u, h and y rows and its
+ * routing, per token the shared expert's rows, and the plan's per-expert
+ * arrays. Known before the step, so that a quota can refuse a context
+ * before any of it is allocated. UINT64_MAX when it overflows. */
+uint64_t mokk_ctx_bytes_bound(const mokk_shape *s, int64_t T);
+
 /* Checks shapes, pointers and expert ids of a forward step over s->P ranks. */
 int mokk_fwd_check(const mokk_shape *s, int64_t T, const mokk_fwd_rank *ranks,
                    char *err);

@@ -138,12 +138,3 @@ int mokw_find_unknown_field(const ProtobufCMessage *msg, uint32_t *number)
   }
   return 0;
 }
-
-uint32_t mokw_unknown_field(const ProtobufCMessage *msg)
-{
-  uint32_t number;
-
-  if (!mokw_find_unknown_field(msg, &number))
-    return 0;
-  return number == 0 ? MOKW_FIELD_NUMBER_ZERO : number;
-}

@@ -41,11 +41,5 @@ int mokw_pack(const ProtobufCMessage *msg, uint8_t **out, size_t *len);
  * or 0 when there is none. protobuf-c keeps a field numbered 0 (sent as the
  * two-byte key 0x80 0x00) as an unknown field, so 0 is a number like any other. */
 int mokw_find_unknown_field(const ProtobufCMessage *msg, uint32_t *number);
-/* No field can have this number (they stop at 2^29 - 1). */
-#define MOKW_FIELD_NUMBER_ZERO UINT32_MAX
-/* The first unknown field's number, MOKW_FIELD_NUMBER_ZERO for field 0, or 0
- * when there is none: the older form, until the daemon's request check moves
- * to mokw_find_unknown_field. */
-uint32_t mokw_unknown_field(const ProtobufCMessage *msg);
 
 #endif

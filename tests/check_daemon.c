@@ -1,7 +1,8 @@
 /* check_daemon.c - mokd end to end: each test runs a daemon on a temporary
  * socket (daemon_fixture.c) and drives it through libmok and through raw
  * frames. The suites: steps (check_daemon_steps.c), the wire
- * (check_daemon_wire.c), the service (check_daemon_service.c). */
+ * (check_daemon_wire.c), the service (check_daemon_service.c), the limits
+ * one client meets (check_daemon_limits.c). */
 #include <signal.h>
 #include <stdlib.h>
 
@@ -14,6 +15,7 @@ int main(void)
   signal(SIGPIPE, SIG_IGN);
   srunner_add_suite(sr, daemon_wire_suite());
   srunner_add_suite(sr, daemon_service_suite());
+  srunner_add_suite(sr, daemon_limits_suite());
   srunner_run_all(sr, CK_NORMAL);
   failed = srunner_ntests_failed(sr);
   srunner_free(sr);

@@ -1,8 +1,10 @@
 /* check_daemon_service.c - mokd as a service: drain on SIGTERM, one daemon
  * per socket, a bad config stops start-up, the allow-list, sd_notify and the
  * watchdog, and mokctl next to it. */
+#include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <grp.h>
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
@@ -104,6 +106,45 @@ START_TEST(config_error_stops_startup)
 }
 END_TEST
 
+/* On a machine without the NVIDIA driver, the CUDA runtime says the driver
+ * is "insufficient": mokd says there is none. */
+START_TEST(no_driver_is_named)
+{
+  char cmd[512], out[4096] = "";
+  snprintf(cmd, sizeof cmd, "%s --config /dev/null --backend cuda --socket %s/x.sock 2>&1",
+           mokd_bin(), dir);
+#ifdef MOKK_HAVE_CUDA
+  void *driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (driver != NULL) { /* a driver is here: nothing to show */
+    dlclose(driver);
+    return;
+  }
+  FILE *pp = popen(cmd, "r");
+  size_t n = fread(out, 1, sizeof out - 1, pp);
+  int st = pclose(pp);
+  out[n] = 0;
+  ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 1, "status %d: %s", st, out);
+  ck_assert_msg(strstr(out, "no usable CUDA device: no NVIDIA driver is installed "
+                            "(libcuda.so.1 cannot be loaded)") != NULL, "%s", out);
+  ck_assert_msg(strstr(out, "insufficient") == NULL, "%s", out);
+  /* and backend auto, as the fixture's daemon runs, says it on its way to cpu */
+  FILE *f = fopen(logpath, "r");
+  n = fread(out, 1, sizeof out - 1, f);
+  fclose(f);
+  out[n] = 0;
+  ck_assert_msg(strstr(out, "backend auto: no usable CUDA device (no NVIDIA driver is "
+                            "installed") != NULL, "%s", out);
+#else
+  FILE *pp = popen(cmd, "r");
+  size_t n = fread(out, 1, sizeof out - 1, pp);
+  int st = pclose(pp);
+  out[n] = 0;
+  ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 2, "status %d: %s", st, out);
+  ck_assert_msg(strstr(out, "not available in this build") != NULL, "%s", out);
+#endif
+}
+END_TEST
+
 /* libuv reports a missing socket directory as "permission denied" */
 START_TEST(missing_socket_directory_is_named)
 {
@@ -125,20 +166,83 @@ END_TEST
 
 START_TEST(other_uid_is_refused)
 {
-  /* only root can become another uid; CI runs as root */
+  /* only root can become another uid; CI runs as root. The file modes let
+   * the peer reach the socket: it is the daemon that must refuse it */
+  ck_assert_int_eq(chmod(dir, 0755), 0);
+  ck_assert_int_eq(chmod(sock, 0666), 0);
   pid_t child = fork();
   if (child == 0) {
-    if (setgid(65534) != 0 || setuid(65534) != 0)
+    if (setgroups(0, NULL) != 0 || setgid(65534) != 0 || setuid(65534) != 0)
       _exit(3);
     mok_client *c;
     int rc = mok_connect(sock, "intruder", &c);
-    int ok = rc == MOK_EPERM || rc == MOK_ENOENT || rc == MOK_EIO;
+    /* the reason, not a closed socket */
+    int ok = rc == MOK_EPERM && strstr(mok_last_error(c), "may not use mokd") != NULL;
     mok_close(c);
     _exit(ok ? 0 : 4);
   }
   int st;
   waitpid(child, &st, 0);
   ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 0, "child status %d", st);
+}
+END_TEST
+
+/* The supplementary groups that count are the ones the peer connected with
+ * (SO_PEERGROUPS), not what /proc shows when the daemon looks: here the
+ * daemon is stopped while the peer, uid 65534 in group 4242, connects and
+ * then leaves the group; the daemon must still let it in. */
+START_TEST(supplementary_group_at_connect_counts)
+{
+  char path[128], log2[128];
+  snprintf(path, sizeof path, "%s/groups.sock", dir);
+  snprintf(log2, sizeof log2, "%s/groups.log", dir);
+  ck_assert_int_eq(chmod(dir, 0755), 0);
+  pid_t d = spawn_daemon(path, "--allow-gids=4242", log2);
+  wait_for_socket(path, d);
+  ck_assert_int_eq(chown(path, 0, 4242), 0);
+  int go[2], ready[2];
+  ck_assert_int_eq(pipe(go), 0);
+  ck_assert_int_eq(pipe(ready), 0);
+  usleep(100000); /* the probe of wait_for_socket is gone */
+  ck_assert_int_eq(kill(d, SIGSTOP), 0);
+  pid_t child = fork();
+  if (child == 0) {
+    gid_t g = 4242;
+    char c;
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    if (setgroups(1, &g) != 0 || setegid(65534) != 0 || seteuid(65534) != 0)
+      _exit(3);
+    strcpy(sa.sun_path, path);
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    if (connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0)
+      _exit(4);
+    /* out of the group, as /proc will show it, before the daemon looks */
+    if (seteuid(0) != 0 || setgroups(0, NULL) != 0 || seteuid(65534) != 0)
+      _exit(5);
+    if (write(ready[1], "r", 1) != 1 || read(go[0], &c, 1) != 1)
+      _exit(6);
+    Mokd__Request req = MOKD__REQUEST__INIT;
+    Mokd__Hello h = MOKD__HELLO__INIT;
+    uint8_t *buf;
+    size_t len;
+    h.protocol_version = MOK_PROTOCOL_VERSION;
+    req.id = 1, req.body_case = MOKD__REQUEST__BODY_HELLO, req.hello = &h;
+    if (mokw_pack(&req.base, &buf, &len) != 0 || send(fd, buf, len, MSG_NOSIGNAL) != (ssize_t)len)
+      _exit(7);
+    Mokd__Response *r = raw_reply(fd);
+    _exit(r != NULL && r->status == 0 && r->body_case == MOKD__RESPONSE__BODY_WELCOME ? 0 : 8);
+  }
+  char c;
+  ck_assert_int_eq(read(ready[0], &c, 1), 1);
+  ck_assert_int_eq(kill(d, SIGCONT), 0);
+  ck_assert_int_eq(write(go[1], "g", 1), 1);
+  int st;
+  ck_assert_int_eq(waitpid(child, &st, 0), child);
+  ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 0, "peer in group 4242 at connect: status "
+                "%d (8: not welcomed)", WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+  st = stop_daemon(d);
+  ck_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+  unlink(log2);
 }
 END_TEST
 
@@ -298,6 +402,7 @@ Suite *daemon_service_suite(void)
   tcase_add_test(tc, second_daemon_and_stale_socket);
   tcase_add_test(tc, config_error_stops_startup);
   tcase_add_test(tc, missing_socket_directory_is_named);
+  tcase_add_test(tc, no_driver_is_named);
   suite_add_tcase(s, tc);
   tc = tcase_create("mokctl");
   tcase_add_checked_fixture(tc, setup, teardown);
@@ -314,6 +419,7 @@ Suite *daemon_service_suite(void)
     tc = tcase_create("access");
     tcase_add_checked_fixture(tc, setup, teardown);
     tcase_add_test(tc, other_uid_is_refused);
+    tcase_add_test(tc, supplementary_group_at_connect_counts);
     suite_add_tcase(s, tc);
   } else {
     fprintf(stderr, "check_daemon: not root: the allow-list test (another uid) is not run\n");

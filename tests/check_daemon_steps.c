@@ -6,6 +6,7 @@
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -107,6 +108,37 @@ START_TEST(forward_backward_equal_engine)
   const float *g = mok_tensor_ptr(c, &t2.g32[MOK_W_DOWN]);
   for (size_t i = 0; i < mok_tensor_bytes(&t2.g32[MOK_W_DOWN]) / 4; i++)
     ck_assert(g[i] == e.g32[MOK_W_DOWN][i] + e.g32[MOK_W_DOWN][i]);
+  engine_free(&e);
+  mok_close(c);
+}
+END_TEST
+
+/* A context keeps its layer's gradient mode: destroying the layer must not
+ * turn an fp32-accumulating backward into a bf16 one. */
+START_TEST(context_keeps_its_gradient_mode)
+{
+  mok_client *c = connect_ok();
+  mok_layer_desc d = {.hidden = 64, .intermediate = 32, .experts = 4, .top_k = 2,
+                      .grad_mode = MOK_GRAD_FP32_ACCUM};
+  mok_testbed tb;
+  mok_forward_result f;
+  mok_backward_result b;
+  engine_out e;
+
+  ck_assert_int_eq(mok_testbed_setup(c, &d, 16, 6, &tb), 0);
+  engine_run(c, &tb, 1, MOKK_GRAD_FP32_ACCUM, &e);
+  ck_assert_int_eq(mok_forward(c, tb.layer, &tb.x, &tb.ids, &tb.tw, 0, &f), 0);
+  ck_assert_int_eq(mok_layer_destroy(c, tb.layer), 0);
+  ck_assert_msg(mok_backward(c, f.context, &tb.d_out, tb.g32, 3, &b) == 0, "%s",
+                mok_last_error(c));
+  ck_assert_int_eq(b.ngrads, 0);
+  for (int w = 0; w < 3; w++)
+    ck_assert(memcmp(mok_tensor_ptr(c, &tb.g32[w]), e.g32[w], mok_tensor_bytes(&tb.g32[w])) ==
+              0);
+  /* and still no bf16 gradients come back without buffers */
+  ck_assert_int_eq(mok_backward(c, f.context, &tb.d_out, NULL, 0, &b), MOK_EINVAL);
+  ck_assert_msg(strstr(mok_last_error(c), "accumulates fp32 gradients") != NULL, "%s",
+                mok_last_error(c));
   engine_free(&e);
   mok_close(c);
 }
@@ -268,6 +300,63 @@ START_TEST(expert_id_out_of_range_through_daemon)
 }
 END_TEST
 
+/* The ids live in the client's arena: a client thread flips one between a
+ * valid expert and ids far outside [0, E) while forwards run. Each forward is
+ * either refused for that id or computes with the valid one, bit for bit. */
+typedef struct id_flipper {
+  volatile int32_t *id;
+  atomic_int stop;
+} id_flipper;
+
+static void *flip_ids(void *p)
+{
+  id_flipper *f = p;
+  for (uint32_t n = 0; !atomic_load(&f->stop); n++)
+    *f->id = n % 3 == 0 ? 1 : n % 3 == 1 ? 0x40000000 : -0x40000000;
+  return NULL;
+}
+
+START_TEST(ids_flipped_during_forwards_are_contained)
+{
+  mok_client *c = connect_ok();
+  mok_layer_desc d = {.hidden = 64, .intermediate = 32, .experts = 8, .top_k = 2};
+  mok_testbed tb;
+  engine_out e;
+  id_flipper f;
+  pthread_t th;
+  int ok = 0, refused = 0;
+
+  ck_assert_int_eq(mok_testbed_setup(c, &d, 512, 4, &tb), 0);
+  f.id = (int32_t *)mok_tensor_ptr(c, &tb.ids) + 5;
+  *f.id = 1;
+  atomic_init(&f.stop, 0);
+  engine_run(c, &tb, 0, MOKK_GRAD_BF16, &e);
+  ck_assert_int_eq(pthread_create(&th, NULL, flip_ids, &f), 0);
+  for (int i = 0; i < 300; i++) {
+    mok_forward_result r;
+    int rc = mok_forward(c, tb.layer, &tb.x, &tb.ids, &tb.tw, i % 2, &r);
+    if (rc == 0) {
+      ck_assert_msg(memcmp(r.out_ptr, e.out, (size_t)(512 * 64) * 2) == 0, "forward %d", i);
+      ck_assert_int_eq(mok_release(c, &r.context, 1), 0);
+      ok++;
+    } else {
+      ck_assert_msg(rc == MOK_EEXPERT, "forward %d: %s", i, mok_last_error(c));
+      ck_assert_ptr_nonnull(strstr(mok_last_error(c), "token 2 k 1: expert id "));
+      refused++;
+    }
+  }
+  atomic_store(&f.stop, 1);
+  pthread_join(th, NULL);
+  ck_assert_int_eq(ok + refused, 300);
+  mok_stats st;
+  ck_assert_int_eq(mok_stats_get(c, &st), 0);
+  ck_assert_uint_eq(st.session.contexts, 0);
+  engine_free(&e);
+  mok_close(c);
+  still_serving();
+}
+END_TEST
+
 START_TEST(session_quota_is_enforced)
 {
   char q[128], log2[128];
@@ -296,6 +385,41 @@ START_TEST(session_quota_is_enforced)
 }
 END_TEST
 
+/* A forward's context is charged before the step: one that cannot fit is
+ * refused without being computed (it used to be computed, then refused). */
+START_TEST(context_is_charged_before_the_step)
+{
+  char q[128], log2[128];
+  snprintf(q, sizeof q, "%s/ctxquota.sock", dir);
+  snprintf(log2, sizeof log2, "%s/ctxquota.log", dir);
+  pid_t p = spawn_daemon(q, "--session-quota-bytes=128M", log2);
+  wait_for_socket(q, p);
+  mok_client *c;
+  mok_layer_desc d = {.hidden = 512, .intermediate = 512, .experts = 8, .top_k = 4};
+  mok_testbed tb;
+  mok_forward_result f;
+  mok_stats st;
+  ck_assert_int_eq(mok_connect(q, "ctxquota", &c), 0);
+  ck_assert_int_eq(mok_testbed_setup(c, &d, 2048, 1, &tb), 0);
+  /* 8192 routed rows keep about 59 MB; the arena and the outputs hold 106 MB */
+  ck_assert_int_eq(mok_forward(c, tb.layer, &tb.x, &tb.ids, &tb.tw, 0, &f), MOK_EDQUOT);
+  ck_assert_msg(strstr(mok_last_error(c), "the forward context of this step (up to ") != NULL,
+                "%s", mok_last_error(c));
+  ck_assert_int_eq(mok_stats_get(c, &st), 0);
+  ck_assert_uint_eq(st.session.forwards, 0); /* nothing was computed */
+  ck_assert_uint_eq(st.session.contexts, 0);
+  ck_assert_uint_eq(st.session.context_bytes, 0);
+  /* without a context the same step fits */
+  ck_assert_int_eq(mok_forward(c, tb.layer, &tb.x, &tb.ids, &tb.tw, 1, &f), 0);
+  ck_assert_int_eq(mok_stats_get(c, &st), 0);
+  ck_assert_uint_eq(st.session.forwards, 1);
+  mok_close(c);
+  int s = stop_daemon(p);
+  ck_assert(WIFEXITED(s) && WEXITSTATUS(s) == 0);
+  unlink(log2);
+}
+END_TEST
+
 Suite *daemon_steps_suite(void)
 {
   Suite *s = suite_create("daemon_steps");
@@ -303,11 +427,14 @@ Suite *daemon_steps_suite(void)
   tcase_add_checked_fixture(tc, setup, teardown);
   tcase_set_timeout(tc, 120);
   tcase_add_test(tc, forward_backward_equal_engine);
+  tcase_add_test(tc, context_keeps_its_gradient_mode);
   tcase_add_test(tc, eight_concurrent_clients);
   tcase_add_test(tc, killed_client_leaks_nothing);
   tcase_add_test(tc, expert_id_out_of_range_through_daemon);
+  tcase_add_test(tc, ids_flipped_during_forwards_are_contained);
   tcase_add_test(tc, outputs_reuse_their_room);
   tcase_add_test(tc, session_quota_is_enforced);
+  tcase_add_test(tc, context_is_charged_before_the_step);
   suite_add_tcase(s, tc);
   return s;
 }

@@ -81,7 +81,7 @@ START_TEST(unknown_field_zero_is_refused)
   static const uint8_t ping0[] = {10, 0, 0, 0, 0x08, 0x09, 0xaa, 0x01, 0x05,
                                   0x08, 0x02, 0x80, 0x00, 0x01};
   raw_send(fd, ping0, sizeof ping0, -1);
-  expect_status(fd, MOK_EPROTO, "unknown field");
+  expect_status(fd, MOK_EPROTO, "request carries unknown field 0;");
   close(fd);
   still_serving();
 }
@@ -243,6 +243,46 @@ START_TEST(fd_where_none_is_expected)
 }
 END_TEST
 
+/* Too many fds: ImportBuffer is told how many it takes, and a message with
+ * more fds than the daemon receives at once is answered, not hung up on. */
+START_TEST(too_many_fds_are_answered)
+{
+  int fd = raw_connect(), fds[20];
+  hello(fd);
+  for (int i = 0; i < 20; i++) {
+    fds[i] = memfd_create("many", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    ck_assert_int_eq(ftruncate(fds[i], 4096), 0);
+    ck_assert_int_eq(fcntl(fds[i], F_ADD_SEALS, F_SEAL_SHRINK), 0);
+  }
+  Mokd__Request req = MOKD__REQUEST__INIT;
+  Mokd__ImportBuffer ib = MOKD__IMPORT_BUFFER__INIT;
+  uint8_t *buf;
+  size_t len;
+  ib.bytes = 4096, ib.kind = MOKD__IMPORT_KIND__IMPORT_MEMFD;
+  req.id = 11, req.body_case = MOKD__REQUEST__BODY_IMPORT_BUFFER, req.import_buffer = &ib;
+  ck_assert_int_eq(mokw_pack(&req.base, &buf, &len), 0);
+  raw_send_fds(fd, buf, len, fds, 2);
+  expect_status(fd, MOK_EINVAL, "ImportBuffer takes exactly one fd (SCM_RIGHTS) on its frame; "
+                                "2 came");
+  free(buf);
+  Mokd__Ping p = MOKD__PING__INIT;
+  req.id = 12, req.body_case = MOKD__REQUEST__BODY_PING, req.ping = &p;
+  ck_assert_int_eq(mokw_pack(&req.base, &buf, &len), 0);
+  raw_send_fds(fd, buf, len, fds, 20);
+  expect_status(fd, MOK_EINVAL, "more than 8 file descriptors came on one message");
+  /* the connection goes on */
+  raw_send(fd, buf, len, -1);
+  Mokd__Response *r = raw_reply(fd);
+  ck_assert(r != NULL && r->status == 0 && r->body_case == MOKD__RESPONSE__BODY_PONG);
+  mokd__response__free_unpacked(r, NULL);
+  free(buf);
+  for (int i = 0; i < 20; i++)
+    close(fds[i]);
+  close(fd);
+  still_serving();
+}
+END_TEST
+
 START_TEST(import_and_errors_through_libmok)
 {
   mok_client *c = connect_ok();
@@ -282,6 +322,52 @@ START_TEST(import_and_errors_through_libmok)
 }
 END_TEST
 
+/* An arena that holds the weights of live contexts cannot go; the message
+ * counts the contexts, whatever the number of weights each keeps there. */
+START_TEST(busy_arena_counts_contexts)
+{
+  mok_client *c = connect_ok();
+  mok_layer_desc d = {.hidden = 64, .intermediate = 32, .experts = 4, .top_k = 2,
+                      .shared_intermediate = 32};
+  mok_testbed tb;
+  mok_forward_result f[2];
+  ck_assert_int_eq(mok_testbed_setup(c, &d, 8, 2, &tb), 0);
+  ck_assert_int_eq(mok_forward(c, tb.layer, &tb.x, &tb.ids, &tb.tw, 0, &f[0]), 0);
+  ck_assert_int_eq(mok_arena_destroy(c, tb.arena.id), MOK_EBUSY);
+  ck_assert_msg(strstr(mok_last_error(c), "holds weights of 1 live forward context;") != NULL,
+                "%s", mok_last_error(c));
+  ck_assert_int_eq(mok_forward(c, tb.layer, &tb.x, &tb.ids, &tb.tw, 0, &f[1]), 0);
+  ck_assert_int_eq(mok_arena_destroy(c, tb.arena.id), MOK_EBUSY);
+  ck_assert_msg(strstr(mok_last_error(c), "holds weights of 2 live forward contexts;") != NULL,
+                "%s", mok_last_error(c));
+  uint64_t ids[2] = {f[0].context, f[1].context};
+  ck_assert_int_eq(mok_release(c, ids, 2), 0);
+  ck_assert_int_eq(mok_arena_destroy(c, tb.arena.id), 0);
+  mok_close(c);
+}
+END_TEST
+
+
+/* a client_name is the peer's text: logged escaped, it cannot forge a line */
+START_TEST(client_name_is_logged_escaped)
+{
+  mok_client *c;
+  ck_assert_int_eq(mok_connect(sock, "evil\n<3>mokd error [init] forged\x1b[2J\\", &c), 0);
+  uint64_t rtt;
+  ck_assert_int_eq(mok_ping(c, &rtt), 0);
+  mok_close(c);
+  char buf[65536];
+  FILE *f = fopen(logpath, "r");
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[n] = 0;
+  ck_assert_msg(strstr(buf, "hello from \"evil\\n<3>mokd error [init] forged\\x1b[2J\\\\\"") !=
+                    NULL, "log: %s", buf);
+  ck_assert_msg(strstr(buf, "\n<3>mokd error [init] forged") == NULL, "a forged line in: %s",
+                buf);
+  ck_assert_ptr_null(strchr(buf, 0x1b));
+}
+END_TEST
 
 /* a GPU asked for from a daemon on the cpu backend is a clear error */
 START_TEST(device_on_cpu_backend_is_refused)
@@ -313,8 +399,11 @@ Suite *daemon_wire_suite(void)
   tcase_add_test(tc, offset_out_of_range_is_refused);
   tcase_add_test(tc, another_sessions_arena_is_refused);
   tcase_add_test(tc, fd_where_none_is_expected);
+  tcase_add_test(tc, too_many_fds_are_answered);
   tcase_add_test(tc, import_and_errors_through_libmok);
+  tcase_add_test(tc, busy_arena_counts_contexts);
   tcase_add_test(tc, device_on_cpu_backend_is_refused);
+  tcase_add_test(tc, client_name_is_logged_escaped);
   suite_add_tcase(s, tc);
   return s;
 }

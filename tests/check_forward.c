@@ -112,6 +112,43 @@ START_TEST(clamp_changes_the_result)
 }
 END_TEST
 
+/* What a context holds stays within the bound a quota charges before the
+ * step, and the bound is not wildly above it. */
+START_TEST(context_fits_its_bound)
+{
+  static const mokk_shape shapes[] = {
+      {.H = 64, .I = 32, .E = 8, .K = 2, .P = 1},
+      {.H = 24, .I = 40, .E = 5, .K = 5, .I_s = 16, .P = 1},
+      {.H = 8, .I = 8, .E = 64, .K = 1, .P = 1},
+  };
+  static const int64_t Ts[] = {1, 37, 300};
+  mokk_backend *b;
+  ck_assert_int_eq(mokk_cpu_create(2, &b, err), 0);
+  for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
+    for (size_t t = 0; t < 3; t++) {
+      mokk_shape sh = shapes[i];
+      moe_case c;
+      mokk_ctx *ctx;
+      uint16_t *out = malloc((size_t)(Ts[t] * sh.H) * 2);
+      case_make(&c, &sh, Ts[t], 9, ROUTE_RANDOM);
+      mokk_fwd_rank fr = {.x = c.x, .topk_ids = c.ids, .topk_weights = c.tw, .out = out};
+      for (int w = 0; w < MOKK_NWEIGHTS; w++)
+        fr.w[w] = c.w[w];
+      ck_assert_int_eq(mokk_forward(b, &sh, Ts[t], &fr, &ctx, err), 0);
+      uint64_t held = mokk_ctx_bytes(b, ctx), bound = mokk_ctx_bytes_bound(&sh, Ts[t]);
+      ck_assert_msg(held <= bound && bound <= 2 * held + 8192,
+                    "shape %zu T %lld: context %llu bytes, bound %llu", i, (long long)Ts[t],
+                    (unsigned long long)held, (unsigned long long)bound);
+      mokk_ctx_free(b, ctx);
+      case_free(&c);
+      free(out);
+    }
+  mokk_shape huge = {.H = 1 << 24, .I = 1 << 24, .E = 1 << 24, .K = 1 << 24, .P = 1};
+  ck_assert_uint_eq(mokk_ctx_bytes_bound(&huge, 1 << 24), UINT64_MAX);
+  mokk_backend_destroy(b);
+}
+END_TEST
+
 Suite *forward_suite(void)
 {
   Suite *s = suite_create("forward");
@@ -124,6 +161,7 @@ Suite *forward_suite(void)
   tcase_add_test(tc, empty_experts_and_one_expert);
   tcase_add_test(tc, single_token_k_equals_e);
   tcase_add_test(tc, clamp_changes_the_result);
+  tcase_add_test(tc, context_fits_its_bound);
   suite_add_tcase(s, tc);
   return s;
 }

@@ -29,7 +29,8 @@ static void teardown(void)
 
 static void reg_init(mokd_registry *r, uint64_t quota)
 {
-  mokd_registry_init(r, cpu, &next_id, 1u << 30, quota, 0, &sess, &daemon_usage);
+  mokd_limits lim = {.max_arena_bytes = 1u << 30, .quota = {quota, 0}};
+  mokd_registry_init(r, cpu, &next_id, &lim, &sess, &daemon_usage);
 }
 
 static Mokd__TensorRef ref(uint64_t arena, uint64_t offset, Mokd__DType dt, int ndim,
@@ -70,6 +71,74 @@ START_TEST(best_fit_reuses_the_smallest_hole)
   mokd_registry_clear(&r);
   ck_assert_uint_eq(sess.arenas, 0);
   ck_assert_uint_eq(sess.arena_bytes, 0);
+}
+END_TEST
+
+/* Output arenas are made 64 MiB at least, to serve many steps; a daemon
+ * whose max_arena_bytes is smaller still serves outputs that fit it. */
+START_TEST(output_arenas_follow_max_arena_bytes)
+{
+  mokd_registry r;
+  mokd_arena *a;
+  mokd_span sp;
+  mokd_limits lim = {.max_arena_bytes = 1 << 20};
+  mokd_registry_init(&r, cpu, &next_id, &lim, &sess, &daemon_usage);
+  ck_assert_msg(mokd_out_alloc(&r, 1000, &a, &sp, err) == 0, "%s", err);
+  ck_assert_uint_eq(a->bytes, 1 << 20);
+  ck_assert_int_eq(mokd_out_alloc(&r, (1 << 20) + 1, &a, &sp, err), MOK_EINVAL);
+  ck_assert_msg(strstr(err, "larger than max_arena_bytes") != NULL, "%s", err);
+  mokd_registry_clear(&r);
+}
+END_TEST
+
+/* Giving back many blocks at once leaves the free list one by one would. */
+START_TEST(release_many_equals_one_by_one)
+{
+  enum { N = 2000 };
+  mokd_registry r1, r2;
+  mokd_arena *a1, *a2;
+  static mokd_span s1[N], s2[N], batch[N];
+  static char back[N];
+  uint64_t seed = 3;
+  size_t nb = 0;
+
+  reg_init(&r1, 0);
+  reg_init(&r2, 0);
+  for (int i = 0; i < N; i++) {
+    size_t len = 256 * (1 + rng_next(&seed) % 4);
+    ck_assert_int_eq(mokd_out_alloc(&r1, len, &a1, &s1[i], err), 0);
+    ck_assert_int_eq(mokd_out_alloc(&r2, len, &a2, &s2[i], err), 0);
+  }
+  /* some go back first, one by one in both; then a random half, together in
+   * the second arena */
+  for (int i = 0; i < N; i += 7) {
+    mokd_out_release(a1, s1[i]), mokd_out_release(a2, s2[i]);
+    back[i] = 1;
+  }
+  for (int i = 0; i < N; i++)
+    if (!back[i] && rng_next(&seed) % 2) {
+      mokd_out_release(a1, s1[i]);
+      batch[nb++] = s2[i];
+      back[i] = 1;
+    }
+  mokd_out_release_many(a2, batch, nb);
+  ck_assert_uint_eq(a1->used, a2->used);
+  ck_assert_uint_eq(a1->nfree, a2->nfree);
+  for (size_t i = 0; i < a1->nfree; i++) {
+    ck_assert_uint_eq(a1->free[i].off, a2->free[i].off);
+    ck_assert_uint_eq(a1->free[i].len, a2->free[i].len);
+  }
+  /* the rest: everything merges back into one range */
+  nb = 0;
+  for (int i = 0; i < N; i++)
+    if (!back[i])
+      batch[nb++] = s2[i];
+  mokd_out_release_many(a2, batch, nb);
+  ck_assert_uint_eq(a2->used, 0);
+  ck_assert_uint_eq(a2->nfree, 1);
+  ck_assert_uint_eq(a2->free[0].len, a2->bytes);
+  mokd_registry_clear(&r1);
+  mokd_registry_clear(&r2);
 }
 END_TEST
 
@@ -158,7 +227,7 @@ START_TEST(quota_edges)
   ck_assert_int_eq(mokd_quota_take(&r, UINT64_MAX - 100, MOKD_HOST, err), MOK_EDQUOT);
   ck_assert_uint_eq(r.held[MOKD_HOST], 4096);
   /* no quota: only the sum's own overflow is refused */
-  r.quota[MOKD_HOST] = 0;
+  r.lim.quota[MOKD_HOST] = 0;
   ck_assert_int_eq(mokd_quota_take(&r, 1u << 20, MOKD_HOST, err), 0);
   mokd_quota_give(&r, 1u << 20, MOKD_HOST);
   ck_assert_uint_eq(sess.gpu_bytes, 0);
@@ -178,6 +247,12 @@ START_TEST(host_imports_must_be_sealed)
   ck_assert_int_eq(ftruncate(fd, 4096), 0);
   ck_assert_int_eq(mokd_arena_import(&r, &src, &a, err), MOK_EINVAL);
   ck_assert_ptr_nonnull(strstr(err, "F_SEAL_SHRINK"));
+  /* the seal comes first: the size of an unsealed file may change after any
+   * look at it, so it is only read once the file can no longer shrink */
+  src.bytes = 8192;
+  ck_assert_int_eq(mokd_arena_import(&r, &src, &a, err), MOK_EINVAL);
+  ck_assert_msg(strstr(err, "F_SEAL_SHRINK") != NULL, "%s", err);
+  src.bytes = 4096;
   ck_assert_int_eq(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK), 0);
   src.bytes = 8192;
   ck_assert_int_eq(mokd_arena_import(&r, &src, &a, err), MOK_ERANGE);
@@ -185,11 +260,54 @@ START_TEST(host_imports_must_be_sealed)
   ck_assert_int_eq(mokd_arena_import(&r, &src, &a, err), 0);
   ck_assert_int_eq(a->kind, ARENA_IMPORTED);
   ck_assert_int_eq(a->device, -1);
-  ck_assert_uint_eq(r.held[MOKD_HOST], 0); /* the client's memory, not charged */
+  /* the daemon's mapping keeps the client's pages alive: charged */
+  ck_assert_uint_eq(r.held[MOKD_HOST], 4096);
   src.kind = MOKK_IMPORT_CUMEM_FD;
   ck_assert_int_eq(mokd_arena_import(&r, &src, &a, err), MOK_ENOTSUP);
   ck_assert_ptr_nonnull(strstr(err, "runs the cpu backend"));
   mokd_registry_clear(&r);
+  ck_assert_uint_eq(r.held[MOKD_HOST], 0);
+  close(fd);
+}
+END_TEST
+
+/* Imports are arenas like the others: counted per session and for the
+ * daemon, and charged to the host quota. */
+START_TEST(imports_are_counted_and_charged)
+{
+  mokd_registry r, other;
+  mokd_arena *a[4], *b;
+  mokd_limits lim = {.max_arena_bytes = 1u << 30, .quota = {3 * 4096, 0}, .max_arenas = 3,
+                     .daemon_max_arenas = 4};
+  int fd = memfd_create("t", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  mokk_import src = {MOKK_IMPORT_HOST_FD, fd, NULL, 4096};
+
+  ck_assert_int_eq(ftruncate(fd, 4096), 0);
+  ck_assert_int_eq(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK), 0);
+  mokd_registry_init(&r, cpu, &next_id, &lim, &sess, &daemon_usage);
+  mokd_registry_init(&other, cpu, &next_id, &lim, NULL, &daemon_usage);
+  for (int i = 0; i < 2; i++)
+    ck_assert_int_eq(mokd_arena_import(&r, &src, &a[i], err), 0);
+  ck_assert_uint_eq(r.held[MOKD_HOST], 8192);
+  /* the quota holds one more page: a 4 KiB arena fits, a second import not */
+  ck_assert_int_eq(mokd_arena_new(&r, 4096, ARENA_DAEMON, &a[2], err), 0);
+  ck_assert_int_eq(mokd_arena_import(&r, &src, &a[3], err), MOK_EDQUOT);
+  ck_assert_msg(strstr(err, "already holds 3 arenas (max_arenas)") != NULL, "%s", err);
+  mokd_arena_free(&r, a[2]);
+  ck_assert_int_eq(mokd_arena_import(&r, &src, &a[2], err), 0);
+  ck_assert_int_eq(mokd_arena_import(&r, &src, &a[3], err), MOK_EDQUOT);
+  r.lim.max_arenas = 0;
+  ck_assert_int_eq(mokd_arena_import(&r, &src, &a[3], err), MOK_EDQUOT);
+  ck_assert_msg(strstr(err, "quota is 12288 (session_quota_bytes)") != NULL, "%s", err);
+  /* all sessions together: 3 + 1 = the daemon's 4 */
+  ck_assert_int_eq(mokd_arena_import(&other, &src, &b, err), 0);
+  ck_assert_int_eq(mokd_arena_new(&other, 4096, ARENA_DAEMON, &b, err), MOK_EDQUOT);
+  ck_assert_msg(strstr(err, "mokd holds 4 arenas for all sessions") != NULL, "%s", err);
+  mokd_registry_clear(&r);
+  ck_assert_uint_eq(r.held[MOKD_HOST], 0);
+  ck_assert_int_eq(mokd_arena_new(&other, 4096, ARENA_DAEMON, &b, err), 0);
+  mokd_registry_clear(&other);
+  ck_assert_uint_eq(daemon_usage.arenas, 0);
   close(fd);
 }
 END_TEST
@@ -200,10 +318,13 @@ Suite *registry_suite(void)
   TCase *tc = tcase_create("registry");
   tcase_add_checked_fixture(tc, setup, teardown);
   tcase_add_test(tc, best_fit_reuses_the_smallest_hole);
+  tcase_add_test(tc, release_many_equals_one_by_one);
+  tcase_add_test(tc, output_arenas_follow_max_arena_bytes);
   tcase_add_test(tc, overflowing_and_misplaced_refs_are_refused);
   tcase_add_test(tc, another_sessions_arena_is_not_found);
   tcase_add_test(tc, quota_edges);
   tcase_add_test(tc, host_imports_must_be_sealed);
+  tcase_add_test(tc, imports_are_counted_and_charged);
   suite_add_tcase(s, tc);
   return s;
 }

@@ -1,5 +1,8 @@
 /* check_schedule.c - the routing plan: counts, segments and row order. */
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "ref.h"
 
@@ -170,6 +173,58 @@ START_TEST(global_order_across_ranks)
 }
 END_TEST
 
+/* ids live in memory a client shares with the daemon: another thread may
+ * change them while the plan is built. Each id must be read once: a plan
+ * that checks one value and places another writes outside its arrays. */
+typedef struct flipper {
+  volatile int32_t *id;
+  atomic_int stop;
+} flipper;
+
+static void *flip_id(void *p)
+{
+  flipper *f = p;
+  for (uint32_t n = 0; !atomic_load(&f->stop); n++)
+    *f->id = n % 3 == 0 ? 1 : n % 3 == 1 ? 0x40000000 : -0x40000000;
+  return NULL;
+}
+
+START_TEST(ids_changing_under_the_plan)
+{
+  enum { T = 256, K = 2 };
+  mokk_shape s = shape(4, K, 1);
+  int32_t *ids = malloc(T * K * sizeof *ids), *valid = malloc(T * K * sizeof *valid);
+  const int32_t *live[] = {ids}, *seen[] = {valid};
+  flipper f = {.id = &ids[5]};
+  pthread_t th;
+  int built = 0, refused = 0;
+
+  for (int i = 0; i < T * K; i++)
+    ids[i] = valid[i] = i % 4;
+  valid[5] = 1; /* the one value of ids[5] a plan may be built from */
+  ck_assert_int_eq(pthread_create(&th, NULL, flip_id, &f), 0);
+  for (int n = 0; n < 3000; n++) {
+    mokk_plan pl;
+    int rc = mokk_plan_build(&pl, &s, T, live, err);
+    if (rc == 0) {
+      if (built++ % 64 == 0)
+        check_plan(&pl, seen);
+      ck_assert_int_eq(pl.seg_rows[1], T * K / 4); /* ids[5] counted as 1 */
+      mokk_plan_free(&pl);
+    } else {
+      ck_assert_int_eq(rc, MOK_EEXPERT);
+      ck_assert_msg(strstr(err, "token 2 k 1: expert id ") != NULL, "%s", err);
+      refused++;
+    }
+  }
+  atomic_store(&f.stop, 1);
+  pthread_join(th, NULL);
+  ck_assert_int_eq(built + refused, 3000);
+  free(ids);
+  free(valid);
+}
+END_TEST
+
 Suite *schedule_suite(void)
 {
   Suite *s = suite_create("schedule");
@@ -180,6 +235,7 @@ Suite *schedule_suite(void)
   tcase_add_test(tc, k_equals_e);
   tcase_add_test(tc, one_token);
   tcase_add_test(tc, global_order_across_ranks);
+  tcase_add_test(tc, ids_changing_under_the_plan);
   suite_add_tcase(s, tc);
   return s;
 }

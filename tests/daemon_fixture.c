@@ -27,10 +27,16 @@ pid_t spawn_daemon(const char *path, const char *extra, const char *log)
   pid_t pid = fork();
   ck_assert_int_ge(pid, 0);
   if (pid == 0) {
+    char *argv[32] = {"mokd", "--socket", (char *)path, "--config", "/dev/null",
+                      "--cpu-threads", "2", "--log-level", "debug"};
+    char *flags = strdup(extra), *save;
+    int argc = 9;
+    for (char *f = strtok_r(flags, " ", &save); f != NULL && argc < 31;
+         f = strtok_r(NULL, " ", &save))
+      argv[argc++] = f;
     int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
     dup2(fd, 2);
-    execl(mokd_bin(), "mokd", "--socket", path, "--config", "/dev/null", "--cpu-threads",
-          "2", "--log-level", "debug", extra, (char *)NULL);
+    execv(mokd_bin(), argv);
     _exit(127);
   }
   return pid;
@@ -112,23 +118,30 @@ int raw_connect(void)
   return fd;
 }
 
-void raw_send(int fd, const void *buf, size_t len, int pass_fd)
+void raw_send_fds(int fd, const void *buf, size_t len, const int *fds, int nfds)
 {
   struct iovec iov = {(void *)buf, len};
   struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1};
   union {
     struct cmsghdr h;
-    char b[CMSG_SPACE(sizeof(int))];
+    char b[CMSG_SPACE(32 * sizeof(int))];
   } cm;
-  if (pass_fd >= 0) {
+  ck_assert_int_le(nfds, 32);
+  if (nfds > 0) {
     memset(&cm, 0, sizeof cm);
     mh.msg_control = cm.b;
-    mh.msg_controllen = sizeof cm.b;
+    mh.msg_controllen = CMSG_SPACE((size_t)nfds * sizeof(int));
     struct cmsghdr *h = CMSG_FIRSTHDR(&mh);
-    h->cmsg_level = SOL_SOCKET, h->cmsg_type = SCM_RIGHTS, h->cmsg_len = CMSG_LEN(sizeof(int));
-    memcpy(CMSG_DATA(h), &pass_fd, sizeof(int));
+    h->cmsg_level = SOL_SOCKET, h->cmsg_type = SCM_RIGHTS;
+    h->cmsg_len = CMSG_LEN((size_t)nfds * sizeof(int));
+    memcpy(CMSG_DATA(h), fds, (size_t)nfds * sizeof(int));
   }
   ck_assert_int_eq(sendmsg(fd, &mh, MSG_NOSIGNAL), (ssize_t)len);
+}
+
+void raw_send(int fd, const void *buf, size_t len, int pass_fd)
+{
+  raw_send_fds(fd, buf, len, &pass_fd, pass_fd >= 0);
 }
 
 void raw_request(int fd, Mokd__Request *req, int pass_fd)

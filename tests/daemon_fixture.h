@@ -15,6 +15,7 @@ extern pid_t daemon_pid;
 
 /* $MOKD_BIN, else build/mokd */
 const char *mokd_bin(void);
+/* mokd on path, logging to log; extra: flags separated by spaces */
 pid_t spawn_daemon(const char *path, const char *extra, const char *log);
 void wait_for_socket(const char *path, pid_t pid);
 /* SIGTERM, then the exit status */
@@ -30,6 +31,8 @@ mok_client *connect_ok(void);
 /* raw frames */
 int raw_connect(void);
 void raw_send(int fd, const void *buf, size_t len, int pass_fd);
+/* nfds (up to 32) fds on the message's first byte */
+void raw_send_fds(int fd, const void *buf, size_t len, const int *fds, int nfds);
 void raw_request(int fd, Mokd__Request *req, int pass_fd);
 /* Reads one reply; NULL when the daemon closed the connection instead. */
 Mokd__Response *raw_reply(int fd);
@@ -40,5 +43,6 @@ void still_serving(void);
 Suite *daemon_steps_suite(void);
 Suite *daemon_wire_suite(void);
 Suite *daemon_service_suite(void);
+Suite *daemon_limits_suite(void);
 
 #endif

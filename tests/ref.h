@@ -91,5 +91,6 @@ Suite *pool_suite(void);
 Suite *frame_suite(void);
 Suite *config_suite(void);
 Suite *registry_suite(void);
+Suite *idmap_suite(void);
 Suite *paths_suite(void);
 Suite *mokctl_suite(void);

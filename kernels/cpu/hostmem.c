@@ -64,14 +64,19 @@ int mokk_host_import(int fd, size_t bytes, mokk_buffer **out, char *err)
   if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode))
     return mokk_fail(err, MOK_EINVAL, "the fd sent with ImportBuffer is not a memfd or "
                      "regular file");
-  if ((uint64_t)st.st_size < bytes)
-    return mokk_fail(err, MOK_ERANGE, "the fd holds %lld bytes, fewer than the %zu named",
-                     (long long)st.st_size, bytes);
-  /* a client that could shrink the file under us would fault the daemon */
+  /* a client that could shrink the file under us would fault the daemon; and
+   * its size is worth reading only once it can no longer shrink: checked
+   * before the seal, a client could shrink it, then seal it */
   seals = fcntl(fd, F_GET_SEALS);
   if (seals < 0 || !(seals & F_SEAL_SHRINK))
     return mokk_fail(err, MOK_EINVAL, "imported buffers must be memfds sealed with "
                      "F_SEAL_SHRINK (memfd_create with MFD_ALLOW_SEALING, then F_ADD_SEALS)");
+  if (fstat(fd, &st) != 0)
+    return mokk_fail(err, MOK_EINVAL, "cannot read the size of the imported fd: %s",
+                     strerror(errno));
+  if ((uint64_t)st.st_size < bytes)
+    return mokk_fail(err, MOK_ERANGE, "the fd holds %lld bytes, fewer than the %zu named",
+                     (long long)st.st_size, bytes);
   base = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (base == MAP_FAILED)
     return mokk_fail(err, MOK_EINVAL, "cannot map the imported fd: %s", strerror(errno));
