@@ -157,11 +157,13 @@ $(BUILD)/obj/tests/gpu/gemm_core.o: NVFLAGS += -Ikernels/cuda
 
 $(LIBMOKK_CUDA): $(CUDA_OBJ)
 	$(AR) rcs $@ $^
-$(GPU_BIN): $(call obj,tests/gpu/check_gpu.c tests/ref.c) $(BUILD)/obj/tests/gpu/gate.o \
+$(GPU_BIN): $(call obj,tests/gpu/check_gpu.c tests/ref.c kernels/devices.c) \
+            $(BUILD)/obj/tests/gpu/gate.o \
             $(BUILD)/obj/tests/gpu/gemm_core.o $(LIBMOK_A) $(LIBMOKK_CUDA) $(LIBMOKK) $(LIBCOMMON)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDSAN) -o $@ $^ $(CHECK_STATIC) -l:libprotobuf-c.a $(CUDA_LIBS) $(LDLIBS)
-$(GPU_BENCH): $(call obj,tests/bench/bench_gpu.c) $(BUILD)/obj/tests/bench/gpu_fill.o \
+$(GPU_BENCH): $(call obj,tests/bench/bench_gpu.c kernels/devices.c) \
+              $(BUILD)/obj/tests/bench/gpu_fill.o \
               $(LIBMOK_A) $(LIBMOKK_CUDA) $(LIBMOKK) $(LIBCOMMON)
 	$(CC) $(LDSAN) -o $@ $^ -l:libprotobuf-c.a $(CUDA_LIBS) $(LDLIBS)
 $(GEMM_BENCH): $(call obj,tests/bench/bench_gemm.c) $(BUILD)/obj/tests/gpu/gemm_core.o \

@@ -23,6 +23,7 @@
 #include "backend.h"
 #include "bf16.h"
 #include "cuda/cuda_backend.h"
+#include "devices.h"
 #include "mok.h"
 
 int bench_fill_bf16(void *p, int64_t n, uint64_t seed, float scale);
@@ -613,7 +614,7 @@ int main(int argc, char **argv)
     fprintf(stderr, "bench_gpu: --iters wants a positive count\n");
     return 2;
   }
-  if (mokk_cuda_devices(err) <= 0) {
+  if (mokk_gpu_count(err) <= 0) {
     printf("bench_gpu: no CUDA device; nothing to measure\n");
     return 0;
   }

@@ -32,6 +32,7 @@
 #include <cuda_runtime_api.h>
 
 #include "cuda/cuda_backend.h"
+#include "devices.h"
 #include "gpu/gemm_core.h"
 #include "mok.h"
 #include "ref.h"
@@ -915,7 +916,7 @@ static Suite *gpu_suite(void)
 int main(void)
 {
   char err[MOK_ERRLEN] = "";
-  int n = mokk_cuda_devices(err), failed;
+  int n = mokk_gpu_count(err), failed;
   SRunner *sr;
 
   if (n <= 0) {
