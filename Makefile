@@ -318,6 +318,19 @@ fuzz:
 	$(FUZZ_REQUEST) -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 -timeout=10 \
 	  -artifact_prefix=$(FUZZ_DIR)/request- $(FUZZ_DIR)/corpus/request tests/fuzz/corpus/request
 
+# CI's pass: both harnesses from the committed seeds alone, a fixed seed and a
+# fixed number of runs, so that a run here and one in CI are the same run.
+.PHONY: fuzz-ci
+FUZZ_CI_RUNS ?= 400000 40000
+fuzz-ci:
+	@command -v $(FUZZ_CC) >/dev/null 2>&1 || { echo "fuzz-ci: $(FUZZ_CC) not found (bash deploy/install-deps.sh --fuzz)" >&2; exit 1; }
+	@$(MAKE) --no-print-directory $(FUZZ_FRAME) $(FUZZ_REQUEST)
+	@rm -rf $(FUZZ_DIR)/ci && mkdir -p $(FUZZ_DIR)/ci/frame $(FUZZ_DIR)/ci/request
+	$(FUZZ_FRAME) -seed=1 -runs=$(word 1,$(FUZZ_CI_RUNS)) -print_final_stats=1 \
+	  -artifact_prefix=$(FUZZ_DIR)/ci/ $(FUZZ_DIR)/ci/frame tests/fuzz/corpus/frame
+	$(FUZZ_REQUEST) -seed=1 -runs=$(word 2,$(FUZZ_CI_RUNS)) -print_final_stats=1 -timeout=10 \
+	  -artifact_prefix=$(FUZZ_DIR)/ci/request- $(FUZZ_DIR)/ci/request tests/fuzz/corpus/request
+
 # regenerates the committed seeds of the request harness
 .PHONY: fuzz-seeds
 fuzz-seeds: $(LIBCOMMON)

@@ -1,11 +1,19 @@
 #!/usr/bin/env bash
-# Installs the Debian packages mokd builds and tests against. Idempotent: it asks
-# dpkg first and only calls apt-get for what is missing (through sudo when not root).
+# Installs the Debian packages mokd builds and tests against (with --fuzz, also
+# what make fuzz needs). Idempotent: it asks dpkg first and only calls apt-get
+# for what is missing (through sudo when not root).
 # libopenblas0-pthread gives numpy (the CPU benchmark baseline) a real BLAS.
 set -euo pipefail
 
 pkgs=(libuv1-dev libprotobuf-c-dev protobuf-c-compiler check pkg-config
       libsystemd-dev libinih-dev python3-numpy libopenblas0-pthread)
+# --fuzz: also clang and its runtimes (libFuzzer, ASan, UBSan) for make fuzz
+if [ "${1:-}" = "--fuzz" ]; then
+  pkgs+=(clang libclang-rt-dev)
+elif [ $# -gt 0 ]; then
+  echo "usage: install-deps.sh [--fuzz]" >&2
+  exit 2
+fi
 
 missing=()
 for p in "${pkgs[@]}"; do
