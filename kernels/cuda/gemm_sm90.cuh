@@ -10,18 +10,23 @@
  *   gives its registers to the consumers (setmaxnreg).
  * - A stage is a 128 x 64 A tile and a BN x 64 B tile, filled by the copy
  *   engine with the 128-byte swizzle that wgmma reads directly (sm90/ptx.cuh).
- *   full[s] completes when its bytes have landed, empty[s] when all eight
- *   consumer warps are done with it: the producer runs up to STAGES k-blocks
- *   ahead, across tile boundaries, so the next tile's loads hide this tile's
- *   epilogue.
+ *   full[s] completes when its bytes have landed, empty[s] when every
+ *   consumer warp that reads it is done: the producer runs up to STAGES
+ *   k-blocks ahead, across tile boundaries, so the next tile's loads hide
+ *   this tile's epilogue.
+ * - Two consumer shapes: both warpgroups on one 128 x BN tile (BN = 256 for
+ *   the layer), or ping-pong, each warpgroup owning every other 128 x 128
+ *   tile, so one's stores overlap the other's MMAs (weight gradients).
  * - Operands stay where they are: K-major operands (x, h, the forward's
  *   weights) and MN-major ones (the backward's weights, the weight gradients'
  *   rows) are both read by the copy engine as they lie in memory; wgmma's
  *   transpose bits take care of the rest. Gate and up weights fill the two
  *   halves of one B tile, so the SwiGLU runs on registers in the epilogue.
- * - Tile order: an expert's tiles run together, m-tiles fastest, so the
- *   blocks that share a weight slab read it at the same time and HBM sees it
- *   about once (the L2 serves the rest); dense GEMMs walk bands of 16 m-tiles.
+ * - Tile order: an expert's tiles run together, m-tiles fastest, so the two
+ *   or three blocks that read one weight slab start close together and the
+ *   L2 may serve all but the first; dense GEMMs walk bands of 16 m-tiles.
+ *   (Measured on dsv3: it mostly does not; about 2.6x the weights come from
+ *   DRAM. kernels/cuda/PERF.md has the figures and what comes next.)
  * - Determinism: a tile is owned by one block that sums k in order, and the
  *   tile a block gets never changes any tile's bits, so results are the same
  *   for any grid (DESIGN §2). Weight gradients sum an expert's rows in blocks
