@@ -233,6 +233,13 @@ int mokd_h_backward(mokd_session *s, const Mokd__Request *q, const int *fds, int
                     char *err);
 int mokd_h_release(mokd_session *s, const Mokd__Request *q, const int *fds, int nfds,
                    char *err);
+/* results.c: contexts and results (each function says what it does there) */
+mokd_result *mokd_result_find(mokd_session *s, uint64_t id);
+mokd_result *mokd_result_new(mokd_session *s, int is_context);
+int mokd_result_charge(mokd_session *s, mokd_result *r, uint64_t bytes, char *err);
+void mokd_result_pin(mokd_result *r, mokd_arena *a);
+int mokd_result_outputs(mokd_session *s, mokd_result *r, int n, const size_t *bytes,
+                        size_t *offs, char *err);
 void mokd_result_free(mokd_session *s, mokd_result *r);
 
 /* server.c */

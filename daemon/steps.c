@@ -2,9 +2,10 @@
  * checked and resolved, the outputs get a block of an output arena, the step
  * is queued on the session's executor (step_work runs it on the backend,
  * between mokk_step_begin and mokk_step_end), and step_done sends the reply
- * that names the outputs. Release frees contexts and results. On a device
+ * that names the outputs. On a device
  * backend the reply leaves while the device still works: it carries the done
- * event, and a status word for the errors only the device can see. */
+ * event, and a status word for the errors only the device can see. The
+ * results themselves (charges, outputs, release) live in results.c. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -38,102 +39,6 @@ struct mokd_step {
   int rc;
   char err[MOK_ERRLEN];
 };
-
-/* ---- results -------------------------------------------------------------- */
-
-static mokd_result *result_find(mokd_session *s, uint64_t id)
-{
-  return mokd_idmap_get(&s->result_ids, id);
-}
-
-static mokd_result *result_new(mokd_session *s, int is_context)
-{
-  mokd_result *r = calloc(1, sizeof *r);
-  if (r == NULL)
-    return NULL;
-  r->id = ++s->srv->next_id;
-  if (mokd_idmap_put(&s->result_ids, r->id, r) != 0) {
-    free(r);
-    return NULL;
-  }
-  r->is_context = is_context;
-  r->next = s->results;
-  if (s->results != NULL)
-    s->results->prev = r;
-  s->results = r;
-  if (is_context)
-    s->usage.contexts++, s->srv->usage.contexts++;
-  else
-    s->usage.results++, s->srv->usage.results++;
-  return r;
-}
-
-/* Sets what the context r is charged (quota, and the usage Stats shows) to
- * bytes; more than before may be refused by the quota. */
-static int ctx_charge(mokd_session *s, mokd_result *r, uint64_t bytes, char *err)
-{
-  int which = s->device >= 0 ? MOKD_DEVICE : MOKD_HOST, rc;
-
-  if (bytes > r->ctx_bytes &&
-      (rc = mokd_quota_take(&s->reg, bytes - r->ctx_bytes, which, err)) != 0)
-    return rc;
-  if (bytes < r->ctx_bytes)
-    mokd_quota_give(&s->reg, r->ctx_bytes - bytes, which);
-  s->usage.context_bytes += bytes - r->ctx_bytes;
-  s->srv->usage.context_bytes += bytes - r->ctx_bytes;
-  r->ctx_bytes = bytes;
-  return 0;
-}
-
-void mokd_result_free(mokd_session *s, mokd_result *r)
-{
-  if (r->prev != NULL)
-    r->prev->next = r->next;
-  else
-    s->results = r->next;
-  if (r->next != NULL)
-    r->next->prev = r->prev;
-  mokd_idmap_del(&s->result_ids, r->id);
-  if (r->ctx != NULL)
-    mokk_ctx_free(s->backend, r->ctx);
-  for (int i = 0; i < r->npinned; i++)
-    r->pinned[i]->users--;
-  ctx_charge(s, r, 0, NULL);
-  if (r->is_context)
-    s->usage.contexts--, s->srv->usage.contexts--;
-  else
-    s->usage.results--, s->srv->usage.results--;
-  mokd_out_release(r->out_arena, r->out);
-  free(r);
-}
-
-/* The context reads the weights in a until the backward: a stays. Each arena
- * counts a context once, however many of its weights lie there. */
-static void pin(mokd_result *r, mokd_arena *a)
-{
-  for (int i = 0; i < r->npinned; i++)
-    if (r->pinned[i] == a)
-      return;
-  r->pinned[r->npinned++] = a;
-  a->users++;
-}
-
-/* Output tensors of one request, laid out in one block: sizes in, offsets out. */
-static int alloc_outputs(mokd_session *s, mokd_result *r, int n, const size_t *bytes,
-                         size_t *offs, char *err)
-{
-  size_t total = 0;
-  int rc;
-  for (int i = 0; i < n; i++) {
-    offs[i] = total;
-    total += (bytes[i] + 255) / 256 * 256;
-  }
-  if ((rc = mokd_out_alloc(&s->reg, total, &r->out_arena, &r->out, err)))
-    return rc;
-  for (int i = 0; i < n; i++)
-    offs[i] += r->out.off;
-  return 0;
-}
 
 /* ---- a step --------------------------------------------------------------- */
 
@@ -275,7 +180,7 @@ static void step_done(mokd_work *w)
   s->busy = NULL;
   if (rc == 0 && !j->backward && j->ctx != NULL) {
     r->ctx = j->ctx; /* from the bound charged before the step to what it holds */
-    rc = ctx_charge(s, r, mokk_ctx_bytes(s->backend, j->ctx), j->err);
+    rc = mokd_result_charge(s, r, mokk_ctx_bytes(s->backend, j->ctx), j->err);
   }
   if (j->backward)
     s->usage.backwards++, s->srv->usage.backwards++;
@@ -341,7 +246,7 @@ int mokd_h_forward(mokd_session *s, const Mokd__Request *q, const int *fds, int 
     return rc;
   if ((rc = check_ready(s, &f->ready_event, err)))
     return rc;
-  if ((j = step_new(s, q->id)) == NULL || (r = result_new(s, 1)) == NULL) {
+  if ((j = step_new(s, q->id)) == NULL || (r = mokd_result_new(s, 1)) == NULL) {
     free(j);
     return mokk_fail(err, MOK_ENOMEM, "out of memory");
   }
@@ -357,7 +262,7 @@ int mokd_h_forward(mokd_session *s, const Mokd__Request *q, const int *fds, int 
     goto fail;
   bytes[0] = (size_t)(j->T * l->shape.H) * 2;
   bytes[1] = sizeof(int32_t);
-  if ((rc = alloc_outputs(s, r, s->device >= 0 ? 2 : 1, bytes, off, err)))
+  if ((rc = mokd_result_outputs(s, r, s->device >= 0 ? 2 : 1, bytes, off, err)))
     goto fail;
   j->fr.out = (uint16_t *)((char *)r->out_arena->base + off[0]);
   j->refs[j->nrefs++] = mokd_ref_new(r->out_arena->id, off[0], MOKD__DTYPE__DTYPE_BF16, 2, dx);
@@ -368,7 +273,7 @@ int mokd_h_forward(mokd_session *s, const Mokd__Request *q, const int *fds, int 
   if ((rc = status_slot(s, j, r, off[1], err)))
     goto fail;
   /* the context is charged before the step allocates it */
-  if (j->want_ctx && (rc = ctx_charge(s, r, mokk_ctx_bytes_bound(&l->shape, j->T), err))) {
+  if (j->want_ctx && (rc = mokd_result_charge(s, r, mokk_ctx_bytes_bound(&l->shape, j->T), err))) {
     char why[MOK_ERRLEN];
     snprintf(why, sizeof why, "%s", err);
     rc = mokk_fail(err, rc, "the forward context of this step (up to %llu bytes) does not "
@@ -378,7 +283,7 @@ int mokd_h_forward(mokd_session *s, const Mokd__Request *q, const int *fds, int 
   set_ready(j, &f->ready_event);
   if (j->want_ctx)
     for (int i = 0; i < mokd_weight_count(&l->shape); i++)
-      pin(r, warenas[i]);
+      mokd_result_pin(r, warenas[i]);
   step_queue(s, j);
   return 0;
 
@@ -392,7 +297,7 @@ int mokd_h_backward(mokd_session *s, const Mokd__Request *q, const int *fds, int
                     char *err)
 {
   const Mokd__Backward *b = q->backward;
-  mokd_result *c = result_find(s, b->context), *r;
+  mokd_result *c = mokd_result_find(s, b->context), *r;
   int64_t dx[2], dtw[2], gs[MOKK_NWEIGHTS][3];
   int gnd[MOKK_NWEIGHTS];
   void *pd;
@@ -420,7 +325,7 @@ int mokd_h_backward(mokd_session *s, const Mokd__Request *q, const int *fds, int
   if (mode == MOKK_GRAD_BF16 && b->n_grads != 0 && (int)b->n_grads != nw)
     return mokk_fail(err, MOK_EINVAL, "Backward names %zu gradient buffers; the layer has "
                      "%d weights (or send none to get them back)", b->n_grads, nw);
-  if ((j = step_new(s, q->id)) == NULL || (r = result_new(s, 0)) == NULL) {
+  if ((j = step_new(s, q->id)) == NULL || (r = mokd_result_new(s, 0)) == NULL) {
     free(j);
     return mokk_fail(err, MOK_ENOMEM, "out of memory");
   }
@@ -454,7 +359,7 @@ int mokd_h_backward(mokd_session *s, const Mokd__Request *q, const int *fds, int
       bytes[nout++] = (size_t)mokk_weight_elems(sh, i) * 2;
     }
   bytes[nout] = sizeof(int32_t);
-  if ((rc = alloc_outputs(s, r, nout + (s->device >= 0), bytes, offs, err)))
+  if ((rc = mokd_result_outputs(s, r, nout + (s->device >= 0), bytes, offs, err)))
     goto fail;
   if ((rc = status_slot(s, j, r, offs[nout], err)))
     goto fail;
@@ -481,71 +386,4 @@ fail:
   mokd_result_free(s, r);
   step_free(j);
   return rc;
-}
-
-typedef struct out_block {
-  mokd_arena *arena;
-  mokd_span span;
-} out_block;
-
-static int block_cmp(const void *a, const void *b)
-{
-  const out_block *x = a, *y = b;
-  return x->arena->id < y->arena->id ? -1 : x->arena->id > y->arena->id;
-}
-
-/* Frees the results named (all live, none twice); their output blocks go
- * back to each arena in one merge. */
-static void release_all(mokd_session *s, const uint64_t *ids, size_t n)
-{
-  out_block *blk = malloc(n * sizeof *blk);
-  mokd_span *spans = malloc(n * sizeof *spans);
-  size_t nb = 0;
-
-  for (size_t i = 0; i < n; i++) {
-    mokd_result *r = result_find(s, ids[i]);
-    if (blk != NULL && spans != NULL && r->out_arena != NULL) {
-      blk[nb++] = (out_block){r->out_arena, r->out};
-      r->out_arena = NULL;
-    }
-    mokd_result_free(s, r);
-  }
-  if (nb > 0) /* blk may be NULL when memory ran short: each block went back alone */
-    qsort(blk, nb, sizeof *blk, block_cmp);
-  for (size_t i = 0, j; i < nb; i = j) {
-    for (j = i; j < nb && blk[j].arena == blk[i].arena; j++)
-      spans[j - i] = blk[j].span;
-    mokd_out_release_many(blk[i].arena, spans, j - i);
-  }
-  free(blk);
-  free(spans);
-}
-
-int mokd_h_release(mokd_session *s, const Mokd__Request *q, const int *fds, int nfds,
-                   char *err)
-{
-  const Mokd__Release *rl = q->release;
-  Mokd__Response r = MOKD__RESPONSE__INIT;
-  Mokd__Released done = MOKD__RELEASED__INIT;
-
-  (void)fds, (void)nfds;
-  /* all or nothing, in O(n): each id is looked up once and marked */
-  uint64_t mark = ++s->release_marks;
-  for (size_t i = 0; i < rl->n_ids; i++) {
-    mokd_result *res = result_find(s, rl->ids[i]);
-    if (res == NULL)
-      return mokk_fail(err, MOK_ECONTEXT, "id %llu is not a live context or result of this "
-                       "session; nothing was released", (unsigned long long)rl->ids[i]);
-    if (res->mark == mark)
-      return mokk_fail(err, MOK_EINVAL, "id %llu is named twice; nothing was released",
-                       (unsigned long long)rl->ids[i]);
-    res->mark = mark;
-  }
-  release_all(s, rl->ids, rl->n_ids);
-  done.count = (uint32_t)rl->n_ids;
-  r.id = q->id;
-  r.body_case = MOKD__RESPONSE__BODY_RELEASED;
-  r.released = &done;
-  mokd_send(s, &r, NULL, 0);
-  return 0;
 }
