@@ -265,13 +265,8 @@ static double now_s(void)
 
 START_TEST(silent_connections_are_closed)
 {
-  char path[128], log2[128];
-  snprintf(path, sizeof path, "%s/hello.sock", dir);
-  snprintf(log2, sizeof log2, "%s/hello.log", dir);
-  pid_t pid = spawn_daemon(path, "--max-sessions=3 --hello-timeout-ms=300", log2);
-  wait_for_socket(path, pid);
-  char *save = strdup(sock);
-  strcpy(sock, path);
+  own_daemon d;
+  own_daemon_start(&d, "hello", "--max-sessions=3 --hello-timeout-ms=300");
 
   usleep(100000); /* wait_for_socket's probe session is gone */
   /* three silent connections take every slot */
@@ -280,7 +275,7 @@ START_TEST(silent_connections_are_closed)
     idle[i] = raw_connect();
   usleep(50000);
   mok_client *c;
-  ck_assert_int_eq(mok_connect(path, "locked out", &c), MOK_EPERM);
+  ck_assert_int_eq(mok_connect(d.path, "locked out", &c), MOK_EPERM);
   mok_close(c);
   /* then each is told why and closed, and the slots are free again */
   double t0 = now_s();
@@ -295,11 +290,7 @@ START_TEST(silent_connections_are_closed)
   uint64_t rtt;
   ck_assert_int_eq(mok_ping(c, &rtt), 0);
   mok_close(c);
-  strcpy(sock, save);
-  free(save);
-  int st = stop_daemon(pid);
-  ck_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0);
-  unlink(log2);
+  own_daemon_stop(&d);
 }
 END_TEST
 
@@ -309,13 +300,8 @@ END_TEST
  * daemon has refused it (it used to meet a closed socket: "Broken pipe"). */
 START_TEST(refused_client_reads_the_reason)
 {
-  char path[128], log2[128];
-  snprintf(path, sizeof path, "%s/full.sock", dir);
-  snprintf(log2, sizeof log2, "%s/full.log", dir);
-  pid_t pid = spawn_daemon(path, "--max-sessions=1", log2);
-  wait_for_socket(path, pid);
-  char *save = strdup(sock);
-  strcpy(sock, path);
+  own_daemon d;
+  own_daemon_start(&d, "full", "--max-sessions=1");
   usleep(100000); /* wait_for_socket's probe session is gone */
   mok_client *in = connect_ok(), *out;
   int fd = raw_connect();
@@ -328,7 +314,7 @@ START_TEST(refused_client_reads_the_reason)
   expect_status(fd, MOK_EPERM, "too many sessions (max_sessions)");
   ck_assert_ptr_null(raw_reply(fd)); /* then it is closed */
   close(fd);
-  ck_assert_int_eq(mok_connect(path, "second", &out), MOK_EPERM);
+  ck_assert_int_eq(mok_connect(d.path, "second", &out), MOK_EPERM);
   ck_assert_msg(strstr(mok_last_error(out), "too many sessions") != NULL, "%s",
                 mok_last_error(out));
   mok_close(out);
@@ -340,11 +326,7 @@ START_TEST(refused_client_reads_the_reason)
   ck_assert_msg(now_s() - t0 < 3.0, "closed after %.1f s", now_s() - t0);
   close(fd);
   mok_close(in);
-  strcpy(sock, save);
-  free(save);
-  int st = stop_daemon(pid);
-  ck_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0);
-  unlink(log2);
+  own_daemon_stop(&d);
 }
 END_TEST
 
@@ -354,17 +336,14 @@ END_TEST
  * session's next arena failed. */
 START_TEST(imports_are_limited_per_session)
 {
-  char path[128], log2[128];
-  snprintf(path, sizeof path, "%s/imports.sock", dir);
-  snprintf(log2, sizeof log2, "%s/imports.log", dir);
-  pid_t pid = spawn_daemon(path, "--max-arenas=8 --session-quota-bytes=1M", log2);
-  wait_for_socket(path, pid);
+  own_daemon d;
+  own_daemon_start(&d, "imports", "--max-arenas=8 --session-quota-bytes=1M");
   mok_client *c, *other;
   mok_arena_info a[9];
   int fd = memfd_create("weights", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   ck_assert_int_eq(ftruncate(fd, 64 << 10), 0);
   ck_assert_int_eq(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK), 0);
-  ck_assert_int_eq(mok_connect(path, "importer", &c), 0);
+  ck_assert_int_eq(mok_connect(d.path, "importer", &c), 0);
   for (int i = 0; i < 8; i++)
     ck_assert_msg(mok_arena_import(c, fd, 64 << 10, &a[i]) == 0, "import %d: %s", i,
                   mok_last_error(c));
@@ -372,7 +351,7 @@ START_TEST(imports_are_limited_per_session)
   ck_assert_msg(strstr(mok_last_error(c), "already holds 8 arenas (max_arenas)") != NULL, "%s",
                 mok_last_error(c));
   /* and another session is not hurt */
-  ck_assert_int_eq(mok_connect(path, "other", &other), 0);
+  ck_assert_int_eq(mok_connect(d.path, "other", &other), 0);
   ck_assert_int_eq(mok_arena_create(other, 4096, &a[8]), 0);
   mok_close(other);
   /* an imported memfd counts against the host quota: 8 x 64 KiB of 1 MiB held */
@@ -382,9 +361,7 @@ START_TEST(imports_are_limited_per_session)
                 "%s", mok_last_error(c));
   mok_close(c);
   close(fd);
-  int st = stop_daemon(pid);
-  ck_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0);
-  unlink(log2);
+  own_daemon_stop(&d);
 }
 END_TEST
 

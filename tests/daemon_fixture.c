@@ -42,6 +42,25 @@ pid_t spawn_daemon(const char *path, const char *extra, const char *log)
   return pid;
 }
 
+void own_daemon_start(own_daemon *d, const char *name, const char *extra)
+{
+  snprintf(d->path, sizeof d->path, "%s/%s.sock", dir, name);
+  snprintf(d->log, sizeof d->log, "%s/%s.log", dir, name);
+  d->pid = spawn_daemon(d->path, extra, d->log);
+  wait_for_socket(d->path, d->pid);
+  snprintf(d->saved, sizeof d->saved, "%s", sock);
+  snprintf(sock, sizeof sock, "%s", d->path);
+}
+
+void own_daemon_stop(own_daemon *d)
+{
+  snprintf(sock, sizeof sock, "%s", d->saved);
+  int st = stop_daemon(d->pid);
+  ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 0, "mokd on %s exited with status %d",
+                d->path, st);
+  unlink(d->log);
+}
+
 void wait_for_socket(const char *path, pid_t pid)
 {
   for (int i = 0; i < 400; i++) {

@@ -20,6 +20,16 @@ pid_t spawn_daemon(const char *path, const char *extra, const char *log);
 void wait_for_socket(const char *path, pid_t pid);
 /* SIGTERM, then the exit status */
 int stop_daemon(pid_t pid);
+
+/* A daemon of a test's own on DIR/NAME.sock with extra flags; until
+ * own_daemon_stop the raw and libmok helpers (sock) talk to it. */
+typedef struct own_daemon {
+  pid_t pid;
+  char path[96], log[128], saved[96]; /* path: as long as sock */
+} own_daemon;
+void own_daemon_start(own_daemon *d, const char *name, const char *extra);
+/* sock back to the fixture's daemon; asserts this one exits 0 on SIGTERM */
+void own_daemon_stop(own_daemon *d);
 /* a daemon on sock (executor_threads 2); teardown asserts it exits 0 */
 void setup(void);
 void teardown(void);
