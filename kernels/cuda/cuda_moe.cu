@@ -216,7 +216,7 @@ static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
   const mokk_fwd_rank *f = &ranks[0];
   int64_t H = s->H, I = s->I, E = s->E, K = s->K, Is = s->I_s, TK = T * K;
   int train = out_ctx != NULL, rc;
-  size_t off = 0, o_count, o_rs, o_to, o_slot, o_src, o_rw, o_xr, o_g = 0, o_u = 0, o_h, o_y,
+  size_t off = 0, o_ids, o_count, o_rs, o_to, o_slot, o_src, o_rw, o_xr, o_g = 0, o_u = 0, o_h, o_y,
          o_gs = 0, o_us = 0, o_hs = 0, o_ys = 0;
   cuda_ctx *c;
 
@@ -237,6 +237,7 @@ static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
   for (int w = 0; w < MOKK_NWEIGHTS; w++)
     c->w[w] = (const bf16 *)f->w[w];
 
+  o_ids = carve(&off, TK * sizeof(int32_t));
   o_count = carve(&off, E * sizeof(int));
   o_rs = carve(&off, (E + 1) * sizeof(int));
   o_to = carve(&off, (E + 1) * sizeof(int));
@@ -286,7 +287,8 @@ static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
   mlp routed_mlp = mlp_routed(c, TK), shared_mlp = mlp_shared(c, T);
 
   /* schedule */
-  route_schedule(cb->stream, f->topk_ids, f->topk_weights, TK, (int)E, c->count, c->row_start,
+  route_schedule(cb->stream, f->topk_ids, f->topk_weights, TK, (int)E,
+                 (int32_t *)(base + o_ids), c->count, c->row_start,
                  c->tile_off, c->slot, c->src, c->row_w, cb->status);
   if ((rc = launched(err, "schedule")))
     goto fail;

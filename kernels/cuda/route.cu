@@ -15,21 +15,33 @@
 
 /* ---- schedule ------------------------------------------------------------ */
 
-/* Block e counts the pairs routed to expert e; block 0 also marks invalid ids. */
-__global__ void k_count(const int32_t *ids, int64_t TK, int E, int *count, int *slot,
-                        int *status)
+/* The ids are the client's memory, which it may still be writing: copy them
+ * once, checked, and let every later kernel read the copy, so the counts and
+ * the slots are taken from the same values. An id outside [0, E) becomes -1,
+ * its pair is dropped and the status word says so. */
+__global__ void k_ids(const int32_t *ids, int64_t TK, int E, int32_t *own, int *slot,
+                      int *status)
+{
+  for (int64_t p = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; p < TK;
+       p += (int64_t)gridDim.x * blockDim.x) {
+    int id = ids[p];
+    if (id < 0 || id >= E) {
+      id = -1;
+      slot[p] = -1;
+      atomicOr(status, 1); /* an integer flag: the order does not matter */
+    }
+    own[p] = id;
+  }
+}
+
+/* Block e counts the pairs routed to expert e. */
+__global__ void k_count(const int32_t *ids, int64_t TK, int *count)
 {
   __shared__ int part[SCHED_THREADS / 32];
   int e = blockIdx.x, n = 0;
 
-  for (int64_t p = threadIdx.x; p < TK; p += blockDim.x) {
-    int id = ids[p];
-    n += id == e;
-    if (e == 0 && (id < 0 || id >= E)) {
-      slot[p] = -1;
-      atomicOr(status, 1); /* an integer flag: the order does not matter */
-    }
-  }
+  for (int64_t p = threadIdx.x; p < TK; p += blockDim.x)
+    n += ids[p] == e;
   for (int o = 16; o > 0; o >>= 1)
     n += __shfl_xor_sync(0xffffffffu, n, o);
   if ((threadIdx.x & 31) == 0)
@@ -199,12 +211,15 @@ __global__ void k_dtw(const bf16 *d_out, const bf16 *y, const int *slot, int64_t
 /* ---- launches ------------------------------------------------------------- */
 
 void route_schedule(cudaStream_t st, const int32_t *ids, const float *tw, int64_t TK, int E,
-                    int *count, int *row_start, int *tile_off, int *slot, int *src, float *row_w,
-                    int *status)
+                    int32_t *own_ids, int *count, int *row_start, int *tile_off, int *slot,
+                    int *src, float *row_w, int *status)
 {
-  k_count<<<E, SCHED_THREADS, 0, st>>>(ids, TK, E, count, slot, status);
+  int64_t blocks = (TK + SCHED_THREADS - 1) / SCHED_THREADS;
+  k_ids<<<(int)(blocks < 1024 ? (blocks > 0 ? blocks : 1) : 1024), SCHED_THREADS, 0, st>>>(
+      ids, TK, E, own_ids, slot, status);
+  k_count<<<E, SCHED_THREADS, 0, st>>>(own_ids, TK, count);
   k_scan<<<1, 1, 0, st>>>(count, E, row_start, tile_off);
-  k_slots<<<E, SCHED_THREADS, 0, st>>>(ids, tw, TK, row_start, slot, src, row_w);
+  k_slots<<<E, SCHED_THREADS, 0, st>>>(own_ids, tw, TK, row_start, slot, src, row_w);
 }
 
 void route_gather(cudaStream_t st, int grid, const bf16 *x, const int *src, const int *total,

@@ -12,10 +12,11 @@ typedef __nv_bfloat16 bf16;
 /* The schedule of T K pairs over E experts: count[e], row_start[e] (and the
  * total at row_start[E]), tile_off[e] (m-tiles of 128 rows before e, the
  * total at tile_off[E]), each pair's row in slot (-1 and bit 0 of status for
- * an id outside [0, E)), each row's pair in src and its router weight. */
+ * an id outside [0, E)), each row's pair in src and its router weight.
+ * The ids are read once, into own_ids (TK ints), which the rest reads. */
 void route_schedule(cudaStream_t st, const int32_t *ids, const float *tw, int64_t TK, int E,
-                    int *count, int *row_start, int *tile_off, int *slot, int *src, float *row_w,
-                    int *status);
+                    int32_t *own_ids, int *count, int *row_start, int *tile_off, int *slot,
+                    int *src, float *row_w, int *status);
 /* xr[row] = x[token of row]; with dy, also dy[row] = bf16(row_w[row] x[token]). */
 void route_gather(cudaStream_t st, int grid, const bf16 *x, const int *src, const int *total,
                   int K, int64_t H, bf16 *xr, const float *row_w, bf16 *dy);
