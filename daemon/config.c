@@ -15,8 +15,10 @@
 #include "log.h"
 #include "mok.h"
 
-/* T_RAM: a size, or N% of this machine's physical memory */
-typedef enum { T_STR, T_INT, T_SIZE, T_RAM, T_LEVEL, T_SUBSYS } opt_type;
+/* T_RAM: a size, or N% of this machine's physical memory. T_GPU: a size, or
+ * N% of the smallest device's memory, kept in session_gpu_quota_pct until the
+ * devices are open (mokd_config_gpu_quota). */
+typedef enum { T_STR, T_INT, T_SIZE, T_RAM, T_GPU, T_LEVEL, T_SUBSYS } opt_type;
 
 typedef struct opt {
   const char *name; /* in the file; the flag is --name with '-' for '_' */
@@ -95,12 +97,11 @@ static const opt options[] = {
      "MOKD_SESSION_QUOTA_BYTES",
      "host memory a session may hold in arenas (imported memfds included), outputs and "
      "contexts: a size, or N% of this machine's RAM; 0 = unlimited", NULL},
-    {"session_gpu_quota_bytes", NUM(T_SIZE, session_gpu_quota_bytes), "0", 0, INT64_MAX / 2,
+    {"session_gpu_quota_bytes", NUM(T_GPU, session_gpu_quota_bytes), "90%", 0, INT64_MAX / 2,
      "MOKD_SESSION_GPU_QUOTA_BYTES",
      "GPU memory a session may hold in daemon-made arenas, outputs and contexts (the "
-     "memory a client imports is its own and not counted); 0 = unlimited. No default "
-     "share of the device: the backend does not report its memory size, so set it per "
-     "node", NULL},
+     "memory a client imports is its own and not counted): a size, or N% of the "
+     "smallest device's memory; 0 = unlimited", NULL},
     {"max_sessions", NUM(T_INT, max_sessions), "256", 1, 65536, "MOKD_MAX_SESSIONS",
      "clients connected at once", NULL},
     {"hello_timeout_ms", NUM(T_INT, hello_timeout_ms), "10000", 0, 3600000,
@@ -164,6 +165,25 @@ static int64_t ram_share(int64_t pct)
   return (int64_t)((__int128)pages * page * pct / 100);
 }
 
+/* "N%" with N in [1, 100] -> N; anything else -> -1. */
+static int share_pct(const char *val)
+{
+  size_t len = strlen(val);
+  char *end;
+  errno = 0;
+  long long pct = strtoll(val, &end, 10);
+  if (end == val || end != val + len - 1 || *end != '%' || errno != 0 || pct < 1 || pct > 100)
+    return -1;
+  return (int)pct;
+}
+
+void mokd_config_gpu_quota(mokd_config *cfg, uint64_t device_bytes)
+{
+  if (cfg->session_gpu_quota_pct > 0)
+    cfg->session_gpu_quota_bytes =
+        (int64_t)((unsigned __int128)device_bytes * (unsigned)cfg->session_gpu_quota_pct / 100);
+}
+
 /* Sets one option from text; on error writes why into why. */
 static int set_opt(mokd_config *cfg, const opt *o, const char *val, char *why, size_t n)
 {
@@ -196,13 +216,30 @@ static int set_opt(mokd_config *cfg, const opt *o, const char *val, char *why, s
     v = x;
     break;
   }
+  case T_GPU:
+    cfg->session_gpu_quota_pct = 0;
+    if (strchr(val, '%') != NULL) {
+      int pct = share_pct(val);
+      if (pct < 0) {
+        snprintf(why, n, "%s: \"%s\" is not a share of the device from 1%% to 100%%",
+                 o->name, val);
+        return -1;
+      }
+      cfg->session_gpu_quota_pct = pct;
+      v = 0; /* bytes once the devices are open */
+      break;
+    }
+    if (parse_size(val, &v) != 0) {
+      snprintf(why, n, "%s: \"%s\" is not a size (a number, optionally K, M, G or T) or "
+               "a share N%%", o->name, val);
+      return -1;
+    }
+    break;
   case T_RAM:
   case T_SIZE:
     if (o->type == T_RAM && strchr(val, '%') != NULL) {
-      size_t len = strlen(val);
-      char *end;
-      long long pct = strtoll(val, &end, 10);
-      if (end != val + len - 1 || pct < 1 || pct > 100) {
+      int pct = share_pct(val);
+      if (pct < 0) {
         snprintf(why, n, "%s: \"%s\" is not a share of RAM from 1%% to 100%%", o->name, val);
         return -1;
       }
@@ -522,6 +559,8 @@ void mokd_config_print(const mokd_config *cfg, FILE *out)
       mokd_log_subsys_names((unsigned)v, names, sizeof names);
       fprintf(out, "%s = %s\n", o->name, names);
     }
+    else if (o->type == T_GPU && cfg->session_gpu_quota_pct > 0 && v == 0)
+      fprintf(out, "%s = %d%%\n", o->name, cfg->session_gpu_quota_pct);
     else
       fprintf(out, "%s = %lld\n", o->name, (long long)v);
   }

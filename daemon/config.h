@@ -22,6 +22,7 @@ typedef struct mokd_config {
   int64_t max_arena_bytes;
   int64_t session_quota_bytes;
   int64_t session_gpu_quota_bytes;
+  int session_gpu_quota_pct; /* given as N% of a device: bytes come at start */
   int64_t max_sessions;
   int64_t hello_timeout_ms;
   int64_t max_layers;
@@ -42,6 +43,9 @@ enum {
 /* Fills cfg from all sources. Returns MOKD_CONFIG_RUN, MOKD_CONFIG_EXIT, or a
  * negative code with a message in err ("file:line: ..." for the file). */
 int mokd_config_load(mokd_config *cfg, int argc, char **argv, char *err, size_t errlen);
+/* The GPU quota given as a share becomes bytes of device_bytes (the smallest
+ * device's memory; 0 when there is no device, which leaves it unlimited). */
+void mokd_config_gpu_quota(mokd_config *cfg, uint64_t device_bytes);
 /* Re-reads the log level and subsystems (file, then env); for SIGHUP. */
 int mokd_config_reload_log(mokd_config *cfg, char *err, size_t errlen);
 void mokd_config_print(const mokd_config *cfg, FILE *out);

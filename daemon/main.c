@@ -48,6 +48,18 @@ static int open_gpus(mokd_server *s, int visible, char *err)
     s->ngpus = i + 1;
   }
   s->backend = s->gpus[0].backend;
+  /* a GPU quota given as a share is of the smallest device */
+  uint64_t least = 0;
+  for (int i = 0; i < s->ngpus; i++) {
+    uint64_t m = mokk_backend_mem_total(s->gpus[i].backend);
+    if (i == 0 || m < least)
+      least = m;
+  }
+  mokd_config_gpu_quota(&s->cfg, least);
+  if (s->cfg.session_gpu_quota_pct > 0)
+    LOG_INFO(INIT, "session_gpu_quota_bytes: %d%% of %llu = %lld bytes per session",
+             s->cfg.session_gpu_quota_pct, (unsigned long long)least,
+             (long long)s->cfg.session_gpu_quota_bytes);
   return 0;
 }
 

@@ -55,6 +55,11 @@ int mokk_backend_device(const mokk_backend *b)
   return b != NULL ? b->device : -1;
 }
 
+uint64_t mokk_backend_mem_total(const mokk_backend *b)
+{
+  return b != NULL && b->iface->mem_total != NULL ? b->iface->mem_total(b) : 0;
+}
+
 int mokk_buffer_alloc(mokk_backend *b, size_t bytes, mokk_buffer **out, int *fd, char *err)
 {
   *out = NULL;

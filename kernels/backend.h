@@ -68,6 +68,8 @@ void mokk_backend_destroy(mokk_backend *b);
 const char *mokk_backend_name(const mokk_backend *b);
 /* Where the backend computes and makes its memory: a CUDA ordinal, -1 = host. */
 int mokk_backend_device(const mokk_backend *b);
+/* Bytes of memory on that device; 0 for host memory. */
+uint64_t mokk_backend_mem_total(const mokk_backend *b);
 
 /* ---- memory --------------------------------------------------------------- */
 

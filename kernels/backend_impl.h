@@ -26,6 +26,7 @@ typedef struct mokk_backend_iface {
   int (*buffer_import)(mokk_backend *b, const mokk_import *src, mokk_buffer **out, char *err);
   int (*buffer_release)(mokk_backend *b, mokk_buffer *buf, char *err);
   int (*reap)(mokk_backend *b, int wait);
+  uint64_t (*mem_total)(const mokk_backend *b);
   /* ordering with a client process */
   int (*events_new)(mokk_backend *b, mokk_events **out, char *err);
   void (*events_free)(mokk_backend *b, mokk_events *ev);

@@ -40,7 +40,11 @@ START_TEST(defaults)
   /* a session may hold half the RAM by default, not all of it and more */
   int64_t ram = (int64_t)sysconf(_SC_PHYS_PAGES) * sysconf(_SC_PAGESIZE);
   ck_assert_int_eq(cfg.session_quota_bytes, ram / 2);
+  /* and 90% of the smallest GPU, in bytes once the devices are open */
   ck_assert_int_eq(cfg.session_gpu_quota_bytes, 0);
+  ck_assert_int_eq(cfg.session_gpu_quota_pct, 90);
+  mokd_config_gpu_quota(&cfg, 1000ull << 20);
+  ck_assert_int_eq(cfg.session_gpu_quota_bytes, 900ll << 20);
   ck_assert(cfg.socket[0] != 0); /* a default path is filled in */
 }
 END_TEST
@@ -64,8 +68,26 @@ START_TEST(quota_as_a_share_of_ram)
     ck_assert_msg(strstr(err, "is not a share of RAM from 1% to 100%") != NULL, "%s: %s",
                   bad[i], err);
   }
-  /* the GPU quota takes bytes only: the backend does not say its memory size */
+  /* the GPU quota: a share of the smallest device, or bytes, which win */
   char *argv2[] = {"mokd", "--config", "/dev/null", "--session-gpu-quota-bytes", "10%"};
+  ck_assert_int_eq(load(5, argv2), MOKD_CONFIG_RUN);
+  ck_assert_int_eq(cfg.session_gpu_quota_pct, 10);
+  mokd_config_gpu_quota(&cfg, 141ull << 30);
+  ck_assert_int_eq(cfg.session_gpu_quota_bytes, (int64_t)((141ull << 30) / 10));
+  mokd_config_gpu_quota(&cfg, 0); /* no device: nothing to hold, unlimited */
+  ck_assert_int_eq(cfg.session_gpu_quota_bytes, 0);
+  argv2[4] = "2G";
+  ck_assert_int_eq(load(5, argv2), MOKD_CONFIG_RUN);
+  ck_assert_int_eq(cfg.session_gpu_quota_pct, 0);
+  mokd_config_gpu_quota(&cfg, 141ull << 30);
+  ck_assert_int_eq(cfg.session_gpu_quota_bytes, 2ll << 30);
+  for (int i = 0; i < 5; i++) {
+    argv2[4] = (char *)bad[i];
+    ck_assert_int_eq(load(5, argv2), MOK_EINVAL);
+    ck_assert_msg(strstr(err, "is not a share of the device from 1% to 100%") != NULL,
+                  "%s: %s", bad[i], err);
+  }
+  argv2[4] = "lots";
   ck_assert_int_eq(load(5, argv2), MOK_EINVAL);
   ck_assert_msg(strstr(err, "is not a size") != NULL, "%s", err);
 }

@@ -167,10 +167,18 @@ static void cuda_destroy(mokk_backend *b)
 }
 
 /* forward and backward are cuda_moe.cu's */
+static uint64_t cuda_mem_total(const mokk_backend *b)
+{
+  cudaDeviceProp p;
+  if (cudaGetDeviceProperties(&p, b->device) != cudaSuccess)
+    return 0;
+  return (uint64_t)p.totalGlobalMem;
+}
+
 static const mokk_backend_iface cuda_iface = {
     "cuda", cuda_forward_entry, cuda_backward_entry, cuda_ctx_free, cuda_ctx_bytes,
     cuda_destroy, cuda_buffer_alloc, cuda_buffer_import, cuda_buffer_release, cuda_reap,
-    cuda_events_new, cuda_events_free, cuda_step_begin, cuda_step_end,
+    cuda_mem_total, cuda_events_new, cuda_events_free, cuda_step_begin, cuda_step_end,
 };
 
 extern "C" int mokk_cuda_devices(char *err)
