@@ -24,6 +24,7 @@ typedef struct mokd_config {
   int64_t session_gpu_quota_bytes;
   int64_t max_sessions;
   int64_t hello_timeout_ms;
+  int64_t group_timeout_ms;
   int64_t max_layers;
   int64_t max_arenas;
   char allow_uids[256];
