@@ -54,7 +54,7 @@ KERNEL_SRC := kernels/layer.c kernels/backend.c kernels/cpu/ops.c \
               kernels/cpu/pool.c kernels/cpu/cpu_moe.c kernels/cpu/hostmem.c
 DAEMON_SRC := daemon/main.c daemon/config.c daemon/log.c daemon/server.c daemon/conn.c \
               daemon/dispatch.c daemon/session.c daemon/arenas.c daemon/layers.c \
-              daemon/steps.c daemon/results.c daemon/registry.c daemon/executor.c daemon/notify.c \
+              daemon/steps.c daemon/results.c daemon/groups.c daemon/registry.c daemon/executor.c daemon/notify.c \
               daemon/idmap.c kernels/devices.c
 CLIENT_SRC := client/mok.c client/cudamap.c
 UNIT_SRC   := tests/check_main.c tests/ref.c tests/check_bf16.c \
