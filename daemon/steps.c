@@ -324,6 +324,8 @@ static void group_done(mokd_work *w)
   if (g != NULL && g->refs == 0) { /* every rank asked for inference, or is gone */
     mokk_ctx_free(g->backend, g->ctx);
     free(g);
+  } else if (g != NULL && g->refs < g->P) {
+    g->dropped = 1; /* a rank holds no context of it: no group backward can run */
   }
   mokd_server_maybe_stop(srv);
 }
@@ -523,9 +525,9 @@ static int group_context(mokd_session *s, const mokd_result *c, char *err)
     return mokk_fail(err, MOK_EGROUP, "context %llu is from an EP group that was torn down",
                      (unsigned long long)c->id);
   if (c->gctx->dropped)
-    return mokk_fail(err, MOK_ECONTEXT, "another EP rank released its context of the forward "
-                     "of context %llu; a group's Backward needs every rank's",
-                     (unsigned long long)c->id);
+    return mokk_fail(err, MOK_ECONTEXT, "another EP rank holds no context of the forward of "
+                     "context %llu (released, or it ran as inference); a group's Backward "
+                     "needs every rank's", (unsigned long long)c->id);
   return 0;
 }
 

@@ -651,6 +651,77 @@ START_TEST(ep_step_mismatch_fails_all)
 }
 END_TEST
 
+/* A group backward needs every rank's context of the forward: one rank
+ * that released its own makes the others' Backward fail at once. */
+START_TEST(ep_backward_needs_every_context)
+{
+  mok_layer_desc d = {.hidden = small.H, .intermediate = small.I, .experts = small.E,
+                      .top_k = small.K};
+  int64_t w3[3][3] = {{4, small.I, small.H}, {4, small.I, small.H}, {4, small.H, small.I}};
+  mok_client *c;
+  mok_arena_info a;
+  mok_forward_result f;
+  mok_backward_result b;
+  mok_stats st;
+  uint64_t layer;
+  int up[2], down[2]; /* rank 1 to the test, and back */
+  pid_t kid;
+  char ch;
+
+  ck_assert_int_eq(pipe(up), 0);
+  ck_assert_int_eq(pipe(down), 0);
+  kid = fork();
+  if (kid == 0) { /* rank 1: a forward, then its context released */
+    mok_client *m;
+    mok_arena_info ma;
+    mok_forward_result mf;
+    mok_layer_desc dm = d;
+    uint64_t l;
+    mok_layer_desc_ep(&dm, 15, 2, 1);
+    if (mok_connect(sock, "r1", &m) != 0 || mok_arena_create(m, 1 << 16, &ma) != 0 ||
+        mok_layer_create(m, &dm, &l) != 0)
+      _exit(1);
+    mok_tensor w[MOK_NWEIGHTS] = {mok_tensor_make(ma.id, 0, MOK_DTYPE_BF16, 3, w3[0]),
+                                  mok_tensor_make(ma.id, 0, MOK_DTYPE_BF16, 3, w3[1]),
+                                  mok_tensor_make(ma.id, 0, MOK_DTYPE_BF16, 3, w3[2])};
+    mok_tensor x = mok_tensor_make(ma.id, 8192, MOK_DTYPE_BF16, 2, (int64_t[]){2, small.H});
+    mok_tensor ids = mok_tensor_make(ma.id, 16384, MOK_DTYPE_I32, 2, (int64_t[]){2, small.K});
+    mok_tensor tw = mok_tensor_make(ma.id, 20480, MOK_DTYPE_F32, 2, (int64_t[]){2, small.K});
+    if (mok_layer_set_weights(m, l, w) != 0 || mok_forward(m, l, &x, &ids, &tw, 0, &mf) != 0 ||
+        mok_release(m, &mf.context, 1) != 0 || write(up[1], "x", 1) != 1)
+      _exit(2);
+    if (read(down[0], &ch, 1) != 1) /* stays until rank 0 has tried */
+      _exit(3);
+    mok_close(m);
+    _exit(0);
+  }
+  c = connect_ok();
+  ck_assert_int_eq(mok_arena_create(c, 1 << 16, &a), 0);
+  mok_layer_desc_ep(&d, 15, 2, 0);
+  ck_assert_int_eq(mok_layer_create(c, &d, &layer), 0);
+  mok_tensor w[MOK_NWEIGHTS] = {mok_tensor_make(a.id, 0, MOK_DTYPE_BF16, 3, w3[0]),
+                                mok_tensor_make(a.id, 0, MOK_DTYPE_BF16, 3, w3[1]),
+                                mok_tensor_make(a.id, 0, MOK_DTYPE_BF16, 3, w3[2])};
+  mok_tensor x = mok_tensor_make(a.id, 8192, MOK_DTYPE_BF16, 2, (int64_t[]){2, small.H});
+  mok_tensor ids = mok_tensor_make(a.id, 16384, MOK_DTYPE_I32, 2, (int64_t[]){2, small.K});
+  mok_tensor tw = mok_tensor_make(a.id, 20480, MOK_DTYPE_F32, 2, (int64_t[]){2, small.K});
+  ck_assert_int_eq(mok_layer_set_weights(c, layer, w), 0);
+  ck_assert_msg(mok_forward(c, layer, &x, &ids, &tw, 0, &f) == 0, "%s", mok_last_error(c));
+  ck_assert_int_eq(read(up[0], &ch, 1), 1);
+  ck_assert_int_eq(mok_backward(c, f.context, &x, NULL, 0, &b), MOK_ECONTEXT);
+  ck_assert_msg(strstr(mok_last_error(c), "another EP rank holds no context of the forward") !=
+                    NULL, "%s", mok_last_error(c));
+  ck_assert_int_eq(write(down[1], "x", 1), 1);
+  ck_assert_int_eq(wait_exit(kid), 0);
+  ck_assert_int_eq(mok_release(c, &f.context, 1), 0);
+  ck_assert_int_eq(mok_layer_destroy(c, layer), 0);
+  mok_close(c);
+  c = connect_ok();
+  wait_baseline(c, &st);
+  mok_close(c);
+}
+END_TEST
+
 Suite *daemon_ep_suite(void)
 {
   Suite *s = suite_create("daemon_ep");
@@ -670,6 +741,7 @@ Suite *daemon_ep_suite(void)
   tcase_add_test(tc, ep_late_rank_told_why);
   tcase_add_test(tc, ep_join_mismatches);
   tcase_add_test(tc, ep_step_mismatch_fails_all);
+  tcase_add_test(tc, ep_backward_needs_every_context);
   suite_add_tcase(s, tc);
   return s;
 }
