@@ -54,7 +54,7 @@ KERNEL_SRC := kernels/layer.c kernels/backend.c kernels/cpu/ops.c \
               kernels/cpu/pool.c kernels/cpu/cpu_moe.c kernels/cpu/hostmem.c
 DAEMON_SRC := daemon/main.c daemon/config.c daemon/log.c daemon/server.c daemon/conn.c \
               daemon/dispatch.c daemon/session.c daemon/arenas.c daemon/layers.c \
-              daemon/steps.c daemon/results.c daemon/registry.c daemon/executor.c daemon/notify.c \
+              daemon/steps.c daemon/results.c daemon/groups.c daemon/registry.c daemon/executor.c daemon/notify.c \
               daemon/idmap.c kernels/devices.c
 CLIENT_SRC := client/mok.c client/cudamap.c
 UNIT_SRC   := tests/check_main.c tests/ref.c tests/check_bf16.c \
@@ -68,7 +68,7 @@ UNIT_SRC   += tests/check_mokctl.c tests/check_idmap.c
 UNIT_DAEMON := daemon/config.c daemon/log.c daemon/registry.c daemon/idmap.c
 INTEG_SRC  := tests/check_daemon.c tests/daemon_fixture.c tests/check_daemon_steps.c \
               tests/check_daemon_wire.c tests/check_daemon_service.c tests/ref.c \
-              tests/check_daemon_limits.c
+              tests/check_daemon_limits.c tests/check_daemon_ep.c
 BENCH_SRC  := tests/bench/bench_cpu.c
 CUDA_SRC   := kernels/cuda/cuda_moe.cu kernels/cuda/cuda_backend.cu kernels/cuda/gpumem.cu \
               kernels/cuda/ipc.cu kernels/cuda/route.cu kernels/cuda/sm90/tma.cu

@@ -660,6 +660,18 @@ int mok_layer_create(mok_client *c, const mok_layer_desc *d, uint64_t *layer)
   return 0;
 }
 
+int mok_layer_desc_ep(mok_layer_desc *d, uint64_t group, uint32_t size, uint32_t rank)
+{
+  if (d == NULL)
+    return MOK_ENULL;
+  if (size == 0 || rank >= size)
+    return MOK_EINVAL;
+  if (d->experts > 0 && d->experts % size != 0)
+    return MOK_EEPSIZE;
+  d->ep_group = group, d->ep_size = size, d->ep_rank = rank;
+  return 0;
+}
+
 int mok_layer_destroy(mok_client *c, uint64_t layer)
 {
   Mokd__Request req = MOKD__REQUEST__INIT;

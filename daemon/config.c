@@ -108,6 +108,11 @@ static const opt options[] = {
      "MOKD_HELLO_TIMEOUT_MS",
      "a connection that has not said Hello after this long is told so and closed, "
      "freeing its session slot; 0 = wait forever", NULL},
+    {"group_timeout_ms", NUM(T_INT, group_timeout_ms), "60000", 1, 86400000,
+     "MOKD_GROUP_TIMEOUT_MS",
+     "how long the ranks of an EP group wait for the last one: to form the group, and "
+     "from the first request of a step to the last; then the waiting ranks get "
+     "MOK_ETIMEDOUT and the group is torn down", NULL},
     {"max_layers", NUM(T_INT, max_layers), "1024", 1, 1 << 20, "MOKD_MAX_LAYERS",
      "layers per session", NULL},
     {"max_arenas", NUM(T_INT, max_arenas), "1024", 1, 1 << 20, "MOKD_MAX_ARENAS",

@@ -25,6 +25,7 @@ typedef struct mokd_config {
   int session_gpu_quota_pct; /* given as N% of a device: bytes come at start */
   int64_t max_sessions;
   int64_t hello_timeout_ms;
+  int64_t group_timeout_ms;
   int64_t max_layers;
   int64_t max_arenas;
   char allow_uids[256];

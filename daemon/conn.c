@@ -224,6 +224,7 @@ void mokd_session_close(mokd_session *s, const char *why)
   if (s->closing)
     return;
   s->closing = 1;
+  mokd_groups_session_closing(s); /* the other ranks' waits end now */
   write_out(s); /* last replies, as far as the socket takes them now */
   LOG_DEBUG(SESS, "session %llu closing: %s", (unsigned long long)s->id, why);
   uv_poll_stop(&s->poll);

@@ -1,8 +1,9 @@
 /* dispatch.c - one row per request body: its handler, how many fds it takes,
  * whether it may come before Hello, whether a draining daemon refuses it.
- * Requests of a session run strictly in order: while a step is in flight the
- * queue waits, so a reply never overtakes an earlier one; while the peer
- * leaves too many replies unread, it waits too. */
+ * Requests of a session run strictly in order: while a step is in flight, or
+ * a request waits for the other ranks of its EP group, the queue waits, so a
+ * reply never overtakes an earlier one; while the peer leaves too many
+ * replies unread, it waits too. */
 #include "mokd.h"
 
 typedef struct route {
@@ -89,7 +90,7 @@ static int handle(mokd_session *s, const mokd_pending *p, char *err)
 
 void mokd_session_pump(mokd_session *s)
 {
-  while (!s->closing && s->busy == NULL && s->pend_head != NULL &&
+  while (!s->closing && s->busy == NULL && !s->parked && s->pend_head != NULL &&
          !mokd_session_out_full(s)) {
     mokd_pending *p = s->pend_head;
     char err[MOK_ERRLEN] = "";

@@ -1,4 +1,5 @@
-/* layers.c - requests about layers: CreateLayer checks the shape once,
+/* layers.c - requests about layers: CreateLayer checks the shape once (and
+ * joins an EP group's layer to its group, groups.c),
  * SetWeights checks and keeps the weight tensors (read in place every step,
  * so a client's in-place updates are seen), DestroyLayer; and the layer's
  * weights as the steps resolve them. */
@@ -44,6 +45,9 @@ void mokd_layer_free(mokd_session *s, mokd_layer *l)
     pp = &(*pp)->next;
   if (*pp == l)
     *pp = l->next;
+  if (l->group != NULL)
+    mokd_group_leave(l, "destroyed its layer");
+  free(l->lost);
   for (int w = 0; w < MOKK_NWEIGHTS; w++)
     mokd_ref_free(l->w[w]);
   s->nlayers--;
@@ -66,21 +70,51 @@ int mokd_weights_resolve(mokd_session *s, const mokd_layer *l, const uint16_t **
   return 0;
 }
 
+void mokd_send_layer_created(mokd_session *s, uint64_t req_id, const mokd_layer *l)
+{
+  Mokd__Response r = MOKD__RESPONSE__INIT;
+  Mokd__LayerCreated lc = MOKD__LAYER_CREATED__INIT;
+
+  lc.layer = l->id;
+  r.id = req_id;
+  r.body_case = MOKD__RESPONSE__BODY_LAYER_CREATED;
+  r.layer_created = &lc;
+  mokd_send(s, &r, NULL, 0);
+}
+
+/* The EP group a CreateLayer names: its size P (1 alone) and the checks that
+ * need no other rank. */
+static int ep_check(const mokd_session *s, const Mokd__EpGroup *ep, int64_t *P, char *err)
+{
+  *P = 1;
+  if (ep == NULL)
+    return 0;
+  *P = ep->size > 0 ? ep->size : 1;
+  if (ep->size > MOKD_MAX_EP)
+    return mokk_fail(err, MOK_EINVAL, "EP group size %u is larger than %d", ep->size,
+                     MOKD_MAX_EP);
+  if (ep->rank >= *P)
+    return mokk_fail(err, MOK_EINVAL, "EP rank %u is outside a group of size %lld (ranks "
+                     "0..%lld)", ep->rank, (long long)*P, (long long)*P - 1);
+  if (*P > 1 && s->device >= 0)
+    return mokk_fail(err, MOK_ENOTSUP, "EP groups run on the cpu backend only: the %s "
+                     "backend runs one EP rank per step; create the layer with ep.size 1, or "
+                     "run mokd --backend cpu", mokk_backend_name(s->backend));
+  return 0;
+}
+
 int mokd_h_create_layer(mokd_session *s, const Mokd__Request *q, const int *fds, int nfds,
                         char *err)
 {
   const Mokd__CreateLayer *c = q->create_layer;
-  Mokd__Response r = MOKD__RESPONSE__INIT;
-  Mokd__LayerCreated lc = MOKD__LAYER_CREATED__INIT;
   mokk_shape sh = {0};
   mokd_layer *l;
+  int64_t P;
   int rc;
 
   (void)fds, (void)nfds;
-  if (c->ep != NULL && c->ep->size > 1)
-    return mokk_fail(err, MOK_ENOTSUP, "EP groups of several clients (size %u) are not "
-                     "served by this daemon yet; create the layer with ep.size 1",
-                     c->ep->size);
+  if ((rc = ep_check(s, c->ep, &P, err)))
+    return rc;
   if (c->grad_mode != MOKD__GRAD_MODE__GRAD_BF16 &&
       c->grad_mode != MOKD__GRAD_MODE__GRAD_FP32_ACCUM)
     return mokk_fail(err, MOK_EINVAL, "gradient mode %d is unknown", (int)c->grad_mode);
@@ -93,7 +127,7 @@ int mokd_h_create_layer(mokd_session *s, const Mokd__Request *q, const int *fds,
     return mokk_fail(err, MOK_EOVERFLOW, "a layer dimension is larger than %d",
                      MOKK_DIM_MAX);
   sh.H = (int64_t)c->hidden, sh.I = (int64_t)c->intermediate, sh.E = (int64_t)c->experts;
-  sh.K = (int64_t)c->top_k, sh.I_s = (int64_t)c->shared_intermediate, sh.P = 1;
+  sh.K = (int64_t)c->top_k, sh.I_s = (int64_t)c->shared_intermediate, sh.P = P;
   sh.swiglu_limit = c->swiglu_limit;
   if ((rc = mokk_shape_check(&sh, err)))
     return rc;
@@ -101,17 +135,19 @@ int mokd_h_create_layer(mokd_session *s, const Mokd__Request *q, const int *fds,
   if (l == NULL)
     return mokk_fail(err, MOK_ENOMEM, "out of memory");
   l->id = ++s->srv->next_id;
+  l->owner = s;
   l->shape = sh;
   l->mode = (mokk_grad_mode)c->grad_mode; /* the same numbers: see mokd.h */
   l->next = s->layers;
   s->layers = l;
   s->nlayers++;
   s->usage.layers++, s->srv->usage.layers++;
-  lc.layer = l->id;
-  r.id = q->id;
-  r.body_case = MOKD__RESPONSE__BODY_LAYER_CREATED;
-  r.layer_created = &lc;
-  mokd_send(s, &r, NULL, 0);
+  if (P > 1) {
+    if ((rc = mokd_group_join(s, l, c->ep, q->id, err)))
+      mokd_layer_free(s, l);
+    return rc;
+  }
+  mokd_send_layer_created(s, q->id, l);
   return 0;
 }
 

@@ -29,6 +29,10 @@ typedef struct mokd_server mokd_server;
 typedef struct mokd_refused mokd_refused; /* a refused peer told why (server.c) */
 typedef struct mokd_session mokd_session;
 typedef struct mokd_step mokd_step; /* a forward or backward in flight (steps.c) */
+typedef struct mokd_group mokd_group; /* an EP group of layers in several sessions (groups.c) */
+
+/* Ranks of one EP group at most. */
+#define MOKD_MAX_EP 1024
 
 /* One GPU of the daemon: its backend (stream) and its executor thread. */
 typedef struct mokd_gpu {
@@ -40,12 +44,26 @@ typedef struct mokd_gpu {
 
 typedef struct mokd_layer {
   uint64_t id;
-  mokk_shape shape;      /* P = 1 within one session */
+  mokk_shape shape;      /* P: the EP group's size; 1 alone */
   mokk_grad_mode mode;
   int has_weights;
   Mokd__TensorRef *w[MOKK_NWEIGHTS]; /* validated when set, resolved per step */
+  mokd_session *owner;
+  mokd_group *group;     /* the group it is rank `rank` of; NULL alone or torn down */
+  int rank;
+  char *lost;            /* why its group was torn down; NULL while it stands */
   struct mokd_layer *next;
 } mokd_layer;
+
+/* The saved state of one group forward: the ranks' contexts share it. */
+typedef struct mokd_gctx {
+  mokk_ctx *ctx;
+  mokk_backend *backend;
+  uint64_t group;        /* serial of the group that ran it */
+  int refs;              /* contexts that hold it */
+  int P;
+  int dropped;           /* a rank released its context: no backward can run */
+} mokd_gctx;
 
 /* A forward context (owns out and the saved state) or a backward result. */
 typedef struct mokd_result {
@@ -54,6 +72,7 @@ typedef struct mokd_result {
   uint64_t layer;
   mokk_grad_mode mode;    /* the layer's at the forward: the layer may go first */
   mokk_ctx *ctx;
+  mokd_gctx *gctx;        /* instead of ctx: a group forward's shared state */
   int64_t T;
   mokd_arena *out_arena;  /* block of daemon-allocated outputs */
   mokd_span out;
@@ -119,6 +138,7 @@ struct mokd_session {
   size_t out_bytes;     /* replies queued here, not yet taken by the socket */
   int out_fds;          /* fds riding on them */
   mokd_step *busy;      /* the step in flight, at most one */
+  int parked;           /* a request waits for the rest of its EP group (groups.c) */
   mokd_registry reg;    /* arenas, quotas, outputs */
   mokd_layer *layers;
   mokd_result *results;
@@ -146,6 +166,7 @@ struct mokd_server {
   mokd_executor *exec;  /* the CPU backend's */
   mokd_session *sessions;
   int nsessions;
+  mokd_group *groups;   /* EP groups forming or formed */
   uint64_t next_id;     /* ids of sessions, arenas, layers, results: one counter */
   mok_usage usage;
   uv_timer_t reaper;    /* polls the GPUs' released memory while any waits */
@@ -217,6 +238,7 @@ int mokd_h_set_weights(mokd_session *s, const Mokd__Request *q, const int *fds, 
 int mokd_h_destroy_layer(mokd_session *s, const Mokd__Request *q, const int *fds, int nfds,
                          char *err);
 mokd_layer *mokd_layer_find(mokd_session *s, uint64_t id);
+void mokd_send_layer_created(mokd_session *s, uint64_t req_id, const mokd_layer *l);
 void mokd_layer_free(mokd_session *s, mokd_layer *l);
 const char *mokd_weight_name(int w);
 /* Weights the shape has (3, or 6 with a shared expert), and one's dimensions. */
@@ -233,6 +255,40 @@ int mokd_h_backward(mokd_session *s, const Mokd__Request *q, const int *fds, int
                     char *err);
 int mokd_h_release(mokd_session *s, const Mokd__Request *q, const int *fds, int nfds,
                    char *err);
+/* groups.c: EP groups. A layer of a group is made by CreateLayer in each
+ * rank's session; the reply waits until all P ranks have joined. A step
+ * waits (parked) until every rank has sent its request, then runs once for
+ * all. A rank that leaves or is late tears the group down. */
+/* Joins l (just made, shape.P > 1) to its group; 0 once parked or replied,
+ * else a MOK_* code (l is then the caller's to free). */
+int mokd_group_join(mokd_session *s, mokd_layer *l, const Mokd__EpGroup *ep, uint64_t req_id,
+                    char *err);
+/* 0 when l's group stands and is formed, else a MOK_* code and why. */
+int mokd_group_usable(const mokd_layer *l, char *err);
+/* Parks step j of l's rank; the step runs once all ranks have parked one. */
+void mokd_group_park(mokd_layer *l, mokd_step *j);
+/* The step parked first in l's group, or NULL: what the others must match. */
+mokd_step *mokd_group_first(const mokd_layer *l);
+/* Fails the steps parked in l's group (the group stands). */
+void mokd_group_fail_step(mokd_layer *l, int code, const char *msg);
+/* Tears l's group down (l's rank leaves: destroyed, or its session closes). */
+void mokd_group_leave(mokd_layer *l, const char *why);
+/* The session closes: each group it is in is torn down. */
+void mokd_groups_session_closing(mokd_session *s);
+/* Draining: whatever waits for a group is refused. */
+void mokd_groups_drain(mokd_server *srv);
+uint64_t mokd_group_serial(const mokd_layer *l);
+
+/* steps.c, for groups.c */
+/* Answers a parked step with an error and frees it; its session runs on. */
+void mokd_step_fail(mokd_step *j, int code, const char *msg);
+/* Runs the group step of steps[0..P) (rank order) on the executor; the
+ * array becomes the step's. */
+void mokd_steps_run_group(mokd_step **steps, int P);
+/* A rank's context lets go of the group forward's state: no backward can
+ * run on it any more; the last one frees it. */
+void mokd_gctx_drop(mokd_gctx *g);
+
 /* results.c: contexts and results (each function says what it does there) */
 mokd_result *mokd_result_find(mokd_session *s, uint64_t id);
 mokd_result *mokd_result_new(mokd_session *s, int is_context);

@@ -62,6 +62,8 @@ void mokd_result_free(mokd_session *s, mokd_result *r)
   mokd_idmap_del(&s->result_ids, r->id);
   if (r->ctx != NULL)
     mokk_ctx_free(s->backend, r->ctx);
+  if (r->gctx != NULL)
+    mokd_gctx_drop(r->gctx);
   for (int i = 0; i < r->npinned; i++)
     r->pinned[i]->users--;
   mokd_result_charge(s, r, 0, NULL);

@@ -448,6 +448,7 @@ static void mokd_server_drain(mokd_server *srv)
     return;
   srv->draining = 1;
   mokd_notify("STOPPING=1\nSTATUS=draining in-flight work");
+  mokd_groups_drain(srv); /* what waits for a group's other ranks is not in flight */
   if (srv->listening) {
     uv_close((uv_handle_t *)&srv->listener, NULL);
     unlink(srv->cfg.socket);

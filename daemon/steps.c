@@ -2,7 +2,10 @@
  * checked and resolved, the outputs get a block of an output arena, the step
  * is queued on the session's executor (step_work runs it on the backend,
  * between mokk_step_begin and mokk_step_end), and step_done sends the reply
- * that names the outputs. On a device
+ * that names the outputs. A step of an EP group's layer is parked
+ * (groups.c) until every rank has sent its own; then rank 0's step carries
+ * all of them to the executor as one step over P ranks, and each rank gets
+ * its own reply. On a device
  * backend the reply leaves while the device still works: it carries the done
  * event, and a status word for the errors only the device can see. The
  * results themselves (charges, outputs, release) live in results.c. */
@@ -34,6 +37,11 @@ struct mokd_step {
   int32_t *status;               /* device word the step's status goes to */
   Mokd__TensorRef *status_ref;
   mokd_result *res;
+  mokd_step **ranks;        /* rank 0's step of a group run: every rank's, [P] */
+  int P;
+  int rank;                 /* in the EP group */
+  uint64_t group;           /* serial of the group (mokd_group_serial); 0 alone */
+  mokd_gctx *gctx;          /* a group backward: the forward's state (held while it runs) */
   Mokd__TensorRef *refs[2 + MOKK_NWEIGHTS]; /* output refs to send back */
   int nrefs;
   int rc;
@@ -59,7 +67,22 @@ static void step_free(mokd_step *j)
   for (int i = 0; i < j->nrefs; i++)
     mokd_ref_free(j->refs[i]);
   mokd_ref_free(j->status_ref);
+  free(j->ranks);
   free(j);
+}
+
+static void gctx_unref(mokd_gctx *g)
+{
+  if (--g->refs > 0)
+    return;
+  mokk_ctx_free(g->backend, g->ctx);
+  free(g);
+}
+
+void mokd_gctx_drop(mokd_gctx *g)
+{
+  g->dropped = 1;
+  gctx_unref(g);
 }
 
 static int check_ready(mokd_session *s, const ProtobufCBinaryData *ev, char *err)
@@ -205,6 +228,165 @@ static void step_done(mokd_work *w)
   mokd_server_maybe_stop(s->srv);
 }
 
+/* ---- a step of an EP group ------------------------------------------------ */
+
+/* On an executor thread: one step over the P ranks (the CPU engine moves the
+ * rows between them as a dispatch and combine would). */
+static void group_work(mokd_work *w)
+{
+  mokd_step *j = (mokd_step *)w;
+  mokk_fwd_rank *fr = NULL;
+  mokk_bwd_rank *br = NULL;
+
+  if (j->backward && (br = malloc((size_t)j->P * sizeof *br)) != NULL) {
+    for (int r = 0; r < j->P; r++)
+      br[r] = j->ranks[r]->br;
+    j->rc = mokk_backward(j->backend, j->gctx->ctx, j->mode, br, j->err);
+  } else if (!j->backward && (fr = malloc((size_t)j->P * sizeof *fr)) != NULL) {
+    int keep = 0;
+    for (int r = 0; r < j->P; r++)
+      fr[r] = j->ranks[r]->fr, keep |= j->ranks[r]->want_ctx;
+    j->rc = mokk_forward(j->backend, &j->shape, j->T, fr, keep ? &j->ctx : NULL, j->err);
+  } else {
+    j->rc = mokk_fail(j->err, MOK_ENOMEM, "out of memory for a step of %d EP ranks", j->P);
+  }
+  free(fr);
+  free(br);
+}
+
+/* The state of a group forward, shared by the contexts of the ranks that
+ * asked for one; each is charged its 1/P share. */
+static mokd_gctx *gctx_new(mokd_step *j)
+{
+  mokd_gctx *g = calloc(1, sizeof *g);
+  if (g == NULL)
+    return NULL;
+  g->ctx = j->ctx;
+  g->backend = j->backend;
+  g->P = j->P;
+  g->group = j->group;
+  j->ctx = NULL;
+  return g;
+}
+
+/* On the loop thread: every rank's reply, from rank 0's step. */
+static void group_done(mokd_work *w)
+{
+  mokd_step *j0 = (mokd_step *)w;
+  mokd_server *srv = j0->sess->srv;
+  mokd_gctx *g = NULL;
+  int rc = j0->rc;
+  char err[MOK_ERRLEN];
+
+  snprintf(err, sizeof err, "%s", j0->err);
+  if (rc == 0 && j0->ctx != NULL && (g = gctx_new(j0)) == NULL) {
+    mokk_ctx_free(j0->backend, j0->ctx);
+    rc = mokk_fail(err, MOK_ENOMEM, "out of memory");
+  }
+  if (j0->gctx != NULL)
+    gctx_unref(j0->gctx);
+  for (int r = j0->P - 1; r >= 0; r--) { /* rank 0's step, which holds the rest, last */
+    mokd_step *j = j0->ranks[r];
+    mokd_session *s = j->sess;
+    mokd_result *res = j->res;
+    int rrc = rc;
+    char rerr[MOK_ERRLEN];
+
+    snprintf(rerr, sizeof rerr, "%s", err);
+    s->busy = NULL;
+    j->work.t_queued = j0->work.t_queued;
+    j->work.t_start = j0->work.t_start, j->work.t_end = j0->work.t_end;
+    if (rrc == 0 && g != NULL && j->want_ctx && !s->closing) {
+      res->gctx = g;
+      g->refs++;
+      rrc = mokd_result_charge(s, res, (mokk_ctx_bytes(g->backend, g->ctx) + (uint64_t)g->P - 1) /
+                                            (uint64_t)g->P, rerr);
+    }
+    if (j->backward)
+      s->usage.backwards++, srv->usage.backwards++;
+    else
+      s->usage.forwards++, srv->usage.forwards++;
+    if (s->closing) {
+      mokd_result_free(s, res);
+      step_free(j);
+      mokd_session_maybe_destroy(s);
+      continue;
+    }
+    if (rrc != 0) {
+      mokd_reply_error(s, j->req_id, rrc, rerr);
+      mokd_result_free(s, res);
+    } else {
+      send_step_reply(s, j);
+    }
+    step_free(j);
+    mokd_session_pump(s);
+  }
+  if (g != NULL && g->refs == 0) { /* every rank asked for inference, or is gone */
+    mokk_ctx_free(g->backend, g->ctx);
+    free(g);
+  } else if (g != NULL && g->refs < g->P) {
+    g->dropped = 1; /* a rank holds no context of it: no group backward can run */
+  }
+  mokd_server_maybe_stop(srv);
+}
+
+void mokd_steps_run_group(mokd_step **steps, int P)
+{
+  mokd_step *j0 = steps[0];
+
+  j0->ranks = steps;
+  j0->P = P;
+  for (int r = 0; r < P; r++)
+    steps[r]->sess->busy = steps[r];
+  if (j0->gctx != NULL)
+    j0->gctx->refs++; /* a rank that leaves mid-step must not free it under the step */
+  mokd_executor_queue(j0->sess->exec, &j0->work, group_work, group_done);
+}
+
+void mokd_step_fail(mokd_step *j, int code, const char *msg)
+{
+  mokd_session *s = j->sess;
+
+  s->parked = 0;
+  if (!s->closing)
+    mokd_reply_error(s, j->req_id, code, msg);
+  mokd_result_free(s, j->res);
+  step_free(j);
+  if (s->closing)
+    mokd_session_maybe_destroy(s);
+  else
+    mokd_session_pump(s);
+}
+
+/* A group step must match the ones parked before it: the same kind, the
+ * same T, and for a backward the same forward. On a mismatch every rank's
+ * step fails. */
+static int group_match(const mokd_layer *l, const mokd_step *j, char *err)
+{
+  const mokd_step *f = mokd_group_first(l);
+  int rc;
+
+  if (f == NULL)
+    return 0;
+  if (f->backward != j->backward)
+    rc = mokk_fail(err, MOK_EGROUP, "EP rank %d sent a %s while rank %d waits in a %s; the "
+                   "ranks of a group must run the same steps in the same order",
+                   l->rank, j->backward ? "Backward" : "Forward", f->rank,
+                   f->backward ? "Backward" : "Forward");
+  else if (f->T != j->T)
+    rc = mokk_fail(err, MOK_ESHAPE, "EP rank %d sent T = %lld tokens, rank %d sent %lld; "
+                   "every rank of a group step needs the same T", l->rank, (long long)j->T,
+                   f->rank, (long long)f->T);
+  else if (f->gctx != j->gctx)
+    rc = mokk_fail(err, MOK_ECONTEXT, "EP rank %d named the context of another forward than "
+                   "rank %d; every rank's Backward must name its context of the same group "
+                   "forward", l->rank, f->rank);
+  else
+    return 0;
+  mokd_group_fail_step((mokd_layer *)l, rc, err);
+  return rc;
+}
+
 static void step_queue(mokd_session *s, mokd_step *j)
 {
   s->busy = j;
@@ -213,11 +395,21 @@ static void step_queue(mokd_session *s, mokd_step *j)
 
 /* ---- requests ------------------------------------------------------------- */
 
-int mokd_h_forward(mokd_session *s, const Mokd__Request *q, const int *fds, int nfds,
-                   char *err)
+/* A rank of a group whose request is refused fails the group's step: the
+ * others would wait for it in vain. */
+static void refuse_group_step(mokd_layer *l, const char *what, const char *why)
+{
+  char msg[MOK_ERRLEN];
+
+  if (l == NULL || l->group == NULL || mokd_group_first(l) == NULL)
+    return;
+  snprintf(msg, sizeof msg, "EP rank %d's %s was refused: %s", l->rank, what, why);
+  mokd_group_fail_step(l, MOK_EGROUP, msg);
+}
+
+static int forward_step(mokd_session *s, const Mokd__Request *q, mokd_layer *l, char *err)
 {
   const Mokd__Forward *f = q->forward;
-  mokd_layer *l = mokd_layer_find(s, f->layer);
   mokd_arena *warenas[MOKK_NWEIGHTS];
   int64_t dx[2], di[2];
   void *px, *pi, *pw;
@@ -226,10 +418,11 @@ int mokd_h_forward(mokd_session *s, const Mokd__Request *q, const int *fds, int 
   size_t bytes[2], off[2];
   int rc;
 
-  (void)fds, (void)nfds;
   if (l == NULL)
     return mokk_fail(err, MOK_ENOENT, "layer %llu does not exist in this session",
                      (unsigned long long)f->layer);
+  if ((rc = mokd_group_usable(l, err)))
+    return rc;
   if (!l->has_weights)
     return mokk_fail(err, MOK_EINVAL, "layer %llu has no weights; send SetWeights first",
                      (unsigned long long)l->id);
@@ -272,18 +465,29 @@ int mokd_h_forward(mokd_session *s, const Mokd__Request *q, const int *fds, int 
   }
   if ((rc = status_slot(s, j, r, off[1], err)))
     goto fail;
-  /* the context is charged before the step allocates it */
-  if (j->want_ctx && (rc = mokd_result_charge(s, r, mokk_ctx_bytes_bound(&l->shape, j->T), err))) {
+  /* the context is charged before the step allocates it; a group's ranks
+   * share one, each its 1/P */
+  uint64_t bound = mokk_ctx_bytes_bound(&l->shape, j->T);
+  bound = bound / (uint64_t)l->shape.P + (bound % (uint64_t)l->shape.P != 0);
+  if (j->want_ctx && (rc = mokd_result_charge(s, r, bound, err))) {
     char why[MOK_ERRLEN];
     snprintf(why, sizeof why, "%s", err);
     rc = mokk_fail(err, rc, "the forward context of this step (up to %llu bytes) does not "
-                   "fit: %s", (unsigned long long)mokk_ctx_bytes_bound(&l->shape, j->T), why);
+                   "fit: %s", (unsigned long long)bound, why);
     goto fail;
   }
   set_ready(j, &f->ready_event);
   if (j->want_ctx)
     for (int i = 0; i < mokd_weight_count(&l->shape); i++)
       mokd_result_pin(r, warenas[i]);
+  if (l->shape.P > 1) {
+    j->rank = l->rank;
+    j->group = mokd_group_serial(l);
+    if ((rc = group_match(l, j, err)))
+      goto fail;
+    mokd_group_park(l, j);
+    return 0;
+  }
   step_queue(s, j);
   return 0;
 
@@ -293,11 +497,44 @@ fail:
   return rc;
 }
 
-int mokd_h_backward(mokd_session *s, const Mokd__Request *q, const int *fds, int nfds,
-                    char *err)
+int mokd_h_forward(mokd_session *s, const Mokd__Request *q, const int *fds, int nfds,
+                   char *err)
+{
+  mokd_layer *l = mokd_layer_find(s, q->forward->layer);
+  int rc = forward_step(s, q, l, err);
+
+  (void)fds, (void)nfds;
+  if (rc != 0)
+    refuse_group_step(l, "Forward", err);
+  return rc;
+}
+
+/* A context of a group forward: its group must still stand, and every
+ * rank's part of the forward must still be there. */
+static int group_context(mokd_session *s, const mokd_result *c, char *err)
+{
+  mokd_layer *l = mokd_layer_find(s, c->layer);
+  int rc;
+
+  if (l == NULL)
+    return mokk_fail(err, MOK_EGROUP, "the layer of context %llu was destroyed, which tore "
+                     "its EP group down", (unsigned long long)c->id);
+  if ((rc = mokd_group_usable(l, err)))
+    return rc;
+  if (mokd_group_serial(l) != c->gctx->group)
+    return mokk_fail(err, MOK_EGROUP, "context %llu is from an EP group that was torn down",
+                     (unsigned long long)c->id);
+  if (c->gctx->dropped)
+    return mokk_fail(err, MOK_ECONTEXT, "another EP rank holds no context of the forward of "
+                     "context %llu (released, or it ran as inference); a group's Backward "
+                     "needs every rank's", (unsigned long long)c->id);
+  return 0;
+}
+
+static int backward_step(mokd_session *s, const Mokd__Request *q, mokd_result *c, char *err)
 {
   const Mokd__Backward *b = q->backward;
-  mokd_result *c = mokd_result_find(s, b->context), *r;
+  mokd_result *r;
   int64_t dx[2], dtw[2], gs[MOKK_NWEIGHTS][3];
   int gnd[MOKK_NWEIGHTS];
   void *pd;
@@ -306,11 +543,12 @@ int mokd_h_backward(mokd_session *s, const Mokd__Request *q, const int *fds, int
   const mokk_shape *sh;
   int nw, nout, rc;
 
-  (void)fds, (void)nfds;
-  if (c == NULL || !c->is_context || c->ctx == NULL)
+  if (c == NULL || !c->is_context || (c->ctx == NULL && c->gctx == NULL))
     return mokk_fail(err, MOK_ECONTEXT, "context %llu is unknown, released, or from an "
                      "inference forward", (unsigned long long)b->context);
-  sh = &c->ctx->shape;
+  if (c->gctx != NULL && (rc = group_context(s, c, err)))
+    return rc;
+  sh = c->gctx != NULL ? &c->gctx->ctx->shape : &c->ctx->shape;
   nw = mokd_weight_count(sh);
   dx[0] = c->T, dx[1] = sh->H;
   if ((rc = mokd_ref_resolve(&s->reg, "d_out", b->d_out, MOKD__DTYPE__DTYPE_BF16, 2, dx, &pd,
@@ -379,11 +617,33 @@ int mokd_h_backward(mokd_session *s, const Mokd__Request *q, const int *fds, int
       rc = mokk_fail(err, MOK_ENOMEM, "out of memory");
       goto fail;
     }
+  if (c->gctx != NULL) {
+    mokd_layer *l = mokd_layer_find(s, c->layer); /* group_context found it */
+    j->gctx = c->gctx;
+    j->rank = l->rank;
+    j->group = c->gctx->group;
+    if ((rc = group_match(l, j, err)))
+      goto fail;
+    mokd_group_park(l, j);
+    return 0;
+  }
   step_queue(s, j);
   return 0;
 
 fail:
   mokd_result_free(s, r);
   step_free(j);
+  return rc;
+}
+
+int mokd_h_backward(mokd_session *s, const Mokd__Request *q, const int *fds, int nfds,
+                    char *err)
+{
+  mokd_result *c = mokd_result_find(s, q->backward->context);
+  int rc = backward_step(s, q, c, err);
+
+  (void)fds, (void)nfds;
+  if (rc != 0 && c != NULL && c->gctx != NULL)
+    refuse_group_step(mokd_layer_find(s, c->layer), "Backward", err);
   return rc;
 }

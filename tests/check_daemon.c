@@ -2,7 +2,8 @@
  * socket (daemon_fixture.c) and drives it through libmok and through raw
  * frames. The suites: steps (check_daemon_steps.c), the wire
  * (check_daemon_wire.c), the service (check_daemon_service.c), the limits
- * one client meets (check_daemon_limits.c). */
+ * one client meets (check_daemon_limits.c), EP groups of several client
+ * processes (check_daemon_ep.c). */
 #include <signal.h>
 #include <stdlib.h>
 
@@ -16,6 +17,7 @@ int main(void)
   srunner_add_suite(sr, daemon_wire_suite());
   srunner_add_suite(sr, daemon_service_suite());
   srunner_add_suite(sr, daemon_limits_suite());
+  srunner_add_suite(sr, daemon_ep_suite());
   srunner_run_all(sr, CK_NORMAL);
   failed = srunner_ntests_failed(sr);
   srunner_free(sr);

@@ -302,7 +302,8 @@ START_TEST(import_and_errors_through_libmok)
 
   mok_layer_desc d = {.hidden = 64, .intermediate = 32, .experts = 6, .top_k = 2, .ep_size = 4};
   uint64_t layer;
-  ck_assert_int_eq(mok_layer_create(c, &d, &layer), MOK_ENOTSUP);
+  ck_assert_int_eq(mok_layer_create(c, &d, &layer), MOK_EEPSIZE);
+  ck_assert_ptr_nonnull(strstr(mok_last_error(c), "E = 6 experts do not divide over P = 4"));
   d.ep_size = 1, d.experts = 0;
   ck_assert_int_eq(mok_layer_create(c, &d, &layer), MOK_EZEROSIZE);
   ck_assert_ptr_nonnull(strstr(mok_last_error(c), "E is 0"));

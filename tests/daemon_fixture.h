@@ -54,5 +54,6 @@ Suite *daemon_steps_suite(void);
 Suite *daemon_wire_suite(void);
 Suite *daemon_service_suite(void);
 Suite *daemon_limits_suite(void);
+Suite *daemon_ep_suite(void);
 
 #endif

@@ -162,7 +162,28 @@ mok_tensor mok_tensor_make(uint64_t arena, uint64_t offset, mok_dtype dtype, int
                            const int64_t *shape);
 size_t mok_tensor_bytes(const mok_tensor *t);
 
+/* With ep_size > 1 the layer is rank ep_rank of EP group ep_group: every rank
+ * creates it in its own session (its own mok_client, usually its own
+ * process) with the same shape, and the call returns once all ep_size ranks
+ * have joined, or fails with MOK_ETIMEDOUT after the daemon's
+ * group_timeout_ms. A joiner whose shape, options or size differ, or whose
+ * rank is taken, is refused (MOK_ESHAPE, MOK_EGROUP, MOK_EEXIST) and the
+ * others wait on. See mok_layer_desc_ep. */
 int mok_layer_create(mok_client *c, const mok_layer_desc *d, uint64_t *layer);
+/* Makes d (its sizes already set) the layer of rank `rank` of EP group
+ * `group` of `size` ranks; group ids are chosen by the job and are per user.
+ * Rank r's weights are then experts [r * E/size, (r + 1) * E/size):
+ * w_gate and w_up [E/size, I, H], w_down [E/size, H, I], plus its own copy of
+ * the shared expert (the same on every rank). Each step of the group runs
+ * once every rank has sent it, all with the same T, and each rank gets its
+ * own tokens' outputs, its experts' gradients and the shared expert's
+ * gradient over all ranks' tokens; the bits equal one rank running the
+ * concatenated batch with all experts. If a rank leaves (mok_close,
+ * mok_layer_destroy, its process dies) or is group_timeout_ms late, the
+ * others' waiting calls fail (MOK_EGROUP, MOK_ETIMEDOUT) and so does every
+ * later step: destroy the layers and form a new group. 0, or MOK_EINVAL
+ * (size 0, rank >= size) or MOK_EEPSIZE (experts do not divide by size). */
+int mok_layer_desc_ep(mok_layer_desc *d, uint64_t group, uint32_t size, uint32_t rank);
 int mok_layer_destroy(mok_client *c, uint64_t layer);
 /* w[MOK_S_*] must be absent (ndim 0) without a shared expert. The weights are
  * read in place every step, so updates made to them between steps are seen. */

@@ -21,6 +21,8 @@
   XX(ECONNRESET, -ECONNRESET, "connection closed by the daemon")               \
   XX(EIO, -EIO, "I/O error")                                                   \
   XX(EDQUOT, -EDQUOT, "session quota exceeded")                                \
+  XX(EEXIST, -EEXIST, "already exists")                                        \
+  XX(ETIMEDOUT, -ETIMEDOUT, "timed out")                                       \
   XX(ENULL, -4001, "required pointer is NULL")                                 \
   XX(EZEROSIZE, -4002, "size must be at least 1")                              \
   XX(EEXPERT, -4003, "expert id out of range")                                 \
@@ -28,7 +30,8 @@
   XX(ESHAPE, -4005, "mismatched or unsupported shape")                         \
   XX(EDTYPE, -4006, "wrong dtype")                                             \
   XX(EDEVICE, -4007, "GPU error")                                              \
-  XX(ECONTEXT, -4008, "unknown or already released forward context")
+  XX(ECONTEXT, -4008, "unknown or already released forward context")          \
+  XX(EGROUP, -4009, "EP group torn down or its ranks disagree")
 
 typedef enum {
 #define MOK_ERRNO_ENUM_(name, val, msg) MOK_##name = (val),

@@ -182,6 +182,8 @@ static void settle(int client, mokw_framer *rx)
       uv_run(&loop, UV_RUN_ONCE); /* the step's completion */
       continue;
     }
+    if (s->parked)
+      return; /* waits for EP ranks that never come: the close ends it */
     if (s->fd >= 0 && ioctl(s->fd, FIONREAD, &unread) != 0)
       unread = 0;
     if (unread == 0 && s->pend_head == NULL && s->out_head == NULL && !s->closing)
