@@ -54,16 +54,25 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
       return cuda_fail(err, e, what);
     cb->arch = 10 * major + minor;
   }
-  /* weight gradients (k = an expert's rows, often a few blocks) take the
-   * ping-pong tiles, which hide one warpgroup's stores behind the other's
-   * MMAs; the rest share 128 x 256 tiles */
-  if (cb->arch == 90)
-    return LAYOUT == L_TN
-               ? sm90::gemm<LAYOUT, EPI, 128, true>(a, a_rows,
-                                                    grid_for(cb, gemm_tiles(a, LAYOUT), 1),
-                                                    cb->stream, err)
-               : sm90::gemm<LAYOUT, EPI, 256>(a, a_rows, grid_for(cb, gemm_tiles(a, LAYOUT), 1),
-                                              cb->stream, err);
+  /* Hopper: grouped NT/NN GEMMs on 256 x 128 tiles, so one block reads an
+   * expert's weight slab once for up to 256 of its rows (128-row tiles left
+   * the reuse to the L2, which missed: 2.6x the weights came from DRAM);
+   * dense ones on 128 x 256 tiles; weight gradients (k = an expert's rows) on
+   * 128 x 256 tiles, or on ping-pong tiles, which hide one warpgroup's stores
+   * behind the other's MMAs, from 1024 rows per expert on (bench-gemm). */
+  if (cb->arch == 90) {
+    int grid = grid_for(cb, gemm_tiles(a, LAYOUT), 1);
+    if constexpr (LAYOUT == L_TN) {
+      int64_t rows_per_group = a->count != NULL ? a_rows / a->groups : a->K;
+      if (rows_per_group >= 1024)
+        return sm90::gemm<LAYOUT, EPI, 128, true>(a, a_rows, grid, cb->stream, err);
+      return sm90::gemm<LAYOUT, EPI, 256>(a, a_rows, grid, cb->stream, err);
+    } else {
+      if (a->count != NULL)
+        return sm90::gemm<LAYOUT, EPI, 128, false, 256>(a, a_rows, grid, cb->stream, err);
+      return sm90::gemm<LAYOUT, EPI, 256>(a, a_rows, grid, cb->stream, err);
+    }
+  }
   /* the opt-in belongs to the current device and is a host-side call: ask every time */
   e = cudaFuncSetAttribute(k_gemm<LAYOUT, EPI>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            G_SMEM_BYTES);
@@ -91,6 +100,7 @@ static gemm_args routed(const cuda_ctx *c, int64_t TK)
   a.count = c->count;
   a.row_start = c->row_start;
   a.tile_off = c->tile_off;
+  a.tile_off_tall = c->tile_off + a.groups + 1;
   a.tiles_max = (int)(TK / G_BM + (TK < a.groups ? TK : a.groups));
   a.limit = c->hdr.shape.swiglu_limit;
   return a;
@@ -240,7 +250,7 @@ static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
   o_ids = carve(&off, TK * sizeof(int32_t));
   o_count = carve(&off, E * sizeof(int));
   o_rs = carve(&off, (E + 1) * sizeof(int));
-  o_to = carve(&off, (E + 1) * sizeof(int));
+  o_to = carve(&off, 2 * (E + 1) * sizeof(int)); /* m-tiles of 128 and of 256 rows */
   o_slot = carve(&off, TK * sizeof(int));
   o_src = carve(&off, TK * sizeof(int));
   o_rw = carve(&off, TK * sizeof(float));

@@ -51,6 +51,7 @@ typedef struct gemm_args {
   const int *count;     /* [groups] rows per group; NULL: one dense group */
   const int *row_start; /* [groups] first row of each group */
   const int *tile_off;  /* [groups + 1] m-tile prefix (NT, NN grouped) */
+  const int *tile_off_tall; /* the same for m-tiles of 256 rows (the Hopper core) */
   int tiles_max;        /* worst-case m-tiles (NT, NN) */
   void *C, *C2;
   int64_t ldc, c_stride;

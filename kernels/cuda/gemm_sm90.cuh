@@ -46,16 +46,16 @@
 
 namespace sm90 {
 
-constexpr int BM = 128;     /* rows of a tile: 64 per consumer warpgroup */
 constexpr int BK = 64;      /* k per stage: one 128-byte swizzle row of bf16 */
 constexpr int THREADS = 384;
 constexpr int CHUNK = 64 * BK * 2; /* one MN-major 64-wide chunk of a stage */
 constexpr int RASTER_M = 16;       /* dense GEMMs: m-tiles per band */
-static_assert(BM == G_BM, "the schedule counts m-tiles of G_BM rows");
 
-template <int BN>
+/* BM: rows of a tile, 128 (64 per consumer warpgroup) or, for the grouped
+ * GEMMs whose weight slabs must be read once per expert, 256 (128 each). */
+template <int BN, int BM>
 struct cfg {
-  static constexpr int STAGES = BN == 128 ? 6 : 4;
+  static constexpr int STAGES = BN + BM == 256 ? 6 : 4;
   static constexpr int A_BYTES = BM * BK * 2;
   static constexpr int B_BYTES = BN * BK * 2;
   /* + 1024 to align the ring by hand */
@@ -73,7 +73,7 @@ typedef struct tile {
   int64_t rb; /* first row of the group */
 } tile;
 
-template <int LAYOUT, int BN>
+template <int LAYOUT, int BN, int BM>
 __device__ __forceinline__ int64_t tile_count(const gemm_args &a)
 {
   int64_t ntn = (a.N + BN - 1) / BN, mtn = (a.M + BM - 1) / BM;
@@ -84,7 +84,7 @@ __device__ __forceinline__ int64_t tile_count(const gemm_args &a)
   return mtn * ntn;
 }
 
-template <int LAYOUT, int BN>
+template <int LAYOUT, int BN, int BM>
 __device__ __forceinline__ tile tile_at(const gemm_args &a, int64_t t)
 {
   tile x;
@@ -134,7 +134,7 @@ __device__ __forceinline__ int k_blocks(const gemm_args &a, const tile &x)
 }
 
 /* The producer's copies for k-block kb of tile x into stage (sa, sb). */
-template <int LAYOUT, int EPI, int BN>
+template <int LAYOUT, int EPI, int BN, int BM>
 __device__ __forceinline__ void load_stage(const params &p, const tile &x, int kb,
                                            unsigned char *sa, unsigned char *sb, uint64_t *bar)
 {
@@ -174,7 +174,7 @@ __device__ __forceinline__ void load_stage(const params &p, const tile &x, int k
 
 /* TN: the last k-block of a segment holds `kv` rows; the rest of the rows
  * belong to the next expert and must not reach the sum. */
-template <int BN>
+template <int BN, int BM>
 __device__ __forceinline__ void zero_rows(unsigned char *sa, unsigned char *sb, int kv, int ct,
                                           int threads, int barrier)
 {
@@ -242,16 +242,16 @@ __device__ __forceinline__ uint32_t bf16x2(float a, float b)
   return *(uint32_t *)&v;
 }
 
-/* Registers to global memory. Thread (warp w of consumer warpgroup cw, lane
- * l) holds tile rows cw 64 + 16 w + l / 4 + {0, 8} and columns 8 j + 2 (l % 4)
- * + {0, 1}: acc[4 j + 2 r + c]. Columns come in groups of 16 that are valid
+/* Registers to global memory, for the 64 rows of block blk of the tile. Thread
+ * (warp w of its warpgroup, lane l) holds tile rows 64 blk + 16 w + l / 4 +
+ * {0, 8} and columns 8 j + 2 (l % 4) + {0, 1}: acc[4 j + 2 r + c]. Columns come in groups of 16 that are valid
  * or not as a whole (N is a multiple of 64), rows one by one; the exchanges
  * run on every lane before a row is skipped. */
-template <int LAYOUT, int EPI, int BN>
+template <int LAYOUT, int EPI, int BN, int BM>
 __device__ __forceinline__ void epilogue(const gemm_args &a, const tile &x, float (&acc)[BN / 2],
-                                         int cw, int warp, int lane)
+                                         int blk, int warp, int lane)
 {
-  const int r0 = cw * 64 + warp * 16 + lane / 4, pc = pair_col(lane);
+  const int r0 = blk * 64 + warp * 16 + lane / 4, pc = pair_col(lane);
 
 #pragma unroll
   for (int r = 0; r < 2; r++) {
@@ -359,43 +359,57 @@ __device__ __forceinline__ void epilogue(const gemm_args &a, const tile &x, floa
   }
 }
 
-/* The cooperative consumer: both warpgroups on one 128 x BN tile, 64 rows
- * each. */
-template <int LAYOUT, int EPI, int BN>
+/* The cooperative consumer: both warpgroups on one BM x BN tile, BM / 2 rows
+ * each, as one (BM = 128) or two (BM = 256) 64-row blocks. */
+template <int LAYOUT, int EPI, int BN, int BM>
 __device__ __forceinline__ void cooperative(const gemm_args &a, int64_t tiles, unsigned char *sa,
                                             unsigned char *sb, uint32_t sa0, uint32_t sb0,
                                             uint64_t *full, uint64_t *empty, int cw, int ct,
                                             int warp, int lane)
 {
   constexpr int TA = LAYOUT == L_TN, TB = LAYOUT != L_NT;
-  constexpr int STAGES = cfg<BN>::STAGES, A_BYTES = cfg<BN>::A_BYTES, B_BYTES = cfg<BN>::B_BYTES;
+  constexpr int STAGES = cfg<BN, BM>::STAGES, A_BYTES = cfg<BN, BM>::A_BYTES,
+                B_BYTES = cfg<BN, BM>::B_BYTES;
+  constexpr bool TALL = BM == 256;
+  static_assert(!TALL || (BN == 128 && LAYOUT != L_TN),
+                "tall tiles: 2 x 64 accumulators a thread, K-major A");
+  const int b0 = TALL ? 2 * cw : cw; /* this warpgroup's first 64-row block */
   int s = 0;
   uint32_t ph = 0;
   for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
-    tile x = tile_at<LAYOUT, BN>(a, t);
+    tile x = tile_at<LAYOUT, BN, BM>(a, t);
     int nk = k_blocks<LAYOUT>(a, x);
-    /* a group's last m-tile often has no rows for the second warpgroup: it
-     * then only keeps the pipeline going and leaves the tensor cores to the
-     * first */
-    const bool active = LAYOUT == L_TN || x.mt * BM + cw * 64 < x.rows;
-    float acc[BN / 2];
+    /* a group's last m-tile often has no rows for some 64-row blocks: their
+     * warpgroup then only keeps the pipeline going and leaves the tensor
+     * cores to the others */
+    const bool act0 = LAYOUT == L_TN || x.mt * BM + b0 * 64 < x.rows;
+    const bool act1 = TALL && x.mt * BM + (b0 + 1) * 64 < x.rows;
+    float acc0[BN / 2], acc1[TALL ? BN / 2 : 1];
 #pragma unroll
     for (int i = 0; i < BN / 2; i++)
-      acc[i] = 0.0f;
+      acc0[i] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < (TALL ? BN / 2 : 1); i++)
+      acc1[i] = 0.0f;
     /* one batch of MMAs stays in flight: k-block kb's are issued before
      * kb - 1's are waited for and its stage handed back */
     int prev = -1;
     for (int kb = 0; kb < nk; kb++) {
       bar_wait(&full[s], ph);
       if (LAYOUT == L_TN && kb == nk - 1 && x.rows % BK != 0)
-        zero_rows<BN>(sa + s * A_BYTES, sb + s * B_BYTES, x.rows % BK, ct, 256, 1);
-      if (active) {
-        acc_fence(acc);
+        zero_rows<BN, BM>(sa + s * A_BYTES, sb + s * B_BYTES, x.rows % BK, ct, 256, 1);
+      if (act0) {
+        acc_fence(acc0);
+        acc_fence(acc1);
         wgmma_fence();
-        mma_stage<TA, TB, BN>(acc, sa0 + s * A_BYTES, sb0 + s * B_BYTES, cw);
+        mma_stage<TA, TB, BN>(acc0, sa0 + s * A_BYTES, sb0 + s * B_BYTES, b0);
+        if constexpr (TALL)
+          if (act1)
+            mma_stage<TA, TB, BN>(acc1, sa0 + s * A_BYTES, sb0 + s * B_BYTES, b0 + 1);
         wgmma_commit();
         wgmma_wait<1>();
-        acc_fence(acc);
+        acc_fence(acc0);
+        acc_fence(acc1);
       }
       if (prev >= 0 && lane == 0)
         bar_arrive(&empty[prev]);
@@ -406,10 +420,13 @@ __device__ __forceinline__ void cooperative(const gemm_args &a, int64_t tiles, u
       }
     }
     wgmma_wait<0>();
-    acc_fence(acc);
+    acc_fence(acc0);
+    acc_fence(acc1);
     if (prev >= 0 && lane == 0)
       bar_arrive(&empty[prev]);
-    epilogue<LAYOUT, EPI, BN>(a, x, acc, cw, warp, lane);
+    epilogue<LAYOUT, EPI, BN, BM>(a, x, acc0, b0, warp, lane);
+    if constexpr (TALL)
+      epilogue<LAYOUT, EPI, BN, BM>(a, x, acc1, b0 + 1, warp, lane);
   }
 }
 
@@ -430,14 +447,15 @@ __device__ __forceinline__ void pingpong(const gemm_args &a, int64_t tiles, unsi
                                          uint64_t *full, uint64_t *empty, int cw, int ct,
                                          int warp, int lane)
 {
-  constexpr int BN = 128, TA = LAYOUT == L_TN, TB = LAYOUT != L_NT;
-  constexpr int STAGES = cfg<BN>::STAGES, A_BYTES = cfg<BN>::A_BYTES, B_BYTES = cfg<BN>::B_BYTES;
+  constexpr int BN = 128, BM = 128, TA = LAYOUT == L_TN, TB = LAYOUT != L_NT;
+  constexpr int STAGES = cfg<BN, BM>::STAGES, A_BYTES = cfg<BN, BM>::A_BYTES,
+                B_BYTES = cfg<BN, BM>::B_BYTES;
   int s = 0;
   uint32_t ph = 0;
   int64_t i = 0;
 
   for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x, i++) {
-    tile x = tile_at<LAYOUT, BN>(a, t);
+    tile x = tile_at<LAYOUT, BN, BM>(a, t);
     int nk = k_blocks<LAYOUT>(a, x);
     if ((i & 1) != cw) { /* the other warpgroup's tile: pass over its stages */
       s += nk;
@@ -456,7 +474,7 @@ __device__ __forceinline__ void pingpong(const gemm_args &a, int64_t tiles, unsi
     for (int kb = 0; kb < nk; kb++) {
       bar_wait(&full[s], ph);
       if (LAYOUT == L_TN && kb == nk - 1 && x.rows % BK != 0)
-        zero_rows<BN>(sa + s * A_BYTES, sb + s * B_BYTES, x.rows % BK, ct, 128, 2 + cw);
+        zero_rows<BN, BM>(sa + s * A_BYTES, sb + s * B_BYTES, x.rows % BK, ct, 128, 2 + cw);
       acc_fence(acc0);
       acc_fence(acc1);
       wgmma_fence();
@@ -482,16 +500,17 @@ __device__ __forceinline__ void pingpong(const gemm_args &a, int64_t tiles, unsi
       bar_arrive(&empty[prev]);
     if (t + gridDim.x < tiles)
       named_arrive(4 + (1 - cw), 256); /* tile i + 1 is the other's */
-    epilogue<LAYOUT, EPI, BN>(a, x, acc0, 0, warp, lane);
-    epilogue<LAYOUT, EPI, BN>(a, x, acc1, 1, warp, lane);
+    epilogue<LAYOUT, EPI, BN, BM>(a, x, acc0, 0, warp, lane);
+    epilogue<LAYOUT, EPI, BN, BM>(a, x, acc1, 1, warp, lane);
   }
 }
 
-template <int LAYOUT, int EPI, int BN, bool PP>
+template <int LAYOUT, int EPI, int BN, bool PP, int BM>
 __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ params p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int STAGES = cfg<BN>::STAGES, A_BYTES = cfg<BN>::A_BYTES, B_BYTES = cfg<BN>::B_BYTES;
+  constexpr int STAGES = cfg<BN, BM>::STAGES, A_BYTES = cfg<BN, BM>::A_BYTES,
+                B_BYTES = cfg<BN, BM>::B_BYTES;
   extern __shared__ unsigned char smem_raw[];
   unsigned char *sa = (unsigned char *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
   unsigned char *sb = sa + STAGES * A_BYTES;
@@ -507,7 +526,7 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
     bar_init_fence();
   }
   __syncthreads();
-  const int64_t tiles = tile_count<LAYOUT, BN>(a);
+  const int64_t tiles = tile_count<LAYOUT, BN, BM>(a);
 
   if (wg == 0) {
     regs_release<56>();
@@ -518,12 +537,12 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
     int s = 0;
     uint32_t ph = 0;
     for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
-      tile x = tile_at<LAYOUT, BN>(a, t);
+      tile x = tile_at<LAYOUT, BN, BM>(a, t);
       int nk = k_blocks<LAYOUT>(a, x);
       for (int kb = 0; kb < nk; kb++) {
         bar_wait(&empty[s], ph ^ 1);
         bar_expect(&full[s], A_BYTES + B_BYTES);
-        load_stage<LAYOUT, EPI, BN>(p, x, kb, sa + s * A_BYTES, sb + s * B_BYTES, &full[s]);
+        load_stage<LAYOUT, EPI, BN, BM>(p, x, kb, sa + s * A_BYTES, sb + s * B_BYTES, &full[s]);
         if (++s == STAGES) {
           s = 0;
           ph ^= 1;
@@ -540,7 +559,8 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
   if constexpr (PP)
     pingpong<LAYOUT, EPI>(a, tiles, sa, sb, sa0, sb0, full, empty, cw, ct & 127, warp, lane);
   else
-    cooperative<LAYOUT, EPI, BN>(a, tiles, sa, sb, sa0, sb0, full, empty, cw, ct, warp, lane);
+    cooperative<LAYOUT, EPI, BN, BM>(a, tiles, sa, sb, sa0, sb0, full, empty, cw, ct, warp,
+                                     lane);
 #else
   __trap(); /* launched only on sm_90 devices */
 #endif
@@ -548,12 +568,14 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
 
 /* Tensor maps for the layout, from the same gemm_args as the portable
  * kernel; a_rows: the rows of A (and of B in TN) in memory. */
-template <int LAYOUT, int EPI, int BN>
+template <int LAYOUT, int EPI, int BN, int BM>
 static int make_params(params *p, const gemm_args *a, int64_t a_rows, char *err)
 {
   int rc;
   memset(p, 0, sizeof *p);
   p->g = *a;
+  if (BM == 256) /* the grouped tiles count m-tiles of 256 rows */
+    p->g.tile_off = a->tile_off_tall;
   if (LAYOUT == L_TN) {
     if ((rc = mokk_tmap_bf16(&p->a, a->A, a->M, a_rows, 1, a->lda, 0, BK, err)))
       return rc;
@@ -580,22 +602,23 @@ static int make_params(params *p, const gemm_args *a, int64_t a_rows, char *err)
   return 0;
 }
 
-/* Queues one GEMM on stream with `grid` persistent blocks: BN-wide tiles
- * shared by both consumer warpgroups, or (PP, BN = 128) 128 x 128 tiles that
- * the two take in turns. */
-template <int LAYOUT, int EPI, int BN, bool PP = false>
+/* Queues one GEMM on stream with `grid` persistent blocks: BM x BN tiles
+ * shared by both consumer warpgroups, or (PP) 128 x 128 tiles that the two
+ * take in turns. BM = 256 is for the grouped NT and NN GEMMs (gemm_args'
+ * tile_off_tall). */
+template <int LAYOUT, int EPI, int BN, bool PP = false, int BM = 128>
 static int gemm(const gemm_args *a, int64_t a_rows, int grid, cudaStream_t stream, char *err)
 {
-  static_assert(!PP || BN == 128, "ping-pong tiles are 128 x 128");
+  static_assert(!PP || (BN == 128 && BM == 128), "ping-pong tiles are 128 x 128");
   params p;
-  int rc = make_params<LAYOUT, EPI, BN>(&p, a, a_rows, err);
+  int rc = make_params<LAYOUT, EPI, BN, BM>(&p, a, a_rows, err);
   if (rc)
     return rc;
-  cudaError_t e = cudaFuncSetAttribute(k_gemm90<LAYOUT, EPI, BN, PP>,
+  cudaError_t e = cudaFuncSetAttribute(k_gemm90<LAYOUT, EPI, BN, PP, BM>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       cfg<BN>::SMEM);
+                                       cfg<BN, BM>::SMEM);
   if (e == cudaSuccess) {
-    k_gemm90<LAYOUT, EPI, BN, PP><<<grid, THREADS, cfg<BN>::SMEM, stream>>>(p);
+    k_gemm90<LAYOUT, EPI, BN, PP, BM><<<grid, THREADS, cfg<BN, BM>::SMEM, stream>>>(p);
     e = cudaGetLastError();
   }
   if (e != cudaSuccess)

@@ -8,7 +8,7 @@
 
 #include "gpu/gemm_core.h"
 
-static const char *VNAME[GEMM_VARIANTS] = {"coop128", "coop256", "pingpong"};
+static const char *VNAME[GEMM_VARIANTS] = {"coop128", "coop256", "pingpong", "tall"};
 
 static const int SHAPES[][3] = {{8192, 4096, 7168}, {8192, 7168, 2048}, {8192, 8192, 8192}};
 #define NSHAPES (int)(sizeof SHAPES / sizeof SHAPES[0])
@@ -99,6 +99,23 @@ int main(int argc, char **argv)
         printf(" %9s %9s\n", "-", "-");
     }
   }
+  /* grouped forward GEMMs as the layer computes them: 256 and 2048 rows an expert */
+  static const int GR[][4] = {{256, 256, 4096, 7168}, {64, 2048, 3072, 4096}};
+  printf("\n%-28s %9s %9s %9s\n", "grouped groups,rows,N,K", "variant", "ms", "TFLOP/s");
+  for (size_t i = 0; i < sizeof GR / sizeof GR[0]; i++) {
+    double flops = 2.0 * GR[i][0] * GR[i][1] * GR[i][2] * GR[i][3];
+    char shape[48];
+    snprintf(shape, sizeof shape, "%d,%d,%d,%d", GR[i][0], GR[i][1], GR[i][2], GR[i][3]);
+    for (int v = 0; v < GEMM_VARIANTS; v++) {
+      double ms = gemm_core_time_grouped(GR[i][0], GR[i][1], GR[i][2], GR[i][3], v, iters);
+      if (ms <= 0) {
+        printf("%-28s %9s  failed\n", shape, VNAME[v]);
+        bad++;
+        continue;
+      }
+      printf("%-28s %9s %9.3f %9.1f\n", shape, VNAME[v], ms, flops / ms / 1e9);
+    }
+  }
   /* weight gradients as the layer computes them: many groups, short k */
   static const int WG[][4] = {{256, 256, 4096, 7168}, {384, 32, 6144, 7168}, {128, 2048, 1536, 2048}};
   printf("\n%-28s %9s %9s %9s %9s\n", "wgrad groups,rows,M,N", "variant", "ms", "TFLOP/s",
@@ -109,6 +126,8 @@ int main(int argc, char **argv)
     char shape[48];
     snprintf(shape, sizeof shape, "%d,%d,%d,%d", WG[i][0], WG[i][1], WG[i][2], WG[i][3]);
     for (int v = 0; v < GEMM_VARIANTS; v++) {
+      if (v == GEMM_TALL) /* tall tiles are for NT and NN */
+        continue;
       double ms = gemm_core_time_wgrad(WG[i][0], WG[i][1], WG[i][2], WG[i][3], v, iters);
       if (ms <= 0) {
         printf("%-28s %9s  failed\n", shape, VNAME[v]);

@@ -86,7 +86,7 @@ static void *zeros(int64_t bytes)
 
 typedef struct grouping {
   int groups, rows;
-  int count[8], row_start[8], tile_off[9];
+  int count[8], row_start[8], tile_off[18]; /* m-tiles of 128 rows, then of 256 */
   int *d_count, *d_row_start, *d_tile_off;
 } grouping;
 
@@ -100,6 +100,7 @@ static void grouping_make(grouping *gp)
     gp->count[g] = GROUP_ROWS[g];
     gp->row_start[g] = gp->rows;
     gp->tile_off[g + 1] = gp->tile_off[g] + (GROUP_ROWS[g] + G_BM - 1) / G_BM;
+    gp->tile_off[7 + g] = gp->tile_off[6 + g] + (GROUP_ROWS[g] + 2 * G_BM - 1) / (2 * G_BM);
     gp->rows += GROUP_ROWS[g];
   }
   cudaMalloc(&gp->d_count, sizeof gp->count);
@@ -123,6 +124,7 @@ static gemm_args grouped_args(const grouping *gp)
   a.count = gp->d_count;
   a.row_start = gp->d_row_start;
   a.tile_off = gp->d_tile_off;
+  a.tile_off_tall = gp->d_tile_off + gp->groups + 1;
   return a;
 }
 
@@ -170,7 +172,7 @@ static int sms(void)
 /* NT, plain and gate/up, grouped and dense; NN with and without the k split;
  * TN bf16 and fp32-accumulate with the C/C2 split, grouped and dense. Each
  * line of the report names a case and its error / tolerance. */
-template <int BN, bool PP>
+template <int BN, bool PP, int BM>
 static int run_cases(int grid, char *msg, size_t msglen, double *worst_out)
 {
   grouping gp;
@@ -180,6 +182,7 @@ static int run_cases(int grid, char *msg, size_t msglen, double *worst_out)
   size_t used = 0;
   const int K = 192, N = 320, IE = 192, R = 495; /* R = sum of GROUP_ROWS */
 
+  constexpr int TN_BM = BM == 256 ? 128 : BM; /* tall tiles are for NT and NN */
   grouping_make(&gp);
   if (gp.rows != R) {
     snprintf(msg, msglen, "grouping has %d rows", gp.rows);
@@ -215,7 +218,7 @@ static int run_cases(int grid, char *msg, size_t msglen, double *worst_out)
     gemm_args a = grouped_args(&gp);
     a.A = A, a.lda = K, a.B = B, a.ldb = K, a.b_stride = (int64_t)N * K;
     a.N = N, a.K = K, a.C = C, a.ldc = N;
-    RUN((sm90::gemm<L_NT, E_BF16, BN, PP>(&a, R, grid, 0, err)));
+    RUN((sm90::gemm<L_NT, E_BF16, BN, PP, BM>(&a, R, grid, 0, err)));
     for (int g = 0; g < gp.groups; g++)
       ref(A + (int64_t)gp.row_start[g] * K, K, 1, B + (int64_t)g * N * K, K, 1, gp.count[g], N,
           K, refc + (int64_t)gp.row_start[g] * N, N, 0);
@@ -227,7 +230,7 @@ static int run_cases(int grid, char *msg, size_t msglen, double *worst_out)
     gemm_args a = grouped_args(&gp);
     a.A = A, a.lda = K, a.B = B, a.B2 = B2, a.ldb = K, a.b_stride = (int64_t)IE * K;
     a.N = 2 * IE, a.K = K, a.C = C, a.ldc = IE, a.sg = sg, a.su = su, a.lds = IE;
-    RUN((sm90::gemm<L_NT, E_GATEUP, BN, PP>(&a, R, grid, 0, err)));
+    RUN((sm90::gemm<L_NT, E_GATEUP, BN, PP, BM>(&a, R, grid, 0, err)));
     for (int g = 0; g < gp.groups; g++) {
       int64_t rs = gp.row_start[g];
       ref(A + rs * K, K, 1, B + (int64_t)g * IE * K, K, 1, gp.count[g], IE, K, refc + rs * IE,
@@ -245,7 +248,7 @@ static int run_cases(int grid, char *msg, size_t msglen, double *worst_out)
     memset(&a, 0, sizeof a);
     a.groups = 1, a.M = 300;
     a.A = A, a.lda = K, a.B = B, a.ldb = K, a.N = N, a.K = K, a.C = C, a.ldc = N;
-    RUN((sm90::gemm<L_NT, E_BF16, BN, PP>(&a, 300, grid, 0, err)));
+    RUN((sm90::gemm<L_NT, E_BF16, BN, PP, BM>(&a, 300, grid, 0, err)));
     ref(A, K, 1, B, K, 1, 300, N, K, refc, N, 0);
     CORE_OK(cudaDeviceSynchronize());
     REPORT("nt_dense", compare(C, 1, refc, 300LL * N, TOL_BF16));
@@ -255,7 +258,7 @@ static int run_cases(int grid, char *msg, size_t msglen, double *worst_out)
     gemm_args a = grouped_args(&gp);
     a.A = A, a.lda = 2 * IE, a.B = B, a.B2 = B2, a.split = IE, a.ldb = N;
     a.b_stride = (int64_t)IE * N, a.N = N, a.K = 2 * IE, a.C = C, a.ldc = N;
-    RUN((sm90::gemm<L_NN, E_F32, BN, PP>(&a, R, grid, 0, err)));
+    RUN((sm90::gemm<L_NN, E_F32, BN, PP, BM>(&a, R, grid, 0, err)));
     for (int g = 0; g < gp.groups; g++) {
       int64_t rs = gp.row_start[g];
       ref(A + rs * 2 * IE, 2 * IE, 1, B + (int64_t)g * IE * N, 1, N, gp.count[g], N, IE,
@@ -271,7 +274,7 @@ static int run_cases(int grid, char *msg, size_t msglen, double *worst_out)
     gemm_args a = grouped_args(&gp);
     a.A = A, a.lda = K, a.B = B, a.ldb = N, a.b_stride = (int64_t)K * N;
     a.N = N, a.K = K, a.C = C, a.ldc = N;
-    RUN((sm90::gemm<L_NN, E_F32, BN, PP>(&a, R, grid, 0, err)));
+    RUN((sm90::gemm<L_NN, E_F32, BN, PP, BM>(&a, R, grid, 0, err)));
     for (int g = 0; g < gp.groups; g++) {
       int64_t rs = gp.row_start[g];
       ref(A + rs * K, K, 1, B + (int64_t)g * K * N, 1, N, gp.count[g], N, K, refc + rs * N, N,
@@ -291,7 +294,7 @@ static int run_cases(int grid, char *msg, size_t msglen, double *worst_out)
       CORE_OK(cudaMemcpy(C, refc, gp.groups * per * 4, cudaMemcpyDeviceToDevice));
       CORE_OK(cudaMemcpy(C2, ref2, gp.groups * per * 4, cudaMemcpyDeviceToDevice));
     }
-    RUN((sm90::gemm<L_TN, E_WGRAD, BN, PP>(&a, R, grid, 0, err)));
+    RUN((sm90::gemm<L_TN, E_WGRAD, BN, PP, TN_BM>(&a, R, grid, 0, err)));
     for (int g = 0; g < gp.groups; g++) {
       int64_t rs = gp.row_start[g];
       ref(A + rs * 2 * IE, 1, 2 * IE, Bt + rs * N, 1, N, IE, N, gp.count[g], refc + g * per, N,
@@ -311,7 +314,7 @@ static int run_cases(int grid, char *msg, size_t msglen, double *worst_out)
     memset(&a, 0, sizeof a);
     a.groups = 1, a.K = 77;
     a.A = A, a.lda = K, a.B = Bt, a.ldb = N, a.M = K, a.N = N, a.C = C, a.ldc = N;
-    RUN((sm90::gemm<L_TN, E_WGRAD, BN, PP>(&a, 77, grid, 0, err)));
+    RUN((sm90::gemm<L_TN, E_WGRAD, BN, PP, TN_BM>(&a, 77, grid, 0, err)));
     ref(A, 1, K, Bt, 1, N, K, N, 77, refc, N, 0);
     CORE_OK(cudaDeviceSynchronize());
     REPORT("tn_dense", compare(C, 1, refc, (int64_t)K * N, TOL_BF16));
@@ -326,14 +329,14 @@ static int run_cases(int grid, char *msg, size_t msglen, double *worst_out)
     memset(&a, 0, sizeof a);
     a.groups = 1, a.M = 300;
     a.A = LA, a.lda = LK, a.B = LB, a.ldb = LK, a.N = N, a.K = LK, a.C = C, a.ldc = N;
-    RUN((sm90::gemm<L_NT, E_BF16, BN, PP>(&a, 300, grid, 0, err)));
+    RUN((sm90::gemm<L_NT, E_BF16, BN, PP, BM>(&a, 300, grid, 0, err)));
     ref(LA, LK, 1, LB, LK, 1, 300, N, LK, refc, N, 0);
     CORE_OK(cudaDeviceSynchronize());
     REPORT("nt_longk", compare(C, 1, refc, 300LL * N, TOL_BF16));
     memset(&a, 0, sizeof a);
     a.groups = 1, a.K = LR;
     a.A = TA_, a.lda = K, a.B = TB_, a.ldb = N, a.M = K, a.N = N, a.C = C, a.ldc = N;
-    RUN((sm90::gemm<L_TN, E_WGRAD, BN, PP>(&a, LR, grid, 0, err)));
+    RUN((sm90::gemm<L_TN, E_WGRAD, BN, PP, TN_BM>(&a, LR, grid, 0, err)));
     ref(TA_, 1, K, TB_, 1, N, K, N, LR, refc, N, 0);
     CORE_OK(cudaDeviceSynchronize());
     REPORT("tn_longk", compare(C, 1, refc, (int64_t)K * N, TOL_BF16));
@@ -369,12 +372,82 @@ extern "C" int gemm_core_check(int variant, int grid, char *msg, size_t msglen, 
   msg[0] = 0;
   switch (variant) {
   case GEMM_COOP256:
-    return run_cases<256, false>(grid, msg, msglen, worst);
+    return run_cases<256, false, 128>(grid, msg, msglen, worst);
   case GEMM_PINGPONG:
-    return run_cases<128, true>(grid, msg, msglen, worst);
+    return run_cases<128, true, 128>(grid, msg, msglen, worst);
+  case GEMM_TALL:
+    return run_cases<128, false, 256>(grid, msg, msglen, worst);
   default:
-    return run_cases<128, false>(grid, msg, msglen, worst);
+    return run_cases<128, false, 128>(grid, msg, msglen, worst);
   }
+}
+
+static int sort_median(double *ms, int n, double *med);
+
+/* An NT bf16 GEMM on one variant of the core. */
+static int nt_variant(const gemm_args *a, int64_t rows, int variant, char *err)
+{
+  switch (variant) {
+  case GEMM_COOP256:
+    return sm90::gemm<L_NT, E_BF16, 256>(a, rows, sms(), 0, err);
+  case GEMM_PINGPONG:
+    return sm90::gemm<L_NT, E_BF16, 128, true>(a, rows, sms(), 0, err);
+  case GEMM_TALL:
+    return sm90::gemm<L_NT, E_BF16, 128, false, 256>(a, rows, sms(), 0, err);
+  default:
+    return sm90::gemm<L_NT, E_BF16, 128>(a, rows, sms(), 0, err);
+  }
+}
+
+/* Median ms of a grouped NT GEMM shaped like the layer's forward: `groups`
+ * experts of `rows` rows each, C[rows of g] = A[rows of g] B[g]^T with B
+ * [groups, N, K]; 0 when it could not run. */
+extern "C" double gemm_core_time_grouped(int groups, int rows, int N, int K, int variant,
+                                         int iters)
+{
+  char err[256];
+  int64_t R = (int64_t)groups * rows;
+  bf16 *A = rand_bf16(R * K, 41), *B = rand_bf16((int64_t)groups * N * K, 42);
+  bf16 *C = (bf16 *)zeros(R * N * 2);
+  int *h = (int *)calloc(4 * (groups + 1), sizeof(int)), *d = NULL;
+  double *ms = (double *)calloc(iters, sizeof *ms), med = 0;
+  cudaEvent_t e0, e1;
+  gemm_args a;
+
+  /* count, row_start, tile_off (128 rows), tile_off (256 rows) */
+  for (int g = 0; g < groups; g++) {
+    h[g] = rows;
+    h[groups + g] = g * rows;
+    h[2 * groups + g + 1] = h[2 * groups + g] + (rows + 127) / 128;
+    h[3 * groups + 1 + g + 1] = h[3 * groups + 1 + g] + (rows + 255) / 256;
+  }
+  cudaMalloc(&d, 4 * (groups + 1) * sizeof(int));
+  cudaMemcpy(d, h, 4 * (groups + 1) * sizeof(int), cudaMemcpyHostToDevice);
+  memset(&a, 0, sizeof a);
+  a.groups = groups, a.count = d, a.row_start = d + groups, a.tile_off = d + 2 * groups;
+  a.tile_off_tall = d + 3 * groups + 1;
+  a.A = A, a.lda = K, a.B = B, a.ldb = K, a.b_stride = (int64_t)N * K, a.N = N, a.K = K;
+  a.C = C, a.ldc = N;
+  cudaEventCreate(&e0), cudaEventCreate(&e1);
+  for (int i = -2; i < iters; i++) {
+    cudaEventRecord(e0);
+    int rc = nt_variant(&a, R, variant, err);
+    cudaEventRecord(e1);
+    if (rc != 0 || cudaEventSynchronize(e1) != cudaSuccess) {
+      fprintf(stderr, "gemm_core_time_grouped: %s\n", rc ? err : "launch failed");
+      iters = 0;
+      break;
+    }
+    float t = 0;
+    cudaEventElapsedTime(&t, e0, e1);
+    if (i >= 0)
+      ms[i] = t;
+  }
+  sort_median(ms, iters, &med);
+  cudaEventDestroy(e0), cudaEventDestroy(e1);
+  cudaFree(A), cudaFree(B), cudaFree(C), cudaFree(d);
+  free(h), free(ms);
+  return med;
 }
 
 static int sort_median(double *ms, int n, double *med)
@@ -456,9 +529,7 @@ extern "C" double gemm_core_time(int M, int N, int K, int variant, int iters, do
   cudaEventCreate(&e0), cudaEventCreate(&e1);
   for (int i = -3; i < iters; i++) {
     cudaEventRecord(e0);
-    int rc = variant == GEMM_COOP256 ? sm90::gemm<L_NT, E_BF16, 256>(&a, M, sms(), 0, err)
-             : variant == GEMM_PINGPONG ? sm90::gemm<L_NT, E_BF16, 128, true>(&a, M, sms(), 0, err)
-                                        : sm90::gemm<L_NT, E_BF16, 128>(&a, M, sms(), 0, err);
+    int rc = nt_variant(&a, M, variant, err);
     cudaEventRecord(e1);
     if (rc != 0) {
       fprintf(stderr, "gemm_core_time: %s\n", err);

@@ -9,15 +9,17 @@
 extern "C" {
 #endif
 
-/* the core's variants: tiles shared by both consumer warpgroups, 128 or 256
- * wide, or 128 x 128 tiles the two take in turns */
-enum { GEMM_COOP128, GEMM_COOP256, GEMM_PINGPONG, GEMM_VARIANTS };
+/* the core's variants: tiles shared by both consumer warpgroups, 128 x 128,
+ * 128 x 256 or (grouped NT and NN only) 256 x 128, or 128 x 128 tiles the
+ * two take in turns */
+enum { GEMM_COOP128, GEMM_COOP256, GEMM_PINGPONG, GEMM_TALL, GEMM_VARIANTS };
 
 /* 1 when the current device runs the Hopper core (sm_90). */
 int gemm_core_available(void);
 int gemm_core_check(int variant, int grid, char *msg, size_t msglen, double *worst);
 double gemm_core_time(int M, int N, int K, int variant, int iters, double *worst);
 double gemm_core_time_wgrad(int groups, int rows, int M, int N, int variant, int iters);
+double gemm_core_time_grouped(int groups, int rows, int N, int K, int variant, int iters);
 
 #ifdef __cplusplus
 }
