@@ -8,25 +8,25 @@
  * - Warp specialisation: one thread of the producer warpgroup issues every
  *   copy; 256 consumer threads only wait, multiply and store. The producer
  *   gives its registers to the consumers (setmaxnreg).
- * - A stage is a 128 x 64 A tile and a BN x 64 B tile, filled by the copy
+ * - A stage is a BM x 64 A tile and a BN x 64 B tile, filled by the copy
  *   engine with the 128-byte swizzle that wgmma reads directly (sm90/ptx.cuh).
  *   full[s] completes when its bytes have landed, empty[s] when every
  *   consumer warp that reads it is done: the producer runs up to STAGES
  *   k-blocks ahead, across tile boundaries, so the next tile's loads hide
  *   this tile's epilogue.
- * - Two consumer shapes: both warpgroups on one 128 x BN tile (BN = 256 for
- *   the layer), or ping-pong, each warpgroup owning every other 128 x 128
- *   tile, so one's stores overlap the other's MMAs (weight gradients).
+ * - Tiles: 128 x 256 for dense GEMMs; 256 x 128 for the grouped forward and
+ *   data-gradient GEMMs, whose experts have a few hundred rows: one block then
+ *   reads an expert's weight slab once for 256 of them (with 128-row tiles
+ *   the slab's two or three m-tiles read it apart, and the L2 did not keep it
+ *   in between); 128 x 128 ping-pong tiles, each warpgroup owning every other
+ *   tile, where k loops are long and epilogues heavy.
  * - Operands stay where they are: K-major operands (x, h, the forward's
  *   weights) and MN-major ones (the backward's weights, the weight gradients'
  *   rows) are both read by the copy engine as they lie in memory; wgmma's
  *   transpose bits take care of the rest. Gate and up weights fill the two
  *   halves of one B tile, so the SwiGLU runs on registers in the epilogue.
- * - Tile order: an expert's tiles run together, m-tiles fastest, so the two
- *   or three blocks that read one weight slab start close together and the
- *   L2 may serve all but the first; dense GEMMs walk bands of 16 m-tiles.
- *   (Measured on dsv3: it mostly does not; about 2.6x the weights come from
- *   DRAM. kernels/cuda/PERF.md has the figures and what comes next.)
+ * - Tile order: an expert's tiles run together, m-tiles fastest; dense GEMMs
+ *   walk bands of 16 m-tiles.
  * - Determinism: a tile is owned by one block that sums k in order, and the
  *   tile a block gets never changes any tile's bits, so results are the same
  *   for any grid (DESIGN §2). Weight gradients sum an expert's rows in blocks
