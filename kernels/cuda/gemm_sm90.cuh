@@ -133,6 +133,17 @@ __device__ __forceinline__ int k_blocks(const gemm_args &a, const tile &x)
   return LAYOUT == L_TN ? (x.rows + BK - 1) / BK : a.K / BK;
 }
 
+/* 64-row boxes of A a stage of tile x loads. NT, NN: only those holding rows
+ * of the group (a small expert's tile reads its own rows, not the next
+ * experts'); the consumers skip the same 64-row blocks (act0, act1). */
+template <int LAYOUT, int BM>
+__device__ __forceinline__ int a_boxes(const tile &x)
+{
+  if (LAYOUT == L_TN)
+    return BM / 64;
+  return min(BM / 64, (x.rows - x.mt * BM + 63) / 64);
+}
+
 /* The producer's copies for k-block kb of tile x into stage (sa, sb). */
 template <int LAYOUT, int EPI, int BN, int BM>
 __device__ __forceinline__ void load_stage(const params &p, const tile &x, int kb,
@@ -151,8 +162,9 @@ __device__ __forceinline__ void load_stage(const params &p, const tile &x, int k
       tma_load(sb + c * CHUNK, &p.b, x.nt * BN + c * 64, r, 0, bar);
     return;
   }
-  /* A [rows, K], K-major */
-  tma_load(sa, &p.a, k, (int)x.rb + x.mt * BM, 0, bar);
+  /* A [rows, K], K-major, in 64-row boxes: none past the group's rows */
+  for (int c = 0; c < a_boxes<LAYOUT, BM>(x); c++)
+    tma_load(sa + c * CHUNK, &p.a, k, (int)x.rb + x.mt * BM + c * 64, 0, bar);
   if (LAYOUT == L_NT) { /* B [groups, N, K], K-major */
     if (EPI == E_GATEUP) {
       tma_load(sb, &p.b, k, x.nt * (BN / 2), x.g, bar);
@@ -538,10 +550,10 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
     uint32_t ph = 0;
     for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
       tile x = tile_at<LAYOUT, BN, BM>(a, t);
-      int nk = k_blocks<LAYOUT>(a, x);
+      int nk = k_blocks<LAYOUT>(a, x), bytes = a_boxes<LAYOUT, BM>(x) * CHUNK + B_BYTES;
       for (int kb = 0; kb < nk; kb++) {
         bar_wait(&empty[s], ph ^ 1);
-        bar_expect(&full[s], A_BYTES + B_BYTES);
+        bar_expect(&full[s], bytes);
         load_stage<LAYOUT, EPI, BN, BM>(p, x, kb, sa + s * A_BYTES, sb + s * B_BYTES, &full[s]);
         if (++s == STAGES) {
           s = 0;
@@ -581,7 +593,7 @@ static int make_params(params *p, const gemm_args *a, int64_t a_rows, char *err)
       return rc;
     return mokk_tmap_bf16(&p->b, a->B, a->N, a_rows, 1, a->ldb, 0, BK, err);
   }
-  if ((rc = mokk_tmap_bf16(&p->a, a->A, a->K, a_rows, 1, a->lda, 0, BM, err)))
+  if ((rc = mokk_tmap_bf16(&p->a, a->A, a->K, a_rows, 1, a->lda, 0, 64, err)))
     return rc;
   if (LAYOUT == L_NT) {
     if (EPI == E_GATEUP) {
