@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "cuda_priv.h"
 
@@ -205,8 +206,13 @@ extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
     return n;
   if (device < 0 || device >= n)
     return mokk_fail(err, MOK_EDEVICE, "CUDA device %d does not exist (%d visible)", device, n);
+  /* a tuning knob for measuring the tile shapes against each other */
+  const char *tiles = getenv("MOKD_GEMM_TILES");
+  if (tiles != NULL && strcmp(tiles, "auto") != 0 && strcmp(tiles, "wide") != 0)
+    return mokk_fail(err, MOK_EINVAL, "MOKD_GEMM_TILES: \"%s\" is not auto or wide", tiles);
   if ((cb = (cuda_backend *)calloc(1, sizeof *cb)) == NULL)
     return mokk_fail(err, MOK_ENOMEM, "out of memory");
+  cb->wide = tiles != NULL && strcmp(tiles, "wide") == 0;
   cb->base.iface = &cuda_iface;
   cb->base.device = device;
   cb->device = device;

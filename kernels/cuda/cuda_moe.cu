@@ -59,16 +59,18 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
    * the reuse to the L2, which missed: 2.6x the weights came from DRAM);
    * dense ones on 128 x 256 tiles; weight gradients (k = an expert's rows) on
    * 128 x 256 tiles, or on ping-pong tiles, which hide one warpgroup's stores
-   * behind the other's MMAs, from 1024 rows per expert on (bench-gemm). */
+   * behind the other's MMAs, from 1024 rows per expert on (bench-gemm).
+   * MOKD_GEMM_TILES=wide keeps the earlier choice (128 x 256, ping-pong
+   * weight gradients) to measure one against the other. */
   if (cb->arch == 90) {
     int grid = grid_for(cb, gemm_tiles(a, LAYOUT), 1);
     if constexpr (LAYOUT == L_TN) {
       int64_t rows_per_group = a->count != NULL ? a_rows / a->groups : a->K;
-      if (rows_per_group >= 1024)
+      if (rows_per_group >= 1024 || cb->wide)
         return sm90::gemm<LAYOUT, EPI, 128, true>(a, a_rows, grid, cb->stream, err);
       return sm90::gemm<LAYOUT, EPI, 256>(a, a_rows, grid, cb->stream, err);
     } else {
-      if (a->count != NULL)
+      if (a->count != NULL && !cb->wide)
         return sm90::gemm<LAYOUT, EPI, 128, false, 256>(a, a_rows, grid, cb->stream, err);
       return sm90::gemm<LAYOUT, EPI, 256>(a, a_rows, grid, cb->stream, err);
     }

@@ -18,6 +18,7 @@ typedef struct cuda_backend {
   mokk_backend base;
   int device, sms, max_blocks;
   int arch;             /* compute capability as 10 major + minor; 0 until asked */
+  int wide;             /* MOKD_GEMM_TILES=wide: 128 x 256 and ping-pong tiles only */
   cudaStream_t stream;
   int *status;          /* device: bit 0 = an expert id out of range */
   cuda_buffer *retired; /* released, waiting for their fence (loop thread only) */
