@@ -94,3 +94,4 @@ Suite *registry_suite(void);
 Suite *idmap_suite(void);
 Suite *paths_suite(void);
 Suite *mokctl_suite(void);
+Suite *gpuid_suite(void);
