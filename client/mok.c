@@ -341,6 +341,7 @@ static int connect_on(const char *path, const char *client_name, int device,
   if (c == NULL)
     return MOK_ENOMEM;
   mokw_framer_init(&c->rx, 64u << 20);
+  c->fd = -1;
   c->daemon_gpu = c->gpu = c->info.device = c->info.daemon_device = -1;
   snprintf(c->gpu_why, sizeof c->gpu_why, "mokd runs no GPU for it");
   *out = c; /* from here on, so that mok_last_error can say why; mok_close frees it */
