@@ -156,7 +156,7 @@ _lib.mok_set_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
 _lib.mok_step_status.argtypes = [ctypes.c_void_p, _P(_Tensor)]
 
 
-EPROTO, ENOTSUP, EEXPERT = -errno.EPROTO, -errno.ENOTSUP, -4003
+EPROTO, ENOTSUP, EEXPERT, EDEVICE = -errno.EPROTO, -errno.ENOTSUP, -4003, -4007
 
 
 class MokError(RuntimeError):
@@ -277,6 +277,7 @@ class Client:
     two. Neither lets a cuda daemon pick. info()["device_uuid"] says which."""
 
     def __init__(self, socket=None, name="python", device=None, gpu_uuid=None):
+        self._h = None
         h = ctypes.c_void_p()
         sock = socket.encode() if socket else None
         if gpu_uuid is not None and device is not None:
