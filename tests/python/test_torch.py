@@ -237,6 +237,109 @@ class TorchLayerTest(unittest.TestCase):
         out = m(x, ids.long(), tw)  # int64 ids that fit are taken
         self.assertTrue(torch.equal(out, m(x, ids, tw)))
 
+    def grads_of(self, m, x, tw):
+        return [x.grad, tw.grad] + [w.grad for w in m.weights()]
+
+    def test_weights_replaced_before_backward_keep_the_forwards(self):
+        """A module that lets go of its weights between forward and backward
+        (p.data replaced, the old storage dropped and its memory handed out
+        again) still gets the gradients of the weights its forward ran with."""
+        T, H, E, K = 200, 256, 16, 4
+        m = self.layer(Is=64)
+        x, ids, tw, d_out = self.inputs(T, H, E, K, 41)
+        old = [w.detach().clone() for w in m.weights()]
+        out = m(x, ids, tw)
+        for w in m.weights():
+            w.data = torch.randn_like(w)
+        gc.collect()
+        junk = [torch.full_like(w, 3.0) for w in old]  # would land where freed weights were
+        out.backward(d_out)
+        ref, xs, tws, ws = reference_mixed(x, ids, tw, old)
+        ref.backward(d_out)
+        for name, r, o in zip(["d_x", "d_topk_weights"] + ["d_" + n for n in m._names],
+                              [xs.grad, tws.grad] + [w.grad for w in ws],
+                              self.grads_of(m, x, tw)):
+            self.assertLessEqual(ratio(r, o) / TOL_BWD, 1.0, name)
+        del junk
+
+    def test_weights_freed_before_backward_are_refused(self):
+        """FSDP's reshard after forward frees a weight's storage (resize to 0),
+        and gathering it again later may put it elsewhere: the backward says
+        so instead of reading freed memory."""
+        T, H, E, K = 64, 256, 16, 4
+        for regather in (False, True):
+            m = self.layer()
+            x, ids, tw, d_out = self.inputs(T, H, E, K, 43)
+            out = m(x, ids, tw)
+            keep = m.w_up.detach().clone()
+            nbytes = m.w_up.untyped_storage().nbytes()
+            m.w_up.untyped_storage().resize_(0)
+            if regather:
+                m.w_up.untyped_storage().resize_(nbytes)
+                with torch.no_grad():
+                    m.w_up.copy_(keep)
+            with self.assertRaises(RuntimeError) as cm:
+                out.backward(d_out)
+            msg = str(cm.exception)
+            print("regather=%s: %s" % (regather, msg))
+            self.assertTrue(msg.startswith("mokd.MoELayer: the storage of w_up changed between "
+                                           "forward and backward") or
+                            msg.startswith("mokd.MoELayer: w_up was modified in place between "
+                                           "forward and backward"), msg)
+
+    def test_weights_modified_in_place_before_backward_are_refused(self):
+        T, H, E, K = 64, 256, 16, 4
+        m = self.layer()
+        x, ids, tw, d_out = self.inputs(T, H, E, K, 47)
+        out = m(x, ids, tw)
+        with torch.no_grad():
+            m.w_down.mul_(2.0)
+        with self.assertRaisesRegex(RuntimeError, r"^mokd\.MoELayer: w_down was modified in "
+                                    r"place between forward and backward \(version \d+, now "
+                                    r"\d+\)"):
+            out.backward(d_out)
+        # a step that starts after the change is fine
+        out = m(x, ids, tw)
+        out.backward(d_out)
+        ref, xs, tws, ws = reference_mixed(x, ids, tw, m.weights())
+        ref.backward(d_out)
+        self.assertLessEqual(ratio(xs.grad, x.grad) / TOL_BWD, 1.0)
+
+    def test_session_follows_gpu_uuid_not_ordinal(self):
+        """A process whose CUDA_VISIBLE_DEVICES is the GPU's UUID (as Slurm and
+        Kubernetes renumber GPUs) asks for its device 0; libmok names it by
+        UUID and the daemon runs the session there."""
+        info = self.session.client.info()
+        uuid, theirs = info["device_uuid"], info["daemon_device"]
+        self.assertTrue(uuid.startswith("GPU-") or uuid.startswith("MIG-"), uuid)
+        child = r"""
+import sys, torch, mokd
+from mokd.nn import Session
+s = Session(sys.argv[1])
+info = s.client.info()
+assert info["device"] == 0 and info["device_uuid"] == sys.argv[2], info
+assert info["daemon_device"] == int(sys.argv[3]), info
+m = mokd.MoELayer(256, 128, 16, 4, session=s)
+x = torch.randn(64, 256, device="cuda").to(torch.bfloat16).requires_grad_()
+ids = torch.rand(64, 16, device="cuda").topk(4, dim=1).indices.to(torch.int32)
+tw = torch.softmax(torch.randn(64, 4, device="cuda"), -1)
+m(x, ids, tw).float().sum().backward()
+assert torch.isfinite(x.grad.float()).all()
+try:
+    mokd.Client(sys.argv[1], gpu_uuid="GPU-12345678-9abc-def0-1234-56789abcdef0")
+    raise AssertionError("a made-up UUID was taken")
+except mokd.MokError as e:
+    assert e.code == mokd.EDEVICE, e
+    print(e)
+print("remapped: device 0 here is the daemon's device", info["daemon_device"])
+"""
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=uuid)
+        r = subprocess.run([sys.executable, "-c", child, self.sock, uuid, str(theirs)], env=env,
+                           capture_output=True, text=True, timeout=120)
+        print(r.stdout, r.stderr)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("is not one this daemon runs (it runs %s" % uuid, r.stdout)
+
     def test_training_matches_torch(self):
         import train_moe
         ours, ref = train_moe.train(steps=100, log=print, session=self.session)

@@ -15,6 +15,12 @@ How the tensors travel:
 - Outputs (out, d_x, d_topk_weights and the weight gradients) are zero-copy
   views of daemon arenas, exposed through __cuda_array_interface__; the
   daemon result behind them is released when the last view is gone.
+- A forward's saved state in the daemon reads the weights in place at the
+  backward. The autograd context keeps the forward's weight storage alive, so
+  a module that drops or replaces its parameters in between (`p.data = ...`)
+  still gets the gradients of the forward it ran; storage freed or resized
+  (FSDP's reshard after forward) or weights written in place in between raise
+  a RuntimeError at the backward instead of computing with the wrong weights.
 - Ordering is on the current CUDA stream: the daemon waits for an event
   recorded there before it starts, and the stream waits for the daemon's done
   event before anything queued after the call. Nothing waits on the host.
@@ -166,19 +172,55 @@ def _check_inputs(hidden, top_k, x, topk_ids, topk_weights):
                                                                         tuple(t.shape)))
 
 
+class _SavedWeights:
+    """The weights a forward's saved state in the daemon reads at the backward:
+    aliases that keep their storage alive when the module lets go of it, and
+    what the storage was, so that a backward over weights freed, resized or
+    written in place since the forward is refused."""
+
+    def __init__(self, names, weights):
+        self.names = names
+        self.alias = [w.detach() for w in weights]  # shares storage and version counter
+        self.seen = [self._state(w) for w in self.alias]
+
+    @staticmethod
+    def _state(w):
+        return w.data_ptr(), w.untyped_storage().nbytes(), w._version
+
+    def check(self):
+        for name, w, (ptr, nbytes, version) in zip(self.names, self.alias, self.seen):
+            now_ptr, now_nbytes, now_version = self._state(w)
+            if (now_ptr, now_nbytes) != (ptr, nbytes):
+                raise RuntimeError(
+                    "mokd.MoELayer: the storage of %s changed between forward and backward "
+                    "(%d bytes at %#x, now %d bytes at %#x): it was freed or resized, as "
+                    "FSDP's reshard after forward does, and the daemon reads the forward's "
+                    "weights in place; keep them until the backward (FSDP2: "
+                    "reshard_after_forward=False for this module)"
+                    % (name, nbytes, ptr, now_nbytes, now_ptr))
+            if now_version != version:
+                raise RuntimeError(
+                    "mokd.MoELayer: %s was modified in place between forward and backward "
+                    "(version %d, now %d), and the daemon reads the forward's weights in "
+                    "place: its gradients would be of other weights; change weights after "
+                    "the backward (as an optimizer step does)" % (name, version, now_version))
+
+
 class _MoEFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, layer, x, topk_ids, topk_weights, *weights):
-        out, owner, keep = layer._run_forward(x, topk_ids, topk_weights, weights,
-                                              any(ctx.needs_input_grad))
+        want_ctx = any(ctx.needs_input_grad)
+        out, owner, keep = layer._run_forward(x, topk_ids, topk_weights, weights, want_ctx)
         ctx.layer, ctx.owner, ctx.keep = layer, owner, keep
+        ctx.weights = _SavedWeights(layer._names, weights) if want_ctx else None
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_out):
+        ctx.weights.check()
         d_x, d_tw, grads = ctx.layer._run_backward(ctx.owner, d_out)
-        ctx.owner = ctx.keep = None
+        ctx.owner = ctx.keep = ctx.weights = None
         return (None, d_x, None, d_tw) + tuple(grads)
 
 
