@@ -581,7 +581,7 @@ static int import_alloc(mok_client *c, const mok_cuda_alloc *al, uint64_t *arena
 int mok_arena_import_cuda(mok_client *c, const void *ptr, size_t bytes, uint64_t *arena,
                           uint64_t *offset)
 {
-  mok_cuda_alloc al;
+  mok_cuda_alloc al, next;
   imported *hit = NULL;
   char why[200];
   int rc, dev = -1;
@@ -604,6 +604,13 @@ int mok_arena_import_cuda(mok_client *c, const void *ptr, size_t bytes, uint64_t
                 "session runs on %s (device %d here): allocate it there, or connect on its GPU",
                 al.device, there, c->info.device_uuid, dev);
   }
+  if ((uintptr_t)ptr + bytes > al.base + al.bytes && !al.legacy_ipc &&
+      mok_cuda_alloc_info((const void *)(al.base + al.bytes), &next, why, sizeof why) == 0)
+    return fail(c, MOK_ENOTSUP, "%zu bytes at %p span several cuMem allocations (the first "
+                "ends after %zu bytes), as PyTorch's expandable_segments allocator maps large "
+                "tensors; mokd imports one allocation per tensor: run without "
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", bytes, ptr,
+                (size_t)(al.base + al.bytes - (uintptr_t)ptr));
   if ((uintptr_t)ptr + bytes > al.base + al.bytes)
     return fail(c, MOK_ERANGE, "%zu bytes at %p run past the end of their allocation "
                 "(%zu bytes at %#lx)", bytes, ptr, al.bytes, (unsigned long)al.base);

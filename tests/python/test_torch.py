@@ -340,6 +340,40 @@ print("remapped: device 0 here is the daemon's device", info["daemon_device"])
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertIn("is not one this daemon runs (it runs %s" % uuid, r.stdout)
 
+    def test_expandable_segments_work_or_are_named(self):
+        """PyTorch's expandable_segments allocator maps a large tensor as several
+        cuMem allocations. A tensor inside one of them is imported like any
+        other; one that spans several is refused naming the setting, never
+        computed on from a partial mapping."""
+        child = r"""
+import sys, torch, mokd
+from mokd.nn import Session
+sys.path.insert(0, sys.argv[2])
+from test_torch import reference_mixed, ratio, TOL_FWD
+s = Session(sys.argv[1])
+for H, I in ((256, 128), (1024, 2048)):   # weights of 1 MiB, then of 64 MiB each
+    m = mokd.MoELayer(H, I, 16, 4, session=s)
+    x = torch.randn(128, H, device="cuda").to(torch.bfloat16)
+    ids = torch.rand(128, 16, device="cuda").topk(4, dim=1).indices.to(torch.int32)
+    tw = torch.softmax(torch.randn(128, 4, device="cuda"), -1)
+    try:
+        out = m(x, ids, tw)
+    except mokd.MokError as e:
+        # ENOTSUP: it spans allocations; EINVAL: PyTorch made them unexportable
+        assert e.code in (mokd.ENOTSUP, -22) and "expandable_segments" in str(e), e
+        print("H=%d I=%d refused: %s" % (H, I, e))
+        continue
+    q = ratio(reference_mixed(x, ids, tw, m.weights())[0], out) / TOL_FWD
+    assert q <= 1.0, q
+    print("H=%d I=%d ran: error/tolerance %.3f" % (H, I, q))
+"""
+        env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+        r = subprocess.run([sys.executable, "-c", child, self.sock, HERE], env=env,
+                           capture_output=True, text=True, timeout=300)
+        print(r.stdout, r.stderr)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(r.stdout.count(" ran: ") + r.stdout.count(" refused: "), 2, r.stdout)
+
     def test_training_matches_torch(self):
         import train_moe
         ours, ref = train_moe.train(steps=100, log=print, session=self.session)
