@@ -937,12 +937,20 @@ int mok_forward(mok_client *c, uint64_t layer, const mok_tensor *x,
 int mok_backward(mok_client *c, uint64_t context, const mok_tensor *d_out,
                  const mok_tensor *grads, int ngrads, mok_backward_result *res)
 {
+  return mok_backward_weights(c, context, d_out, grads, ngrads, NULL, res);
+}
+
+int mok_backward_weights(mok_client *c, uint64_t context, const mok_tensor *d_out,
+                         const mok_tensor *grads, int ngrads, const mok_tensor *weights,
+                         mok_backward_result *res)
+{
   Mokd__Request req = MOKD__REQUEST__INIT;
   Mokd__Backward b = MOKD__BACKWARD__INIT;
-  Mokd__TensorRef rd, rg[MOK_NWEIGHTS], *pg[MOK_NWEIGHTS];
-  int64_t sd[MOK_MAX_DIMS], sg[MOK_NWEIGHTS][MOK_MAX_DIMS];
+  Mokd__TensorRef rd, rg[MOK_NWEIGHTS], *pg[MOK_NWEIGHTS], rw[MOK_NWEIGHTS],
+      *pw[MOK_NWEIGHTS];
+  int64_t sd[MOK_MAX_DIMS], sg[MOK_NWEIGHTS][MOK_MAX_DIMS], sw[MOK_NWEIGHTS][MOK_MAX_DIMS];
   Mokd__Response *r;
-  int rc;
+  int rc, nw = 0;
 
   if (c == NULL || d_out == NULL || res == NULL || (ngrads > 0 && grads == NULL))
     return MOK_ENULL;
@@ -953,7 +961,23 @@ int mok_backward(mok_client *c, uint64_t context, const mok_tensor *d_out,
     to_wire(&grads[i], &rg[i], sg[i]);
     pg[i] = &rg[i];
   }
+  if (weights != NULL) {
+    /* the order of mok_layer_set_weights; no shared expert: its three are absent */
+    nw = weights[MOK_S_GATE].ndim == 0 ? MOK_S_GATE : MOK_NWEIGHTS;
+    for (int i = 0; i < nw; i++) {
+      if (weights[i].ndim == 0)
+        return fail(c, MOK_EINVAL, "weights[%d] is absent (ndim 0); name all of the "
+                    "layer's weights, or pass NULL", i);
+      to_wire(&weights[i], &rw[i], sw[i]);
+      pw[i] = &rw[i];
+    }
+    for (int i = nw; i < MOK_NWEIGHTS; i++)
+      if (weights[i].ndim != 0)
+        return fail(c, MOK_EINVAL, "weights[%d] is given but weights[%d] (s_gate) is "
+                    "absent", i, MOK_S_GATE);
+  }
   b.context = context, b.d_out = &rd, b.n_grads = (size_t)ngrads, b.grads = pg;
+  b.n_weights = (size_t)nw, b.weights = pw;
   req.body_case = MOKD__REQUEST__BODY_BACKWARD;
   req.backward = &b;
   if ((rc = step_ready(c, &b.ready_event)) != 0)

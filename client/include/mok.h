@@ -207,6 +207,16 @@ int mok_forward(mok_client *c, uint64_t layer, const mok_tensor *x,
  * bf16 to write otherwise). NULL in bf16 mode: the daemon returns them. */
 int mok_backward(mok_client *c, uint64_t context, const mok_tensor *d_out,
                  const mok_tensor *grads, int ngrads, mok_backward_result *res);
+/* The same, reading the weights where they are now: weights is NULL (where
+ * the forward read them, as mok_backward does) or MOK_NWEIGHTS tensors in
+ * the order of mok_layer_set_weights (the shared expert's absent, ndim 0,
+ * without one), checked as that call checks them. For weights that moved
+ * since the forward but hold the same values: FSDP frees its gathered
+ * weights after the forward and gathers them again, elsewhere, before the
+ * backward. The daemon then no longer reads the forward's weight memory. */
+int mok_backward_weights(mok_client *c, uint64_t context, const mok_tensor *d_out,
+                         const mok_tensor *grads, int ngrads, const mok_tensor *weights,
+                         mok_backward_result *res);
 /* Releases contexts and backward results (and the outputs they own). */
 int mok_release(mok_client *c, const uint64_t *ids, int n);
 
