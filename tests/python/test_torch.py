@@ -262,48 +262,178 @@ class TorchLayerTest(unittest.TestCase):
             self.assertLessEqual(ratio(r, o) / TOL_BWD, 1.0, name)
         del junk
 
-    def test_weights_freed_before_backward_are_refused(self):
-        """FSDP's reshard after forward frees a weight's storage (resize to 0),
-        and gathering it again later may put it elsewhere: the backward says
-        so instead of reading freed memory."""
-        T, H, E, K = 64, 256, 16, 4
-        for regather in (False, True):
-            m = self.layer()
-            x, ids, tw, d_out = self.inputs(T, H, E, K, 43)
+    def grads_bits(self, m, x, tw):
+        return [g.detach().clone() for g in self.grads_of(m, x, tw)]
+
+    def assert_same_bits(self, want, got, names):
+        def bits(t):
+            return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+        for name, a, b in zip(names, want, got):
+            self.assertTrue(torch.equal(bits(a), bits(b)), "%s differs" % name)
+
+    def test_weights_regathered_before_backward_give_the_same_gradients(self):
+        """FSDP2 frees its gathered weights after the forward (the storage
+        resized to 0) and gathers them again before the backward, wherever the
+        allocator puts them now, keeping their version counter; a module may
+        also swap in a copy (p.data = ...). Either way the gradients are the
+        bits of a run whose weights never moved."""
+        T, H, E, K = 200, 256, 16, 4
+        for how in ("resize", "data"):
+            m = self.layer(Is=64)
+            names = ["d_x", "d_topk_weights"] + ["d_" + n for n in m._names]
+            x, ids, tw, d_out = self.inputs(T, H, E, K, 53)
+            m(x, ids, tw).backward(d_out)
+            want = self.grads_bits(m, x, tw)
+            m.zero_grad(set_to_none=True)
+            x.grad = tw.grad = None
             out = m(x, ids, tw)
-            keep = m.w_up.detach().clone()
-            nbytes = m.w_up.untyped_storage().nbytes()
-            m.w_up.untyped_storage().resize_(0)
-            if regather:
-                m.w_up.untyped_storage().resize_(nbytes)
-                with torch.no_grad():
-                    m.w_up.copy_(keep)
-            with self.assertRaises(RuntimeError) as cm:
-                out.backward(d_out)
-            msg = str(cm.exception)
-            print("regather=%s: %s" % (regather, msg))
-            self.assertTrue(msg.startswith("mokd.MoELayer: the storage of w_up changed between "
-                                           "forward and backward") or
-                            msg.startswith("mokd.MoELayer: w_up was modified in place between "
-                                           "forward and backward"), msg)
+            keep = [w.detach().clone() for w in m.weights()]
+            old_ptrs = [w.data_ptr() for w in m.weights()]
+            junk = None
+            if how == "resize":
+                nbytes = [w.untyped_storage().nbytes() for w in m.weights()]
+                for w in m.weights():
+                    w.untyped_storage().resize_(0)
+                # what the freed memory is handed to now: the daemon must not read it
+                junk = [torch.full_like(k, 3.0) for k in keep]
+                for w, n, k in zip(m.weights(), nbytes, keep):
+                    w.untyped_storage().resize_(n)
+                    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(w):
+                        w.copy_(k)
+            else:
+                for w in m.weights():
+                    w.data = w.data.clone()
+            moved = sum(w.data_ptr() != p for w, p in zip(m.weights(), old_ptrs))
+            out.backward(d_out)
+            self.assert_same_bits(want, self.grads_of(m, x, tw), names)
+            print("%s: %d of %d weights moved; gradients bitwise equal"
+                  % (how, moved, len(old_ptrs)))
+            del junk
+
+    def test_weight_freed_at_backward_is_refused(self):
+        """A weight freed after the forward and not gathered again: the backward
+        names it instead of reading freed memory."""
+        T, H, E, K = 64, 256, 16, 4
+        m = self.layer()
+        x, ids, tw, d_out = self.inputs(T, H, E, K, 43)
+        out = m(x, ids, tw)
+        m.w_up.untyped_storage().resize_(0)
+        with self.assertRaisesRegex(RuntimeError, r"^mokd\.MoELayer: w_up was freed after the "
+                                    r"forward \(its storage has 0 bytes\)"):
+            out.backward(d_out)
 
     def test_weights_modified_in_place_before_backward_are_refused(self):
+        """As PyTorch refuses a backward over a saved tensor modified in place,
+        with the same message."""
         T, H, E, K = 64, 256, 16, 4
         m = self.layer()
         x, ids, tw, d_out = self.inputs(T, H, E, K, 47)
         out = m(x, ids, tw)
         with torch.no_grad():
             m.w_down.mul_(2.0)
-        with self.assertRaisesRegex(RuntimeError, r"^mokd\.MoELayer: w_down was modified in "
-                                    r"place between forward and backward \(version \d+, now "
-                                    r"\d+\)"):
+        with self.assertRaises(RuntimeError) as ours:
             out.backward(d_out)
+        self.assertRegex(str(ours.exception),
+                         r"^one of the variables needed for gradient computation has been "
+                         r"modified by an inplace operation: \[torch\.cuda\.BFloat16Tensor "
+                         r"\[16, 256, 128\]\] \(mokd\.MoELayer's w_down\) is at version \d+; "
+                         r"expected version \d+ instead")
+        w = torch.randn(256, 256, device="cuda", requires_grad=True)
+        y = (w * w).sum()  # saves w for its backward
+        with torch.no_grad():
+            w.mul_(2.0)
+        with self.assertRaises(RuntimeError) as theirs:
+            y.backward()
+        prefix = ("one of the variables needed for gradient computation has been modified by "
+                  "an inplace operation: [")
+        self.assertTrue(str(theirs.exception).startswith(prefix), str(theirs.exception))
         # a step that starts after the change is fine
         out = m(x, ids, tw)
         out.backward(d_out)
         ref, xs, tws, ws = reference_mixed(x, ids, tw, m.weights())
         ref.backward(d_out)
         self.assertLessEqual(ratio(xs.grad, x.grad) / TOL_BWD, 1.0)
+
+    def test_fsdp2_reshard_after_forward(self):
+        """The layer inside FSDP2 (fully_shard, one rank, not the root, so its
+        gathered weights are freed after the forward and gathered again for
+        the backward), two steps: the gradients are the bits of the layer
+        without FSDP."""
+        child = r"""
+import sys, torch, torch.distributed as dist, mokd
+import mokd.nn as mnn
+try:
+    from torch.distributed.fsdp import fully_shard
+except ImportError:
+    from torch.distributed._composable.fsdp import fully_shard
+torch.cuda.set_device(0)
+dist.init_process_group("nccl", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+s = mnn.Session(sys.argv[1])
+ref = mokd.MoELayer(256, 128, 16, 4, shared_intermediate=64, session=s)
+m = mokd.MoELayer(256, 128, 16, 4, shared_intermediate=64, session=s)
+m.load_state_dict(ref.state_dict())
+
+
+class Net(torch.nn.Module):
+    def __init__(self, moe):
+        super().__init__()
+        self.moe = moe
+
+    def forward(self, x, ids, tw):
+        return self.moe(x, ids, tw)
+
+
+net = Net(m)
+fully_shard(m, reshard_after_forward=True)
+fully_shard(net)
+moved = []
+now = mnn._SavedWeights.now
+
+
+def spy(self):
+    w = now(self)
+    moved.append(w is not None)
+    return w
+
+
+mnn._SavedWeights.now = spy
+g = torch.Generator(device="cuda")
+g.manual_seed(5)
+x = torch.randn(96, 256, device="cuda", generator=g).to(torch.bfloat16)
+ids = torch.rand(96, 16, device="cuda", generator=g).topk(4, dim=1).indices.to(torch.int32)
+tw = torch.softmax(torch.randn(96, 4, device="cuda", generator=g), -1)
+d_out = torch.randn(96, 256, device="cuda", generator=g).to(torch.bfloat16)
+xr, twr = x.clone().requires_grad_(), tw.clone().requires_grad_()
+xf, twf = x.clone().requires_grad_(), tw.clone().requires_grad_()
+for step in range(2):
+    ref(xr, ids, twr).backward(d_out)
+    net(xf, ids, twf).backward(d_out)
+torch.cuda.synchronize()
+
+
+def bits(t):
+    t = t.full_tensor() if hasattr(t, "full_tensor") else t
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+pairs = [("d_x", xr.grad, xf.grad), ("d_topk_weights", twr.grad, twf.grad)]
+pairs += [("d_" + n, getattr(ref, n).grad, getattr(m, n).grad) for n in ref._names]
+for name, a, b in pairs:
+    assert b is not None, name
+    assert torch.equal(bits(a), bits(b)), name
+print("fsdp2: backwards that named moved weights: %s; gradients bitwise equal" % moved)
+dist.destroy_process_group()
+"""
+        import torch.distributed as dist
+        if not dist.is_available() or not dist.is_nccl_available():
+            self.skipTest("torch.distributed with NCCL is needed")
+        store = os.path.join(self.dir, "fsdp2-store")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+        r = subprocess.run([sys.executable, "-c", child, self.sock, store], env=env,
+                           capture_output=True, text=True, timeout=300)
+        print(r.stdout, r.stderr)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("gradients bitwise equal", r.stdout)
 
     def test_session_follows_gpu_uuid_not_ordinal(self):
         """A process whose CUDA_VISIBLE_DEVICES is the GPU's UUID (as Slurm and

@@ -149,6 +149,8 @@ _lib.mok_forward.argtypes = [ctypes.c_void_p, ctypes.c_uint64, _P(_Tensor), _P(_
                              _P(_Tensor), ctypes.c_int, _P(_FwdResult)]
 _lib.mok_backward.argtypes = [ctypes.c_void_p, ctypes.c_uint64, _P(_Tensor), _P(_Tensor),
                               ctypes.c_int, _P(_BwdResult)]
+_lib.mok_backward_weights.argtypes = [ctypes.c_void_p, ctypes.c_uint64, _P(_Tensor),
+                                      _P(_Tensor), ctypes.c_int, _P(_Tensor), _P(_BwdResult)]
 _lib.mok_release.argtypes = [ctypes.c_void_p, _P(ctypes.c_uint64), ctypes.c_int]
 _lib.mok_arena_import_cuda.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
                                        _P(ctypes.c_uint64), _P(ctypes.c_uint64)]
