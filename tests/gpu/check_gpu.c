@@ -64,9 +64,12 @@ static void *xcalloc(int64_t n, size_t size)
   return p;
 }
 
-/* The case on the GPU (P = 1); outputs come back into o like case_run's. */
-static int gpu_run(const moe_case *c, int bwd, mokk_grad_mode mode, float seed_grad,
-                   moe_out *o, char *err)
+/* The case on the GPU (P = 1); outputs come back into o like case_run's.
+ * move != 0: between the forward and the backward the weights are copied
+ * elsewhere and their old memory is set to NaN, as FSDP frees and gathers
+ * them again; the backward is told where they are now. */
+static int gpu_run_moved(const moe_case *c, int bwd, mokk_grad_mode mode, float seed_grad,
+                         int move, moe_out *o, char *err)
 {
   const mokk_shape *s = &c->s;
   int64_t T = c->T, H = s->H, K = s->K;
@@ -100,6 +103,16 @@ static int gpu_run(const moe_case *c, int bwd, mokk_grad_mode mode, float seed_g
     br.g_f32[w] = dev[nd++] = dev_copy(o->g_f32[w], n * 4);
   }
   rc = mokk_forward(gpu, s, T, &fr, bwd ? &ctx : NULL, err);
+  if (rc == 0 && bwd && move && (rc = mokk_cuda_sync(gpu, err)) == 0)
+    for (int w = 0; w < MOKK_NWEIGHTS; w++) {
+      size_t n = (size_t)case_weight_elems(c, w) * 2;
+      if (fr.w[w] == NULL)
+        continue;
+      br.w[w] = dev[nd++] = dev_copy(NULL, n);
+      ck_assert_int_eq(cudaMemcpy((void *)br.w[w], fr.w[w], n, cudaMemcpyDeviceToDevice),
+                       cudaSuccess);
+      ck_assert_int_eq(cudaMemset((void *)fr.w[w], 0xff, n), cudaSuccess); /* NaN */
+    }
   if (rc == 0 && bwd)
     rc = mokk_backward(gpu, ctx, mode, &br, err);
   mokk_ctx_free(gpu, ctx);
@@ -120,6 +133,12 @@ static int gpu_run(const moe_case *c, int bwd, mokk_grad_mode mode, float seed_g
   for (int i = 0; i < nd; i++)
     cudaFree(dev[i]);
   return rc;
+}
+
+static int gpu_run(const moe_case *c, int bwd, mokk_grad_mode mode, float seed_grad,
+                   moe_out *o, char *err)
+{
+  return gpu_run_moved(c, bwd, mode, seed_grad, 0, o, err);
 }
 
 #define TOL_FWD (1.0 / 128)
@@ -276,6 +295,31 @@ START_TEST(repeat_20_bitwise)
     out_free(&again);
   }
   out_free(&first), case_free(&c);
+}
+END_TEST
+
+/* FSDP frees its gathered weights after the forward and gathers them again,
+ * elsewhere, before the backward: a backward told where they are now gives
+ * the bits of one that reads them where the forward did, while the forward's
+ * memory holds NaN; in both gradient modes. */
+START_TEST(backward_reads_moved_weights)
+{
+  mokk_shape s = {.H = 256, .I = 128, .E = 16, .K = 4, .I_s = 128, .swiglu_limit = 0.8f, .P = 1};
+  moe_case c;
+  char err[2 * MOK_ERRLEN] = "";
+
+  case_make(&c, &s, 333, 12, ROUTE_RANDOM);
+  for (int mode = MOKK_GRAD_BF16; mode <= MOKK_GRAD_FP32_ACCUM; mode++) {
+    moe_out want, got;
+    ck_assert_msg(gpu_run(&c, 1, mode, 0.5f, &want, err) == 0, "%s", err);
+    ck_assert_msg(gpu_run_moved(&c, 1, mode, 0.5f, 1, &got, err) == 0, "%s", err);
+    expect_same(&want, &got, &c, "moved weights");
+    for (int w = 0; w < MOKK_NWEIGHTS; w++)
+      ck_assert_msg(memcmp(want.g_f32[w], got.g_f32[w], case_weight_elems(&c, w) * 4) == 0,
+                    "moved weights: fp32 %s differs", wname[w]);
+    out_free(&want), out_free(&got);
+  }
+  case_free(&c);
 }
 END_TEST
 
@@ -1031,6 +1075,7 @@ static Suite *gpu_suite(void)
   tc = tcase_create("determinism");
   tcase_set_timeout(tc, 600);
   tcase_add_test(tc, repeat_20_bitwise);
+  tcase_add_test(tc, backward_reads_moved_weights);
   tcase_add_test(tc, block_count_invariance);
   tcase_add_test(tc, batch_invariance);
   suite_add_tcase(su, tc);
