@@ -39,7 +39,7 @@ CUDA_ARCH ?= -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_100a,co
 # --fmad=false for the same reason: the SwiGLU of kernels/swiglu.h is evaluated
 # as written, on the GPU as on the CPU
 NVFLAGS   := -std=c++17 -O3 -lineinfo --fmad=false $(CUDA_ARCH) -Xcompiler -fPIC,-Wall \
-             -Ikernels -Iclient/include
+             -Ikernels -Iclient/include -Iproto
 # cudart is linked statically and reaches the driver itself, so the binaries
 # start on machines without one (they then report no device)
 CUDA_LIBS := -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt -lpthread -lstdc++
@@ -49,7 +49,7 @@ CHECK_STATIC := -Wl,-Bstatic -lcheck_pic -lsubunit -Wl,-Bdynamic -lrt -lm
 # ---- sources ------------------------------------------------------------
 PROTO_C    := $(BUILD)/proto/mokd.pb-c.c
 PROTO_H    := $(BUILD)/proto/mokd.pb-c.h
-COMMON_SRC := client/errors.c client/paths.c proto/frame.c proto/fdpass.c
+COMMON_SRC := client/errors.c client/paths.c proto/frame.c proto/fdpass.c proto/gpuid.c
 KERNEL_SRC := kernels/layer.c kernels/backend.c kernels/cpu/ops.c \
               kernels/cpu/pool.c kernels/cpu/cpu_moe.c kernels/cpu/hostmem.c
 DAEMON_SRC := daemon/main.c daemon/config.c daemon/log.c daemon/server.c daemon/conn.c \
@@ -63,7 +63,7 @@ UNIT_SRC   := tests/check_main.c tests/ref.c tests/check_bf16.c \
               tests/check_pool.c tests/check_frame.c tests/check_config.c \
               tests/check_registry.c
 UNIT_SRC   += tests/check_paths.c
-UNIT_SRC   += tests/check_mokctl.c tests/check_idmap.c
+UNIT_SRC   += tests/check_mokctl.c tests/check_idmap.c tests/check_gpuid.c
 # config.c, log.c, registry.c and idmap.c are unit-tested without the rest of the daemon
 UNIT_DAEMON := daemon/config.c daemon/log.c daemon/registry.c daemon/idmap.c
 INTEG_SRC  := tests/check_daemon.c tests/daemon_fixture.c tests/check_daemon_steps.c \

@@ -50,6 +50,8 @@ static struct {
   cu_result (*attr)(void *, int, cu_ptr);
   cu_result (*retain)(cu_handle *, void *);
   cu_result (*exportfd)(void *, cu_handle, int, unsigned long long);
+  cu_result (*device_count)(int *);
+  cu_result (*uuid)(uint8_t *, int);
 } cu;
 
 static pthread_mutex_t cu_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -63,7 +65,9 @@ static int load(void)
       "cuMemcpyDtoH_v2", "cuEventCreate", "cuEventRecord", "cuEventSynchronize",
       "cuEventDestroy_v2", "cuIpcGetEventHandle", "cuIpcOpenEventHandle", "cuStreamWaitEvent",
       "cuIpcGetMemHandle", "cuMemGetAddressRange_v2", "cuPointerGetAttribute",
-      "cuMemRetainAllocationHandle", "cuMemExportToShareableHandle"};
+      "cuMemRetainAllocationHandle", "cuMemExportToShareableHandle", "cuDeviceGetCount",
+      /* _v2: MIG instances have UUIDs of their own, as in the daemon */
+      "cuDeviceGetUuid_v2"};
   void **slots[] = {(void **)&cu.init, (void **)&cu.device_get, (void **)&cu.ctx_get,
                     (void **)&cu.primary_retain, (void **)&cu.ctx_set, (void **)&cu.import,
                     (void **)&cu.reserve, (void **)&cu.map, (void **)&cu.access,
@@ -72,7 +76,8 @@ static int load(void)
                     (void **)&cu.ev_record, (void **)&cu.ev_sync, (void **)&cu.ev_destroy,
                     (void **)&cu.ev_handle, (void **)&cu.ev_open, (void **)&cu.stream_wait,
                     (void **)&cu.mem_handle, (void **)&cu.range, (void **)&cu.attr,
-                    (void **)&cu.retain, (void **)&cu.exportfd};
+                    (void **)&cu.retain, (void **)&cu.exportfd, (void **)&cu.device_count,
+                    (void **)&cu.uuid};
   void *lib;
 
   pthread_mutex_lock(&cu_mu);
@@ -167,6 +172,52 @@ int mok_cuda_copy(void *dst, const void *src, size_t bytes, int to_device, int d
   if (r != 0) {
     snprintf(why, n, "copying %zu bytes %s the GPU failed (CUresult %d)", bytes,
              to_device ? "to" : "from", r);
+    return -1;
+  }
+  return 0;
+}
+
+/* ---- GPU identity ---------------------------------------------------------- */
+
+int mok_cuda_uuid(int device, uint8_t uuid[MOKW_UUID_BYTES], char *why, size_t n)
+{
+  int count = 0, dev;
+  if (load() != 1) {
+    snprintf(why, n, "%s", cu.why);
+    return -1;
+  }
+  if (cu.device_count(&count) != 0 || device < 0 || device >= count) {
+    snprintf(why, n, "this process has no CUDA device %d (%d visible; CUDA_VISIBLE_DEVICES "
+             "decides)", device, count);
+    return -1;
+  }
+  if (cu.device_get(&dev, device) != 0 || cu.uuid(uuid, dev) != 0) {
+    snprintf(why, n, "cannot read the UUID of CUDA device %d", device);
+    return -1;
+  }
+  return 0;
+}
+
+int mok_cuda_find_uuid(const uint8_t uuid[MOKW_UUID_BYTES], int *device, char *why, size_t n)
+{
+  uint8_t have[MOKW_MAX_VISIBLE][MOKW_UUID_BYTES];
+  char text[MOKW_UUID_STRLEN];
+  int count = 0;
+  if (load() != 1) {
+    snprintf(why, n, "%s", cu.why);
+    return -1;
+  }
+  if (cu.device_count(&count) != 0)
+    count = 0;
+  if (count > MOKW_MAX_VISIBLE)
+    count = MOKW_MAX_VISIBLE;
+  for (int i = 0; i < count; i++)
+    if (mok_cuda_uuid(i, have[i], why, n) != 0)
+      return -1;
+  if ((*device = mokw_uuid_find((const uint8_t(*)[MOKW_UUID_BYTES])have, count, uuid)) < 0) {
+    mokw_uuid_format(uuid, text);
+    snprintf(why, n, "GPU %s is not visible in this process (%d CUDA device%s visible; "
+             "CUDA_VISIBLE_DEVICES decides)", text, count, count == 1 ? "" : "s");
     return -1;
   }
   return 0;
@@ -278,8 +329,8 @@ int mok_cuda_export_fd(uintptr_t base, int *fd, char *why, size_t n)
   cu.release(h); /* drops only the reference retain took */
   if (r != 0) {
     snprintf(why, n, "the cuMem allocation cannot be exported as a POSIX fd (CUresult %d); "
-             "create it with requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR",
-             r);
+             "create it with requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR "
+             "(PyTorch: run without expandable_segments)", r);
     return -1;
   }
   return 0;

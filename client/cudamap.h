@@ -8,6 +8,10 @@
 #include <stdio.h>
 
 #include "frame.h"
+#include "gpuid.h"
+
+/* GPUs looked at when a UUID is searched for among this process's devices */
+#define MOKW_MAX_VISIBLE 64
 
 /* The allocation that holds a pointer of this process. */
 typedef struct mok_cuda_alloc {
@@ -33,6 +37,11 @@ int mok_cuda_event_record(void *ev, void *stream, char *why, size_t n);
 int mok_cuda_stream_wait(void *stream, void *ev, char *why, size_t n);
 int mok_cuda_event_sync(void *ev, char *why, size_t n);
 void mok_cuda_event_free(void *ev);
+
+/* The UUID of this process's CUDA device `device`, and the other way round:
+ * the ordinal here of a GPU named by UUID. */
+int mok_cuda_uuid(int device, uint8_t uuid[MOKW_UUID_BYTES], char *why, size_t n);
+int mok_cuda_find_uuid(const uint8_t uuid[MOKW_UUID_BYTES], int *device, char *why, size_t n);
 
 int mok_cuda_alloc_info(const void *ptr, mok_cuda_alloc *a, char *why, size_t n);
 int mok_cuda_ipc_handle(uintptr_t base, void *handle, char *why, size_t n);

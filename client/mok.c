@@ -27,6 +27,7 @@ _Static_assert(MOK_DTYPE_BF16 == (int)MOKD__DTYPE__DTYPE_BF16 &&
                    MOK_DTYPE_F32 == (int)MOKD__DTYPE__DTYPE_F32 &&
                    MOK_DTYPE_I32 == (int)MOKD__DTYPE__DTYPE_I32,
                "mok_dtype and the wire's DType differ");
+_Static_assert(MOK_UUID_STRLEN == MOKW_UUID_STRLEN, "GPU UUID texts differ in size");
 _Static_assert(MOK_GRAD_BF16 == (int)MOKD__GRAD_MODE__GRAD_BF16 &&
                    MOK_GRAD_FP32_ACCUM == (int)MOKD__GRAD_MODE__GRAD_FP32_ACCUM,
                "mok_grad_mode and the wire's GradMode differ");
@@ -58,7 +59,12 @@ struct mok_client {
   int nmaps, capmaps;
   int fds[16];
   int nfds;
-  int cuda_device;      /* the daemon's GPU; -1 when it runs on the CPU */
+  /* The session's GPU: the daemon's ordinal for it (-1: the cpu backend),
+   * and this process's, which CUDA calls here take (-1: not visible here,
+   * gpu_why says why); they differ wherever CUDA_VISIBLE_DEVICES does. */
+  int daemon_gpu;
+  int gpu;
+  char gpu_why[200];
   void *stream;         /* mok_set_stream; NULL = wait on the host */
   void *ready;          /* our interprocess event, recorded before each step */
   uint8_t ready_handle[MOKW_IPC_BYTES];
@@ -107,13 +113,31 @@ static int grow(mok_client *c, void **arr, int n, int *cap, size_t size)
   return 0;
 }
 
-static int add_map(mok_client *c, uint64_t id, int fd, size_t bytes, int device)
+/* The session's GPU as this process numbers it, for a CUDA call here. */
+static int local_gpu(mok_client *c, int *device)
+{
+  if (c->gpu < 0)
+    return fail(c, MOK_EDEVICE, "this session's GPU cannot be used in this process: %s",
+                c->gpu_why);
+  *device = c->gpu;
+  return 0;
+}
+
+/* daemon_device: where the daemon says the arena is, in its own numbering. */
+static int add_map(mok_client *c, uint64_t id, int fd, size_t bytes, int daemon_device)
 {
   unsigned long long handle = 0;
   char why[200];
+  int device = -1, rc;
   void *p;
   if (grow(c, (void **)&c->maps, c->nmaps, &c->capmaps, sizeof *c->maps) != 0)
     return MOK_ENOMEM;
+  if (daemon_device >= 0 && daemon_device != c->daemon_gpu)
+    return fail(c, MOK_EPROTO, "mokd shared arena %llu on its CUDA device %d, but this "
+                "session runs on its device %d", (unsigned long long)id, daemon_device,
+                c->daemon_gpu);
+  if (daemon_device >= 0 && (rc = local_gpu(c, &device)) != 0)
+    return rc;
   if (device >= 0) {
     if (mok_cuda_map(fd, bytes, device, &p, &handle, why, sizeof why) != 0)
       return fail(c, MOK_EDEVICE, "cannot map GPU arena %llu (%zu bytes): %s",
@@ -265,14 +289,42 @@ int mok_connect(const char *path, const char *client_name, mok_client **out)
   return mok_connect_device(path, client_name, -1, out);
 }
 
-int mok_connect_device(const char *path, const char *client_name, int device,
-                       mok_client **out)
+/* After Welcome: which of our CUDA devices is the session's GPU. asked: our
+ * ordinal when we named the GPU, else -1. Not finding it is no error yet:
+ * stats and pings need no GPU here, and what does says why it cannot run. */
+static int find_local_gpu(mok_client *c, const Mokd__Welcome *w, int asked)
+{
+  uint8_t mine[MOKW_UUID_BYTES];
+  char why[200];
+  if (w->session_device_uuid.len != MOKW_UUID_BYTES)
+    return fail(c, MOK_EPROTO, "mokd placed the session on its CUDA device %d without "
+                "saying the GPU's UUID", c->daemon_gpu);
+  mokw_uuid_format(w->session_device_uuid.data, c->info.device_uuid);
+  c->info.daemon_device = c->daemon_gpu;
+  if (asked >= 0) {
+    if (mok_cuda_uuid(asked, mine, why, sizeof why) != 0 ||
+        memcmp(mine, w->session_device_uuid.data, MOKW_UUID_BYTES) != 0)
+      return fail(c, MOK_EPROTO, "mokd placed the session on %s, not on CUDA device %d of "
+                  "this process", c->info.device_uuid, asked);
+    c->gpu = asked;
+  } else if (mok_cuda_find_uuid(w->session_device_uuid.data, &c->gpu, why, sizeof why) != 0) {
+    c->gpu = -1;
+    snprintf(c->gpu_why, sizeof c->gpu_why, "%s", why);
+  }
+  c->info.device = c->gpu;
+  return 0;
+}
+
+/* Hello, naming the GPU by device (our ordinal, -1 = any) or by uuid_text. */
+static int connect_on(const char *path, const char *client_name, int device,
+                      const char *uuid_text, mok_client **out)
 {
   char def[108], why[MOK_ERRLEN];
   struct sockaddr_un sa = {.sun_family = AF_UNIX};
   Mokd__Request req = MOKD__REQUEST__INIT;
   Mokd__Hello h = MOKD__HELLO__INIT;
   Mokd__Response *r;
+  uint8_t uuid[MOKW_UUID_BYTES];
   mok_client *c;
   int rc;
 
@@ -289,27 +341,35 @@ int mok_connect_device(const char *path, const char *client_name, int device,
   if (c == NULL)
     return MOK_ENOMEM;
   mokw_framer_init(&c->rx, 64u << 20);
-  c->cuda_device = -1;
+  c->fd = -1;
+  c->daemon_gpu = c->gpu = c->info.device = c->info.daemon_device = -1;
+  snprintf(c->gpu_why, sizeof c->gpu_why, "mokd runs no GPU for it");
+  *out = c; /* from here on, so that mok_last_error can say why; mok_close frees it */
+  /* the GPU is named by UUID: the daemon's ordinals are not ours */
+  if (uuid_text != NULL && mokw_uuid_parse(uuid_text, uuid) != 0)
+    return fail(c, MOK_EINVAL, "\"%s\" is not a GPU UUID; nvidia-smi -L prints them as "
+                "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", uuid_text);
+  if (uuid_text == NULL && device >= 0 && mok_cuda_uuid(device, uuid, why, sizeof why) != 0)
+    return fail(c, MOK_EDEVICE, "cannot name CUDA device %d to mokd: %s", device, why);
   strcpy(sa.sun_path, path);
   c->fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (c->fd < 0 || connect(c->fd, (struct sockaddr *)&sa, sizeof sa) != 0) {
     rc = errno == ENOENT || errno == ECONNREFUSED ? MOK_ENOENT : MOK_EIO;
-    *out = c; /* so mok_last_error can say why; mok_close frees it */
     return fail(c, rc, "cannot connect to mokd at %s: %s (is the daemon running? --socket or "
                 "MOKD_SOCKET pick another path)", path, strerror(errno));
   }
   /* anyone may bind the /tmp fallback first: talk only to our own daemon */
   if (mok_socket_is_tmp_fallback(path) &&
-      (rc = mok_socket_peer_check(c->fd, geteuid(), path, why, sizeof why)) != 0) {
-    *out = c;
+      (rc = mok_socket_peer_check(c->fd, geteuid(), path, why, sizeof why)) != 0)
     return fail(c, rc, "%s", why);
-  }
   h.protocol_version = MOK_PROTOCOL_VERSION;
   h.client_name = (char *)(client_name != NULL ? client_name : "libmok");
-  h.device = device >= 0 ? device + 1 : 0;
+  if (uuid_text != NULL || device >= 0) {
+    h.device_uuid.data = uuid;
+    h.device_uuid.len = sizeof uuid;
+  }
   req.body_case = MOKD__REQUEST__BODY_HELLO;
   req.hello = &h;
-  *out = c;
   if ((rc = call(c, &req, NULL, 0, &r)) != 0)
     return rc;
   if (r->body_case != MOKD__RESPONSE__BODY_WELCOME) {
@@ -322,18 +382,33 @@ int mok_connect_device(const char *path, const char *client_name, int device,
   snprintf(c->info.backend, sizeof c->info.backend, "%s", r->welcome->backend);
   c->info.session_id = r->welcome->session_id;
   c->info.ndevices = (int)r->welcome->n_devices;
-  c->cuda_device = strcmp(c->info.backend, "cuda") == 0 && r->welcome->session_device > 0
-                       ? r->welcome->session_device - 1
-                       : -1;
-  c->info.device = c->cuda_device;
   if (r->welcome->limits != NULL) {
     c->info.max_frame_bytes = r->welcome->limits->max_frame_bytes;
     c->info.max_arena_bytes = r->welcome->limits->max_arena_bytes;
     c->info.session_quota_bytes = r->welcome->limits->session_quota_bytes;
     c->info.session_gpu_quota_bytes = r->welcome->limits->session_gpu_quota_bytes;
   }
+  rc = 0;
+  if (strcmp(c->info.backend, "cuda") == 0 && r->welcome->session_device > 0) {
+    c->daemon_gpu = r->welcome->session_device - 1;
+    rc = find_local_gpu(c, r->welcome, uuid_text != NULL ? -1 : device);
+  }
   mokd__response__free_unpacked(r, NULL);
-  return 0;
+  return rc;
+}
+
+int mok_connect_device(const char *path, const char *client_name, int device,
+                       mok_client **out)
+{
+  return connect_on(path, client_name, device, NULL, out);
+}
+
+int mok_connect_uuid(const char *path, const char *client_name, const char *gpu_uuid,
+                     mok_client **out)
+{
+  if (gpu_uuid == NULL)
+    return out != NULL ? connect_on(path, client_name, -1, NULL, out) : MOK_ENULL;
+  return connect_on(path, client_name, -1, gpu_uuid, out);
 }
 
 void mok_close(mok_client *c)
@@ -506,21 +581,36 @@ static int import_alloc(mok_client *c, const mok_cuda_alloc *al, uint64_t *arena
 int mok_arena_import_cuda(mok_client *c, const void *ptr, size_t bytes, uint64_t *arena,
                           uint64_t *offset)
 {
-  mok_cuda_alloc al;
+  mok_cuda_alloc al, next;
   imported *hit = NULL;
   char why[200];
-  int rc;
+  int rc, dev = -1;
 
   if (c == NULL || ptr == NULL || arena == NULL || offset == NULL)
     return MOK_ENULL;
-  if (c->cuda_device < 0)
+  if (c->daemon_gpu < 0)
     return fail(c, MOK_ENOTSUP, "mokd runs the %s backend; it imports GPU memory only on "
                 "the cuda backend", c->info.backend);
+  if ((rc = local_gpu(c, &dev)) != 0)
+    return rc;
   if (mok_cuda_alloc_info(ptr, &al, why, sizeof why) != 0)
     return fail(c, MOK_EINVAL, "%s", why);
-  if (al.device != c->cuda_device)
-    return fail(c, MOK_EDEVICE, "the memory is on CUDA device %d; mokd runs on device %d",
-                al.device, c->cuda_device);
+  if (al.device != dev) {
+    char there[MOKW_UUID_STRLEN] = "?";
+    uint8_t u[MOKW_UUID_BYTES];
+    if (mok_cuda_uuid(al.device, u, why, sizeof why) == 0)
+      mokw_uuid_format(u, there);
+    return fail(c, MOK_EDEVICE, "the memory is on CUDA device %d of this process (%s); this "
+                "session runs on %s (device %d here): allocate it there, or connect on its GPU",
+                al.device, there, c->info.device_uuid, dev);
+  }
+  if ((uintptr_t)ptr + bytes > al.base + al.bytes && !al.legacy_ipc &&
+      mok_cuda_alloc_info((const void *)(al.base + al.bytes), &next, why, sizeof why) == 0)
+    return fail(c, MOK_ENOTSUP, "%zu bytes at %p span several cuMem allocations (the first "
+                "ends after %zu bytes), as PyTorch's expandable_segments allocator maps large "
+                "tensors; mokd imports one allocation per tensor: run without "
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", bytes, ptr,
+                (size_t)(al.base + al.bytes - (uintptr_t)ptr));
   if ((uintptr_t)ptr + bytes > al.base + al.bytes)
     return fail(c, MOK_ERANGE, "%zu bytes at %p run past the end of their allocation "
                 "(%zu bytes at %#lx)", bytes, ptr, al.bytes, (unsigned long)al.base);
@@ -726,7 +816,7 @@ int mok_set_stream(mok_client *c, void *stream)
 {
   if (c == NULL)
     return MOK_ENULL;
-  if (stream != NULL && c->cuda_device < 0)
+  if (stream != NULL && c->daemon_gpu < 0)
     return fail(c, MOK_ENOTSUP, "mokd runs the %s backend; stream ordering needs the cuda "
                 "backend", c->info.backend);
   c->stream = stream;
@@ -738,10 +828,12 @@ int mok_set_stream(mok_client *c, void *stream)
 static int step_ready(mok_client *c, ProtobufCBinaryData *ev)
 {
   char why[200];
-  if (c->cuda_device < 0)
+  int dev = -1, rc;
+  if (c->daemon_gpu < 0)
     return 0;
-  if (c->ready == NULL &&
-      mok_cuda_event_new(c->cuda_device, &c->ready, c->ready_handle, why, sizeof why) != 0)
+  if ((rc = local_gpu(c, &dev)) != 0)
+    return rc;
+  if (c->ready == NULL && mok_cuda_event_new(dev, &c->ready, c->ready_handle, why, sizeof why) != 0)
     return fail(c, MOK_EDEVICE, "%s", why);
   if (mok_cuda_event_record(c->ready, c->stream, why, sizeof why) != 0)
     return fail(c, MOK_EDEVICE, "%s", why);
@@ -755,13 +847,16 @@ static int step_ready(mok_client *c, ProtobufCBinaryData *ev)
 static int done_event(mok_client *c, const ProtobufCBinaryData *ev)
 {
   char why[200];
+  int dev = -1, rc;
   if (ev->len != MOKW_IPC_BYTES)
     return fail(c, MOK_EPROTO, "the reply carries a %zu-byte done event", ev->len);
   if (c->done != NULL && memcmp(c->done_handle, ev->data, MOKW_IPC_BYTES) == 0)
     return 0;
   mok_cuda_event_free(c->done);
   c->done = NULL;
-  if (mok_cuda_event_open(c->cuda_device, ev->data, &c->done, why, sizeof why) != 0)
+  if ((rc = local_gpu(c, &dev)) != 0)
+    return rc;
+  if (mok_cuda_event_open(dev, ev->data, &c->done, why, sizeof why) != 0)
     return fail(c, MOK_EDEVICE, "%s", why);
   memcpy(c->done_handle, ev->data, MOKW_IPC_BYTES);
   return 0;
@@ -854,12 +949,20 @@ int mok_forward(mok_client *c, uint64_t layer, const mok_tensor *x,
 int mok_backward(mok_client *c, uint64_t context, const mok_tensor *d_out,
                  const mok_tensor *grads, int ngrads, mok_backward_result *res)
 {
+  return mok_backward_weights(c, context, d_out, grads, ngrads, NULL, res);
+}
+
+int mok_backward_weights(mok_client *c, uint64_t context, const mok_tensor *d_out,
+                         const mok_tensor *grads, int ngrads, const mok_tensor *weights,
+                         mok_backward_result *res)
+{
   Mokd__Request req = MOKD__REQUEST__INIT;
   Mokd__Backward b = MOKD__BACKWARD__INIT;
-  Mokd__TensorRef rd, rg[MOK_NWEIGHTS], *pg[MOK_NWEIGHTS];
-  int64_t sd[MOK_MAX_DIMS], sg[MOK_NWEIGHTS][MOK_MAX_DIMS];
+  Mokd__TensorRef rd, rg[MOK_NWEIGHTS], *pg[MOK_NWEIGHTS], rw[MOK_NWEIGHTS],
+      *pw[MOK_NWEIGHTS];
+  int64_t sd[MOK_MAX_DIMS], sg[MOK_NWEIGHTS][MOK_MAX_DIMS], sw[MOK_NWEIGHTS][MOK_MAX_DIMS];
   Mokd__Response *r;
-  int rc;
+  int rc, nw = 0;
 
   if (c == NULL || d_out == NULL || res == NULL || (ngrads > 0 && grads == NULL))
     return MOK_ENULL;
@@ -870,7 +973,23 @@ int mok_backward(mok_client *c, uint64_t context, const mok_tensor *d_out,
     to_wire(&grads[i], &rg[i], sg[i]);
     pg[i] = &rg[i];
   }
+  if (weights != NULL) {
+    /* the order of mok_layer_set_weights; no shared expert: its three are absent */
+    nw = weights[MOK_S_GATE].ndim == 0 ? MOK_S_GATE : MOK_NWEIGHTS;
+    for (int i = 0; i < nw; i++) {
+      if (weights[i].ndim == 0)
+        return fail(c, MOK_EINVAL, "weights[%d] is absent (ndim 0); name all of the "
+                    "layer's weights, or pass NULL", i);
+      to_wire(&weights[i], &rw[i], sw[i]);
+      pw[i] = &rw[i];
+    }
+    for (int i = nw; i < MOK_NWEIGHTS; i++)
+      if (weights[i].ndim != 0)
+        return fail(c, MOK_EINVAL, "weights[%d] is given but weights[%d] (s_gate) is "
+                    "absent", i, MOK_S_GATE);
+  }
   b.context = context, b.d_out = &rd, b.n_grads = (size_t)ngrads, b.grads = pg;
+  b.n_weights = (size_t)nw, b.weights = pw;
   req.body_case = MOKD__REQUEST__BODY_BACKWARD;
   req.backward = &b;
   if ((rc = step_ready(c, &b.ready_event)) != 0)

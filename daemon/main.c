@@ -46,6 +46,13 @@ static int open_gpus(mokd_server *s, int visible, char *err)
     }
     s->gpus[i].ordinal = (int)ords[i];
     s->ngpus = i + 1;
+    if ((rc = mokk_gpu_uuid((int)ords[i], s->gpus[i].uuid, err)) != 0) {
+      destroy_backends(s);
+      return rc;
+    }
+    char uuid[MOKW_UUID_STRLEN];
+    mokw_uuid_format(s->gpus[i].uuid, uuid);
+    LOG_INFO(INIT, "CUDA device %u is %s", ords[i], uuid);
   }
   s->backend = s->gpus[0].backend;
   /* a GPU quota given as a share is of the smallest device */

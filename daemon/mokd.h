@@ -14,6 +14,7 @@
 #include "executor.h"
 #include "fdpass.h"
 #include "frame.h"
+#include "gpuid.h"
 #include "idmap.h"
 #include "mok.h"
 #include "proto/mokd.pb-c.h"
@@ -37,6 +38,7 @@ typedef struct mokd_group mokd_group; /* an EP group of layers in several sessio
 /* One GPU of the daemon: its backend (stream) and its executor thread. */
 typedef struct mokd_gpu {
   int ordinal;
+  uint8_t uuid[MOKW_UUID_BYTES]; /* what clients name it by: ordinals differ per process */
   mokk_backend *backend;
   mokd_executor *exec;
   int sessions;         /* sessions placed on it */

@@ -1,35 +1,75 @@
 /* session.c - what a session is to the daemon: Hello places it on a GPU (the
  * one it asks for, else the least used) or on the CPU backend, and says what
  * the daemon offers; Stats and Ping answer from the counters. Device numbers
- * are CUDA ordinals inside (-1 = host) and ordinal + 1 on the wire. */
+ * are CUDA ordinals inside (-1 = host) and ordinal + 1 on the wire, where
+ * clients name GPUs by UUID: their ordinals follow their own
+ * CUDA_VISIBLE_DEVICES, not ours. */
 #include <stdio.h>
 #include <string.h>
 
 #include "log.h"
 #include "mokd.h"
 
-static int place(mokd_session *s, int device, char *err)
+/* The GPU a client names by UUID: its ordinals are its own, not ours. */
+static mokd_gpu *gpu_by_uuid(mokd_server *srv, const uint8_t *uuid)
+{
+  uint8_t have[MOKD_MAX_GPUS][MOKW_UUID_BYTES];
+  int i;
+  for (i = 0; i < srv->ngpus; i++)
+    memcpy(have[i], srv->gpus[i].uuid, MOKW_UUID_BYTES);
+  i = mokw_uuid_find((const uint8_t(*)[MOKW_UUID_BYTES])have, srv->ngpus, uuid);
+  return i >= 0 ? &srv->gpus[i] : NULL;
+}
+
+/* "GPU-... (device 0), ..." for messages, as much as fits. */
+static void list_gpus(const mokd_server *srv, char *list, size_t n)
+{
+  char u[MOKW_UUID_STRLEN];
+  list[0] = 0;
+  for (int i = 0; i < srv->ngpus; i++) {
+    mokw_uuid_format(srv->gpus[i].uuid, u);
+    snprintf(list + strlen(list), n - strlen(list), "%s%s (device %d)", i ? ", " : "", u,
+             srv->gpus[i].ordinal);
+  }
+}
+
+/* device: our ordinal, -1 = any; uuid: NULL, or the GPU the client names. */
+static int place(mokd_session *s, int device, const uint8_t *uuid, char *err)
 {
   mokd_server *srv = s->srv;
   mokd_gpu *g = NULL;
+  char u[MOKW_UUID_STRLEN], list[160];
 
+  if (uuid != NULL)
+    mokw_uuid_format(uuid, u);
   if (srv->ngpus == 0) {
+    if (uuid != NULL)
+      return mokk_fail(err, MOK_EDEVICE, "this daemon runs the %s backend; it has no GPU %s",
+                       mokk_backend_name(srv->backend), u);
     if (device >= 0)
       return mokk_fail(err, MOK_EDEVICE, "this daemon runs the %s backend; it has no CUDA "
                        "device %d", mokk_backend_name(srv->backend), device);
     return 0;
   }
-  for (int i = 0; i < srv->ngpus; i++)
-    if (device >= 0 ? srv->gpus[i].ordinal == device
-                    : g == NULL || srv->gpus[i].sessions < g->sessions)
-      g = &srv->gpus[i];
-  if (g == NULL) {
-    char list[128] = "";
+  if (uuid != NULL) {
+    if ((g = gpu_by_uuid(srv, uuid)) == NULL) {
+      list_gpus(srv, list, sizeof list);
+      return mokk_fail(err, MOK_EDEVICE, "GPU %s is not one this daemon runs (it runs %s); "
+                       "connect to the daemon of that GPU", u, list);
+    }
+  } else {
     for (int i = 0; i < srv->ngpus; i++)
-      snprintf(list + strlen(list), sizeof list - strlen(list), "%s%d", i ? "," : "",
+      if (device >= 0 ? srv->gpus[i].ordinal == device
+                      : g == NULL || srv->gpus[i].sessions < g->sessions)
+        g = &srv->gpus[i];
+  }
+  if (g == NULL) {
+    char ords[128] = "";
+    for (int i = 0; i < srv->ngpus; i++)
+      snprintf(ords + strlen(ords), sizeof ords - strlen(ords), "%s%d", i ? "," : "",
                srv->gpus[i].ordinal);
     return mokk_fail(err, MOK_EDEVICE, "CUDA device %d is not one of this daemon's (%s)",
-                     device, list);
+                     device, ords);
   }
   s->gpu = g;
   g->sessions++;
@@ -48,6 +88,7 @@ int mokd_h_hello(mokd_session *s, const Mokd__Request *q, const int *fds, int nf
   Mokd__Welcome w = MOKD__WELCOME__INIT;
   Mokd__Limits lim = MOKD__LIMITS__INIT;
   Mokd__Device dev[MOKD_MAX_GPUS], *devp[MOKD_MAX_GPUS];
+  const uint8_t *uuid = NULL;
   int rc;
 
   (void)fds, (void)nfds;
@@ -56,7 +97,16 @@ int mokd_h_hello(mokd_session *s, const Mokd__Request *q, const int *fds, int nf
   if (h->protocol_version != MOK_PROTOCOL_VERSION)
     return mokk_fail(err, MOK_EPROTO, "client speaks protocol %u; this daemon speaks %d",
                      h->protocol_version, MOK_PROTOCOL_VERSION);
-  if ((rc = place(s, h->device - 1, err))) /* the wire: ordinal + 1, 0 = any */
+  if (h->device_uuid.len != 0) {
+    if (h->device_uuid.len != MOKW_UUID_BYTES)
+      return mokk_fail(err, MOK_EINVAL, "Hello's device_uuid holds %zu bytes; a GPU UUID has "
+                       "%d", h->device_uuid.len, MOKW_UUID_BYTES);
+    if (h->device != 0)
+      return mokk_fail(err, MOK_EINVAL, "Hello names its GPU twice (device %d and "
+                       "device_uuid); send one", h->device - 1);
+    uuid = h->device_uuid.data;
+  }
+  if ((rc = place(s, h->device - 1, uuid, err))) /* the wire: ordinal + 1, 0 = any */
     return rc;
   mokd_log_escape(h->client_name != NULL ? h->client_name : "", 63, s->name);
   s->hello_done = 1;
@@ -77,11 +127,17 @@ int mokd_h_hello(mokd_session *s, const Mokd__Request *q, const int *fds, int nf
     mokd__device__init(&dev[i]);
     dev[i].index = (uint32_t)srv->gpus[i].ordinal;
     dev[i].name = (char *)mokk_backend_name(srv->gpus[i].backend);
+    dev[i].uuid.data = srv->gpus[i].uuid;
+    dev[i].uuid.len = MOKW_UUID_BYTES;
     devp[i] = &dev[i];
   }
   w.n_devices = (size_t)srv->ngpus;
   w.devices = devp;
   w.session_device = s->device + 1;
+  if (s->gpu != NULL) {
+    w.session_device_uuid.data = s->gpu->uuid;
+    w.session_device_uuid.len = MOKW_UUID_BYTES;
+  }
   r.id = q->id;
   r.body_case = MOKD__RESPONSE__BODY_WELCOME;
   r.welcome = &w;

@@ -531,6 +531,25 @@ static int group_context(mokd_session *s, const mokd_result *c, char *err)
   return 0;
 }
 
+/* The weights a backward names where they are now, checked as SetWeights
+ * checks them; none named leaves w NULL: the forward's. */
+static int backward_weights(mokd_session *s, const mokk_shape *sh, const Mokd__Backward *b,
+                            const uint16_t **w, char *err)
+{
+  for (int i = 0; i < (int)b->n_weights; i++) {
+    char what[48];
+    int64_t d[3];
+    int nd = mokd_weight_dims(sh, i, d), rc;
+    void *p;
+    snprintf(what, sizeof what, "weights[%d] (%s)", i, mokd_weight_name(i));
+    if ((rc = mokd_ref_resolve(&s->reg, what, b->weights[i], MOKD__DTYPE__DTYPE_BF16, nd, d,
+                               &p, NULL, err)))
+      return rc;
+    w[i] = p;
+  }
+  return 0;
+}
+
 static int backward_step(mokd_session *s, const Mokd__Request *q, mokd_result *c, char *err)
 {
   const Mokd__Backward *b = q->backward;
@@ -563,6 +582,9 @@ static int backward_step(mokd_session *s, const Mokd__Request *q, mokd_result *c
   if (mode == MOKK_GRAD_BF16 && b->n_grads != 0 && (int)b->n_grads != nw)
     return mokk_fail(err, MOK_EINVAL, "Backward names %zu gradient buffers; the layer has "
                      "%d weights (or send none to get them back)", b->n_grads, nw);
+  if (b->n_weights != 0 && (int)b->n_weights != nw)
+    return mokk_fail(err, MOK_EINVAL, "Backward names %zu weights; the layer has %d (or "
+                     "send none to read them where the forward did)", b->n_weights, nw);
   if ((j = step_new(s, q->id)) == NULL || (r = mokd_result_new(s, 0)) == NULL) {
     free(j);
     return mokk_fail(err, MOK_ENOMEM, "out of memory");
@@ -574,6 +596,8 @@ static int backward_step(mokd_session *s, const Mokd__Request *q, mokd_result *c
   j->br.d_out = pd;
   r->layer = c->layer;
   r->T = c->T;
+  if ((rc = backward_weights(s, sh, b, j->br.w, err)))
+    goto fail;
   for (int i = 0; i < (int)b->n_grads; i++) {
     void *pg;
     gnd[i] = mokd_weight_dims(sh, i, gs[i]);

@@ -28,6 +28,11 @@ int mokk_gpu_open(int ordinal, mokk_backend **out, char *err)
 {
   return mokk_cuda_create(ordinal, out, err);
 }
+
+int mokk_gpu_uuid(int ordinal, uint8_t uuid[16], char *err)
+{
+  return mokk_cuda_uuid(ordinal, uuid, err);
+}
 #else
 int mokk_gpu_count(char *err)
 {
@@ -38,6 +43,12 @@ int mokk_gpu_count(char *err)
 int mokk_gpu_open(int ordinal, mokk_backend **out, char *err)
 {
   *out = NULL;
+  return mokk_fail(err, MOK_ENOTSUP, "this build has no device backend (device %d)", ordinal);
+}
+
+int mokk_gpu_uuid(int ordinal, uint8_t uuid[16], char *err)
+{
+  (void)uuid;
   return mokk_fail(err, MOK_ENOTSUP, "this build has no device backend (device %d)", ordinal);
 }
 #endif

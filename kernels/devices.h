@@ -22,5 +22,7 @@ static inline const char *mokk_gpu_backend(void)
 int mokk_gpu_count(char *err);
 /* A backend on the device with this ordinal. */
 int mokk_gpu_open(int ordinal, mokk_backend **out, char *err);
+/* The 16-byte UUID of the device with this ordinal (see proto/gpuid.h). */
+int mokk_gpu_uuid(int ordinal, uint8_t uuid[16], char *err);
 
 #endif

@@ -185,6 +185,17 @@ int mokk_bwd_check(const mokk_shape *s, int64_t T, mokk_grad_mode mode,
                          (long long)r, mode == MOKK_GRAD_BF16 ? "bf16" : "fp32",
                          weight_names[w]);
     }
+    int nw = s->I_s > 0 ? MOKK_NWEIGHTS : MOKK_S_GATE;
+    for (int w = 1; w < nw; w++)
+      if ((b->w[w] == NULL) != (b->w[0] == NULL))
+        return mokk_fail(err, MOK_ENULL, "rank %lld: weight %s is %s but %s is not; name "
+                         "all of the weights the backward reads, or none",
+                         (long long)r, weight_names[w], b->w[w] == NULL ? "NULL" : "set",
+                         weight_names[0]);
+    for (int w = nw; w < MOKK_NWEIGHTS; w++)
+      if (b->w[w] != NULL)
+        return mokk_fail(err, MOK_EINVAL, "rank %lld: weight %s is set, but the layer has "
+                         "no shared expert", (long long)r, weight_names[w]);
   }
   return 0;
 }

@@ -53,13 +53,18 @@ typedef struct mokk_fwd_rank {
 
 /* One EP rank's part of a backward step. Weight gradients go to g_bf16 or to
  * g_f32 (added into) as the grad mode says; the shared expert's gradient is
- * the reduction over every rank's tokens and is written for every rank. */
+ * the reduction over every rank's tokens and is written for every rank.
+ * w: where the weights are now, when they moved since the forward (FSDP
+ * frees its gathered weights after the forward and gathers them again,
+ * elsewhere, before the backward); the values must be the forward's. All
+ * NULL: the forward's pointers. */
 typedef struct mokk_bwd_rank {
   const uint16_t *d_out;      /* [T, H] bf16 */
   uint16_t *d_x;              /* [T, H] bf16 */
   float *d_topk_weights;      /* [T, K] fp32 */
   uint16_t *g_bf16[MOKK_NWEIGHTS];
   float *g_f32[MOKK_NWEIGHTS];
+  const uint16_t *w[MOKK_NWEIGHTS];
 } mokk_bwd_rank;
 
 /* Routing plan of one step over P ranks of T tokens each. Rows of expert e's

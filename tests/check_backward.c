@@ -5,6 +5,7 @@
  * and against central finite differences of the smooth (unrounded) function. */
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "bf16.h"
 #include "ref.h"
@@ -115,6 +116,42 @@ START_TEST(bf16_mode_is_rounded_fp32_mode)
 }
 END_TEST
 
+static void same_bits(const void *a, const void *b, int64_t n, size_t size, const char *what)
+{
+  ck_assert_msg(memcmp(a, b, (size_t)n * size) == 0, "%s differs", what);
+}
+
+/* FSDP frees its gathered weights after the forward and gathers them again,
+ * elsewhere, before the backward: a backward told where they are now gives
+ * the bits of one that reads them where the forward did (while the forward's
+ * memory holds NaN), over 1 and 2 EP ranks, in both gradient modes. */
+START_TEST(backward_reads_moved_weights)
+{
+  mokk_shape s = {.H = 40, .I = 24, .E = 8, .K = 2, .I_s = 16, .P = 1, .swiglu_limit = 0.5f};
+  mokk_backend *b;
+  moe_case c;
+  ck_assert_int_eq(mokk_cpu_create(3, &b, err), 0);
+  case_make(&c, &s, 60, 16, ROUTE_RANDOM);
+  for (int64_t P = 1; P <= 2; P++)
+    for (int mode = MOKK_GRAD_BF16; mode <= MOKK_GRAD_FP32_ACCUM; mode++) {
+      moe_out want, got;
+      ck_assert_msg(case_run(b, &c, P, 1, mode, 0.5f, &want, err) == 0, "%s", err);
+      ck_assert_msg(case_run_moved(b, &c, P, 1, mode, 0.5f, 1, &got, err) == 0, "%s", err);
+      same_bits(want.d_x, got.d_x, c.T * s.H, 2, "d_x");
+      same_bits(want.d_tw, got.d_tw, c.T * s.K, 4, "d_topk_weights");
+      for (int w = 0; w < MOKK_NWEIGHTS; w++) {
+        if (mode == MOKK_GRAD_BF16)
+          same_bits(want.g_bf16[w], got.g_bf16[w], case_weight_elems(&c, w), 2, wname[w]);
+        else
+          same_bits(want.g_f32[w], got.g_f32[w], case_weight_elems(&c, w), 4, wname[w]);
+      }
+      out_free(&want), out_free(&got);
+    }
+  case_free(&c);
+  mokk_backend_destroy(b);
+}
+END_TEST
+
 /* loss(params) = sum d_out * out, of the smooth reference */
 static double loss(const ref_moe *m, const double *d_out, double *scratch)
 {
@@ -201,6 +238,7 @@ Suite *backward_suite(void)
   tcase_add_test(tc, fp32_accumulate_clamped);
   tcase_add_test(tc, odd_sizes_empty_experts);
   tcase_add_test(tc, bf16_mode_is_rounded_fp32_mode);
+  tcase_add_test(tc, backward_reads_moved_weights);
   suite_add_tcase(s, tc);
   tc = tcase_create("finite_differences");
   tcase_set_timeout(tc, 60);

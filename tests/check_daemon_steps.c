@@ -144,6 +144,141 @@ START_TEST(context_keeps_its_gradient_mode)
 }
 END_TEST
 
+/* FSDP's reshard and gather between a forward and its backward: the weights
+ * are copied into a new arena (moved[]), and their old memory holds NaN. */
+static void move_weights(mok_client *c, const mok_testbed *tb, mok_tensor *moved)
+{
+  mok_arena_info a;
+  size_t at = 0, total = 0;
+
+  for (int w = 0; w < tb->nweights; w++)
+    total += (mok_tensor_bytes(&tb->w[w]) + 255) / 256 * 256;
+  ck_assert_int_eq(mok_arena_create(c, total, &a), 0);
+  memset(moved, 0, MOK_NWEIGHTS * sizeof *moved);
+  for (int w = 0; w < tb->nweights; w++) {
+    size_t n = mok_tensor_bytes(&tb->w[w]);
+    uint16_t *old = mok_tensor_ptr(c, &tb->w[w]);
+    moved[w] = mok_tensor_make(a.id, at, MOK_DTYPE_BF16, tb->w[w].ndim, tb->w[w].shape);
+    memcpy(mok_tensor_ptr(c, &moved[w]), old, n);
+    for (size_t i = 0; i < n / 2; i++)
+      old[i] = 0x7fc0;
+    at += (n + 255) / 256 * 256;
+  }
+}
+
+/* A backward that names where the weights are now reads them there: the
+ * bits of the engine's backward over the weights where they were, though the
+ * forward's weight memory now holds NaN. */
+START_TEST(backward_reads_weights_where_they_are_now)
+{
+  mok_client *c = connect_ok();
+  mok_layer_desc d = {.hidden = 96, .intermediate = 64, .experts = 8, .top_k = 2,
+                      .shared_intermediate = 48, .swiglu_limit = 0.75f};
+  mok_testbed tb;
+  mok_tensor moved[MOK_NWEIGHTS];
+  mok_forward_result f;
+  mok_backward_result b;
+  engine_out e;
+
+  ck_assert_int_eq(mok_testbed_setup(c, &d, 100, 7, &tb), 0);
+  engine_run(c, &tb, 1, MOKK_GRAD_BF16, &e);
+  ck_assert_int_eq(mok_forward(c, tb.layer, &tb.x, &tb.ids, &tb.tw, 0, &f), 0);
+  move_weights(c, &tb, moved);
+  ck_assert_msg(mok_backward_weights(c, f.context, &tb.d_out, NULL, 0, moved, &b) == 0, "%s",
+                mok_last_error(c));
+  ck_assert(memcmp(b.d_x_ptr, e.d_x, (size_t)(100 * 96) * 2) == 0);
+  ck_assert(memcmp(b.d_topk_weights_ptr, e.d_tw, (size_t)(100 * 2) * 4) == 0);
+  ck_assert_int_eq(b.ngrads, 6);
+  for (int w = 0; w < 6; w++)
+    ck_assert_msg(memcmp(b.grad_ptrs[w], e.g16[w], mok_tensor_bytes(&tb.w[w])) == 0,
+                  "gradient %d", w);
+  /* without them it reads the forward's memory, NaN now */
+  ck_assert_int_eq(mok_backward(c, f.context, &tb.d_out, NULL, 0, &b), 0);
+  ck_assert(memcmp(b.d_x_ptr, e.d_x, (size_t)(100 * 96) * 2) != 0);
+  engine_free(&e);
+
+  /* fp32 accumulation, no shared expert: the same */
+  mok_testbed t2;
+  d.grad_mode = MOK_GRAD_FP32_ACCUM;
+  d.shared_intermediate = 0;
+  ck_assert_int_eq(mok_testbed_setup(c, &d, 37, 8, &t2), 0);
+  engine_run(c, &t2, 1, MOKK_GRAD_FP32_ACCUM, &e);
+  ck_assert_int_eq(mok_forward(c, t2.layer, &t2.x, &t2.ids, &t2.tw, 0, &f), 0);
+  move_weights(c, &t2, moved);
+  ck_assert_msg(mok_backward_weights(c, f.context, &t2.d_out, t2.g32, 3, moved, &b) == 0, "%s",
+                mok_last_error(c));
+  ck_assert(memcmp(b.d_x_ptr, e.d_x, (size_t)(37 * 96) * 2) == 0);
+  for (int w = 0; w < 3; w++)
+    ck_assert(memcmp(mok_tensor_ptr(c, &t2.g32[w]), e.g32[w], mok_tensor_bytes(&t2.g32[w])) ==
+              0);
+  engine_free(&e);
+  mok_close(c);
+}
+END_TEST
+
+static void expect_bwd_error(mok_client *c, uint64_t ctx, const mok_testbed *tb,
+                             const mok_tensor *w, int code, const char *needle)
+{
+  mok_backward_result b;
+  int rc = mok_backward_weights(c, ctx, &tb->d_out, NULL, 0, w, &b);
+  ck_assert_msg(rc == code, "got %d (%s), want %d (%s): %s", rc, mok_err_name(rc), code,
+                mok_err_name(code), mok_last_error(c));
+  ck_assert_msg(strstr(mok_last_error(c), needle) != NULL, "\"%s\" lacks \"%s\"",
+                mok_last_error(c), needle);
+}
+
+/* Weights a backward names are checked as SetWeights checks them, each
+ * failure naming the weight; nothing is computed and the context stays. */
+START_TEST(backward_weights_are_checked)
+{
+  mok_client *c = connect_ok();
+  mok_layer_desc d = {.hidden = 96, .intermediate = 64, .experts = 8, .top_k = 2,
+                      .shared_intermediate = 32};
+  mok_testbed tb;
+  mok_tensor w[MOK_NWEIGHTS];
+  mok_forward_result f;
+  mok_backward_result b;
+  mok_stats st;
+
+  ck_assert_int_eq(mok_testbed_setup(c, &d, 20, 9, &tb), 0);
+  ck_assert_int_eq(mok_forward(c, tb.layer, &tb.x, &tb.ids, &tb.tw, 0, &f), 0);
+  memcpy(w, tb.w, sizeof w);
+  w[MOK_S_GATE].ndim = w[MOK_S_UP].ndim = w[MOK_S_DOWN].ndim = 0;
+  expect_bwd_error(c, f.context, &tb, w, MOK_EINVAL, "Backward names 3 weights; the layer "
+                   "has 6");
+  memcpy(w, tb.w, sizeof w);
+  w[MOK_S_GATE].ndim = 0;
+  expect_bwd_error(c, f.context, &tb, w, MOK_EINVAL, "weights[4] is given but weights[3] "
+                   "(s_gate) is absent");
+  memcpy(w, tb.w, sizeof w);
+  w[MOK_W_UP].ndim = 0;
+  expect_bwd_error(c, f.context, &tb, w, MOK_EINVAL, "weights[1] is absent");
+  memcpy(w, tb.w, sizeof w);
+  w[MOK_W_GATE] = tb.w[MOK_W_DOWN];
+  expect_bwd_error(c, f.context, &tb, w, MOK_ESHAPE, "weights[0] (w_gate): dimension 1 is 96; "
+                   "it must be 64");
+  memcpy(w, tb.w, sizeof w);
+  w[MOK_S_DOWN].dtype = MOK_DTYPE_F32;
+  expect_bwd_error(c, f.context, &tb, w, MOK_EDTYPE, "weights[5] (s_down): dtype is f32");
+  memcpy(w, tb.w, sizeof w);
+  w[MOK_W_DOWN].arena = 987654321;
+  expect_bwd_error(c, f.context, &tb, w, MOK_ENOENT, "weights[2] (w_down): arena 987654321 is "
+                   "not an arena of this session");
+  memcpy(w, tb.w, sizeof w);
+  w[MOK_S_UP].offset = tb.arena.bytes - 2;
+  expect_bwd_error(c, f.context, &tb, w, MOK_ERANGE, "weights[4] (s_up): bytes [");
+  memcpy(w, tb.w, sizeof w);
+  w[MOK_W_UP].offset += 1;
+  expect_bwd_error(c, f.context, &tb, w, MOK_EINVAL, "weights[1] (w_up): offset");
+  ck_assert_int_eq(mok_stats_get(c, &st), 0);
+  ck_assert_uint_eq(st.session.backwards, 0); /* nothing was computed */
+  /* the context is still there for a good backward */
+  ck_assert_msg(mok_backward_weights(c, f.context, &tb.d_out, NULL, 0, tb.w, &b) == 0, "%s",
+                mok_last_error(c));
+  mok_close(c);
+}
+END_TEST
+
 typedef struct worker_arg {
   int index, failures, done;
 } worker_arg;
@@ -428,6 +563,8 @@ Suite *daemon_steps_suite(void)
   tcase_set_timeout(tc, 120);
   tcase_add_test(tc, forward_backward_equal_engine);
   tcase_add_test(tc, context_keeps_its_gradient_mode);
+  tcase_add_test(tc, backward_reads_weights_where_they_are_now);
+  tcase_add_test(tc, backward_weights_are_checked);
   tcase_add_test(tc, eight_concurrent_clients);
   tcase_add_test(tc, killed_client_leaks_nothing);
   tcase_add_test(tc, expert_id_out_of_range_through_daemon);

@@ -370,17 +370,59 @@ START_TEST(client_name_is_logged_escaped)
 }
 END_TEST
 
-/* a GPU asked for from a daemon on the cpu backend is a clear error */
+/* a GPU asked for from a daemon on the cpu backend is a clear error; by
+ * ordinal, libmok first names it by UUID, which needs this process's driver */
 START_TEST(device_on_cpu_backend_is_refused)
 {
   mok_client *c = NULL;
   ck_assert_int_eq(mok_connect_device(sock, "check_daemon", 0, &c), MOK_EDEVICE);
-  ck_assert_msg(strstr(mok_last_error(c), "has no CUDA device 0") != NULL, "%s",
-                mok_last_error(c));
+  ck_assert_msg(strstr(mok_last_error(c), "cannot name CUDA device 0 to mokd") != NULL ||
+                    strstr(mok_last_error(c), "runs the cpu backend; it has no GPU GPU-") != NULL,
+                "%s", mok_last_error(c));
+  mok_close(c);
+  ck_assert_int_eq(mok_connect_uuid(sock, "check_daemon",
+                                    "GPU-00000000-1111-2222-3333-444444444444", &c),
+                   MOK_EDEVICE);
+  ck_assert_str_eq(mok_last_error(c), "this daemon runs the cpu backend; it has no GPU "
+                   "GPU-00000000-1111-2222-3333-444444444444");
   mok_close(c);
   c = connect_ok();
   ck_assert_int_eq(mok_server_info(c)->device, -1);
+  ck_assert_int_eq(mok_server_info(c)->daemon_device, -1);
+  ck_assert_str_eq(mok_server_info(c)->device_uuid, "");
   mok_close(c);
+}
+END_TEST
+
+/* GPUs are named by UUID on the wire: a UUID that is not one, or a GPU named
+ * twice, is refused before any placement */
+START_TEST(bad_gpu_uuid_is_refused)
+{
+  mok_client *c = NULL;
+  ck_assert_int_eq(mok_connect_uuid(sock, "check_daemon", "0", &c), MOK_EINVAL);
+  ck_assert_msg(strstr(mok_last_error(c), "\"0\" is not a GPU UUID; nvidia-smi -L prints them "
+                       "as GPU-") != NULL, "%s", mok_last_error(c));
+  mok_close(c);
+  ck_assert_int_eq(mok_connect_uuid(sock, "check_daemon", NULL, &c), 0); /* the daemon picks */
+  mok_close(c);
+
+  uint8_t five[5] = {1, 2, 3, 4, 5}, sixteen[16] = {0};
+  Mokd__Request req = MOKD__REQUEST__INIT;
+  Mokd__Hello h = MOKD__HELLO__INIT;
+  int fd = raw_connect();
+  h.protocol_version = MOK_PROTOCOL_VERSION;
+  h.device_uuid.data = five, h.device_uuid.len = sizeof five;
+  req.id = 1, req.body_case = MOKD__REQUEST__BODY_HELLO, req.hello = &h;
+  raw_request(fd, &req, -1);
+  expect_status(fd, MOK_EINVAL, "Hello's device_uuid holds 5 bytes; a GPU UUID has 16");
+  h.device_uuid.data = sixteen, h.device_uuid.len = sizeof sixteen;
+  h.device = 1;
+  raw_request(fd, &req, -1);
+  expect_status(fd, MOK_EINVAL, "Hello names its GPU twice (device 0 and device_uuid)");
+  h.device = 0;
+  raw_request(fd, &req, -1);
+  expect_status(fd, MOK_EDEVICE, "it has no GPU GPU-00000000-0000-0000-0000-000000000000");
+  close(fd);
 }
 END_TEST
 
@@ -404,6 +446,7 @@ Suite *daemon_wire_suite(void)
   tcase_add_test(tc, import_and_errors_through_libmok);
   tcase_add_test(tc, busy_arena_counts_contexts);
   tcase_add_test(tc, device_on_cpu_backend_is_refused);
+  tcase_add_test(tc, bad_gpu_uuid_is_refused);
   tcase_add_test(tc, client_name_is_logged_escaped);
   suite_add_tcase(s, tc);
   return s;

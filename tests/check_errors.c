@@ -3,6 +3,7 @@
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "ref.h"
 
@@ -26,7 +27,7 @@ static void setup(void)
   for (int r = 0; r < 2; r++) {
     fr[r] = (mokk_fwd_rank){c.x + r * 4 * 16, c.ids + r * 8, c.tw + r * 8, {0},
                             out + r * 64};
-    br[r] = (mokk_bwd_rank){c.d_out + r * 64, dx + r * 64, dtw + r * 8, {0}, {0}};
+    br[r] = (mokk_bwd_rank){c.d_out + r * 64, dx + r * 64, dtw + r * 8, {0}, {0}, {0}};
     for (int w = 0; w < MOKK_NWEIGHTS; w++) {
       int64_t per = w < MOKK_S_GATE ? case_weight_elems(&c, w) / 2 : 0;
       fr[r].w[w] = c.w[w] + r * per;
@@ -150,6 +151,23 @@ START_TEST(null_pointers)
   ck_assert_ptr_nonnull(strstr(err, "fp32 gradient of w_gate is NULL"));
   ck_assert_int_eq(mokk_backward(be, ctx, (mokk_grad_mode)7, br, err), MOK_EINVAL);
   ck_assert_ptr_nonnull(strstr(err, "gradient mode 7"));
+  /* weights where they are now: all of them or none */
+  br[1].w[MOKK_W_GATE] = fr[1].w[MOKK_W_GATE];
+  ck_assert_int_eq(mokk_backward(be, ctx, MOKK_GRAD_BF16, br, err), MOK_ENULL);
+  ck_assert_msg(strstr(err, "rank 1: weight w_up is NULL but w_gate is not") != NULL, "%s",
+                err);
+  for (int w = 0; w < MOKK_NWEIGHTS; w++)
+    br[1].w[w] = fr[1].w[w];
+  ck_assert_msg(mokk_backward(be, ctx, MOKK_GRAD_BF16, br, err) == 0, "%s", err);
+  mokk_ctx_free(be, ctx);
+  mokk_shape plain = good;
+  plain.I_s = 0;
+  ck_assert_int_eq(mokk_forward(be, &plain, 4, fr, &ctx, err), 0);
+  ck_assert_int_eq(mokk_backward(be, ctx, MOKK_GRAD_BF16, br, err), MOK_EINVAL);
+  ck_assert_msg(strstr(err, "weight s_gate is set, but the layer has no shared expert") != NULL,
+                "%s", err);
+  memset(br[0].w, 0, sizeof br[0].w);
+  memset(br[1].w, 0, sizeof br[1].w);
   mokk_ctx_free(be, ctx);
   ck_assert_int_eq(mokk_cpu_create(1, NULL, err), MOK_ENULL);
 }

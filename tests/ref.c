@@ -240,8 +240,44 @@ static void *xcalloc(int64_t n, size_t size)
   return p;
 }
 
+/* Between the forward and the backward, the weights move as FSDP moves them:
+ * a copy is made elsewhere and the forward's memory is overwritten with NaN
+ * until the backward, which is told where the copy is, has run. */
+static int backward_moved(mokk_backend *b, const moe_case *c, mokk_ctx *ctx,
+                          mokk_grad_mode mode, mokk_bwd_rank *br, int64_t P, char *err)
+{
+  uint16_t *moved[MOKK_NWEIGHTS] = {0};
+  int64_t El = c->s.E / P;
+  int rc;
+
+  for (int w = 0; w < MOKK_NWEIGHTS; w++) {
+    int64_t n = case_weight_elems(c, w), per = w < MOKK_S_GATE ? El * c->s.I * c->s.H : 0;
+    if (n == 0)
+      continue;
+    moved[w] = xcalloc(n, sizeof(uint16_t));
+    memcpy(moved[w], c->w[w], (size_t)n * sizeof(uint16_t));
+    for (int64_t i = 0; i < n; i++)
+      c->w[w][i] = 0x7fc0;
+    for (int64_t r = 0; r < P; r++)
+      br[r].w[w] = moved[w] + r * per;
+  }
+  rc = mokk_backward(b, ctx, mode, br, err);
+  for (int w = 0; w < MOKK_NWEIGHTS; w++) {
+    if (moved[w] != NULL)
+      memcpy(c->w[w], moved[w], (size_t)case_weight_elems(c, w) * sizeof(uint16_t));
+    free(moved[w]);
+  }
+  return rc;
+}
+
 int case_run(mokk_backend *b, const moe_case *c, int64_t P, int bwd, mokk_grad_mode mode,
              float seed_grad, moe_out *o, char *err)
+{
+  return case_run_moved(b, c, P, bwd, mode, seed_grad, 0, o, err);
+}
+
+int case_run_moved(mokk_backend *b, const moe_case *c, int64_t P, int bwd,
+                   mokk_grad_mode mode, float seed_grad, int move, moe_out *o, char *err)
 {
   mokk_shape s = c->s;
   int64_t T = c->T / P, H = s.H, K = s.K, El, Ishared = s.I_s * H;
@@ -296,7 +332,8 @@ int case_run(mokk_backend *b, const moe_case *c, int64_t P, int bwd, mokk_grad_m
   }
   rc = mokk_forward(b, &s, T, fr, bwd ? &ctx : NULL, err);
   if (rc == 0 && bwd)
-    rc = mokk_backward(b, ctx, mode, br, err);
+    rc = move ? backward_moved(b, c, ctx, mode, br, P, err)
+              : mokk_backward(b, ctx, mode, br, err);
   mokk_ctx_free(b, ctx);
   free(fr);
   free(br);

@@ -61,6 +61,11 @@ typedef struct moe_out {
  * In fp32 mode the gradient buffers start from `seed_grad` (a constant). */
 int case_run(mokk_backend *b, const moe_case *c, int64_t P, int bwd, mokk_grad_mode mode,
              float seed_grad, moe_out *o, char *err);
+/* The same, with move != 0: the backward reads the weights from a copy made
+ * after the forward, whose own weights are then NaN (FSDP's reshard and
+ * gather). */
+int case_run_moved(mokk_backend *b, const moe_case *c, int64_t P, int bwd,
+                   mokk_grad_mode mode, float seed_grad, int move, moe_out *o, char *err);
 void out_free(moe_out *o);
 
 /* Convert a case to the reference's double inputs (caller frees with ref_free). */
@@ -94,3 +99,4 @@ Suite *registry_suite(void);
 Suite *idmap_suite(void);
 Suite *paths_suite(void);
 Suite *mokctl_suite(void);
+Suite *gpuid_suite(void);

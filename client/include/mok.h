@@ -22,6 +22,8 @@ extern "C" {
 
 #define MOK_PROTOCOL_VERSION 1
 #define MOK_MAX_DIMS 4
+/* A GPU UUID as nvidia-smi -L prints it, with its NUL */
+#define MOK_UUID_STRLEN 41
 
 typedef struct mok_client mok_client;
 
@@ -109,7 +111,12 @@ typedef struct mok_welcome {
   uint64_t session_quota_bytes;
   uint64_t session_gpu_quota_bytes;
   int ndevices;        /* GPUs the daemon runs on */
-  int device;          /* the one this session runs on (CUDA ordinal); -1 = cpu backend */
+  /* The GPU this session runs on, as this process's CUDA numbers it (what
+   * cudaSetDevice takes here); -1 on the cpu backend, or when the GPU is not
+   * visible in this process (CUDA_VISIBLE_DEVICES). */
+  int device;
+  int daemon_device;   /* the same GPU as the daemon numbers it; -1 = cpu backend */
+  char device_uuid[MOK_UUID_STRLEN]; /* its UUID; "" on the cpu backend */
 } mok_welcome;
 
 /* Where the daemon listens by default: $MOKD_SOCKET, else /run/mokd/mokd.sock
@@ -120,11 +127,18 @@ void mok_default_socket(char *buf, size_t n);
  * failure *out may still be set, so that mok_last_error() can say why; pass it
  * to mok_close() either way. */
 int mok_connect(const char *path, const char *client_name, mok_client **out);
-/* The same, on the daemon's CUDA device `device` (an ordinal; -1 = the daemon
- * picks its least used GPU). A session computes on one GPU, and its arenas
- * live there; mok_server_info(c)->device says which. */
+/* The same, on this process's CUDA device `device` (an ordinal as this
+ * process's CUDA numbers it; -1 = the daemon picks its least used GPU).
+ * libmok sends the GPU's UUID, so the daemon finds it whatever the two
+ * processes' CUDA_VISIBLE_DEVICES; a GPU the daemon does not run is
+ * MOK_EDEVICE. A session computes on one GPU, and its arenas live there;
+ * mok_server_info(c) says which. */
 int mok_connect_device(const char *path, const char *client_name, int device,
                        mok_client **out);
+/* The same, on the GPU with this UUID ("GPU-..." as nvidia-smi -L prints it;
+ * NULL = the daemon picks). */
+int mok_connect_uuid(const char *path, const char *client_name, const char *gpu_uuid,
+                     mok_client **out);
 void mok_close(mok_client *c);
 const char *mok_last_error(const mok_client *c);
 const mok_welcome *mok_server_info(const mok_client *c);
@@ -214,6 +228,16 @@ int mok_forward(mok_client *c, uint64_t layer, const mok_tensor *x,
  * bf16 to write otherwise). NULL in bf16 mode: the daemon returns them. */
 int mok_backward(mok_client *c, uint64_t context, const mok_tensor *d_out,
                  const mok_tensor *grads, int ngrads, mok_backward_result *res);
+/* The same, reading the weights where they are now: weights is NULL (where
+ * the forward read them, as mok_backward does) or MOK_NWEIGHTS tensors in
+ * the order of mok_layer_set_weights (the shared expert's absent, ndim 0,
+ * without one), checked as that call checks them. For weights that moved
+ * since the forward but hold the same values: FSDP frees its gathered
+ * weights after the forward and gathers them again, elsewhere, before the
+ * backward. The daemon then no longer reads the forward's weight memory. */
+int mok_backward_weights(mok_client *c, uint64_t context, const mok_tensor *d_out,
+                         const mok_tensor *grads, int ngrads, const mok_tensor *weights,
+                         mok_backward_result *res);
 /* Releases contexts and backward results (and the outputs they own). */
 int mok_release(mok_client *c, const uint64_t *ids, int n);
 

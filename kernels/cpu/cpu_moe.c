@@ -131,10 +131,14 @@ static int tiles_for_shared(step *st, int64_t ncols, int64_t col_block)
 }
 
 /* weight matrix `which` of the tile's expert (rows of out x in) */
+/* The weight a tile reads: where the backward says it is now, else where
+ * the forward read it. */
 static const uint16_t *tile_weight(const step *st, const tile *t, int which)
 {
   const mokk_shape *s = st->s;
-  const uint16_t *w = st->c->w[t->p][which];
+  const uint16_t *w = st->br != NULL && st->br[t->p].w[which] != NULL
+                          ? st->br[t->p].w[which]
+                          : st->c->w[t->p][which];
   if (t->e < 0)
     return w;
   return w + (t->e - t->p * st->El) * s->I * s->H;

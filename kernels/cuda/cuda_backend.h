@@ -28,6 +28,10 @@ void *mokk_cuda_stream(mokk_backend *b);
 /* Waits for the queued work; returns the first error it met, if any. */
 int mokk_cuda_sync(mokk_backend *b, char *err);
 
+/* The UUID of CUDA device `device` (16 bytes, cuDeviceGetUuid_v2's), which
+ * names the GPU the same way in every process. */
+int mokk_cuda_uuid(int device, uint8_t uuid[16], char *err);
+
 /* A GPU arena: a cuMem allocation of `bytes` (rounded up to the device's
  * granularity) mapped at ptr and exportable as a POSIX fd. */
 typedef struct mokk_gpu_mem {

@@ -344,6 +344,9 @@ static int cuda_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
     return mokk_fail(err, MOK_ECONTEXT, "the forward kept no state for a backward");
   if (!aligned16(r->d_out) || !aligned16(r->d_x))
     return mokk_fail(err, MOK_EINVAL, "d_out and d_x must be 16-byte aligned");
+  for (int w = 0; w < (Is ? MOKK_NWEIGHTS : MOKK_S_GATE); w++)
+    if (!aligned16(r->w[w]))
+      return mokk_fail(err, MOK_EINVAL, "weight %d is not 16-byte aligned", w);
   CK(cudaSetDevice(cb->device));
 
   o_dor = carve(&off, TK * H * 2);
@@ -366,6 +369,14 @@ static int cuda_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
   float *dxs = Is ? (float *)(base + o_dxs) : NULL;
   const bf16 *d_out = (const bf16 *)r->d_out;
   mlp routed_mlp = mlp_routed(c, TK), shared_mlp = mlp_shared(c, T);
+  if (r->w[MOKK_W_GATE] != NULL) { /* the weights moved since the forward */
+    routed_mlp.wg = (const bf16 *)r->w[MOKK_W_GATE];
+    routed_mlp.wu = (const bf16 *)r->w[MOKK_W_UP];
+    routed_mlp.wd = (const bf16 *)r->w[MOKK_W_DOWN];
+    shared_mlp.wg = (const bf16 *)r->w[MOKK_S_GATE];
+    shared_mlp.wu = (const bf16 *)r->w[MOKK_S_UP];
+    shared_mlp.wd = (const bf16 *)r->w[MOKK_S_DOWN];
+  }
 
   route_gather(cb->stream, grid_for(cb, TK, 16), d_out, c->src, c->row_start + E, (int)K, H,
                dor, c->row_w, dy);

@@ -1,5 +1,6 @@
 /* gpumem.cu - GPU arenas: cuMem allocations that can be exported as POSIX file
- * descriptors and mapped by another process. The driver's entry points are
+ * descriptors and mapped by another process; client memory imported, which
+ * must lie on the session's GPU; and GPU UUIDs. The driver's entry points are
  * reached through the runtime, so nothing links against libcuda. */
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -7,6 +8,7 @@
 #include <unistd.h>
 
 #include "cuda_priv.h"
+#include "gpuid.h"
 
 typedef CUresult (*fn_create)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *,
                               unsigned long long);
@@ -23,6 +25,9 @@ typedef CUresult (*fn_afree)(CUdeviceptr, size_t);
 typedef CUresult (*fn_release)(CUmemGenericAllocationHandle);
 typedef CUresult (*fn_import)(CUmemGenericAllocationHandle *, void *, CUmemAllocationHandleType);
 typedef CUresult (*fn_range)(CUdeviceptr *, size_t *, CUdeviceptr);
+typedef CUresult (*fn_props)(CUmemAllocationProp *, CUmemGenericAllocationHandle);
+typedef CUresult (*fn_dev_get)(CUdevice *, int);
+typedef CUresult (*fn_uuid)(CUuuid *, CUdevice);
 
 static struct {
   int ready;
@@ -37,6 +42,9 @@ static struct {
   fn_release release;
   fn_import import;
   fn_range range;
+  fn_props props;
+  fn_dev_get dev_get;
+  fn_uuid uuid;
 } drv;
 
 static int entry(const char *name, void **fn, char *err)
@@ -64,7 +72,12 @@ static int load(char *err)
       (rc = entry("cuMemAddressFree", (void **)&drv.afree, err)) ||
       (rc = entry("cuMemRelease", (void **)&drv.release, err)) ||
       (rc = entry("cuMemImportFromShareableHandle", (void **)&drv.import, err)) ||
-      (rc = entry("cuMemGetAddressRange", (void **)&drv.range, err)))
+      (rc = entry("cuMemGetAddressRange", (void **)&drv.range, err)) ||
+      (rc = entry("cuMemGetAllocationPropertiesFromHandle", (void **)&drv.props, err)) ||
+      (rc = entry("cuDeviceGet", (void **)&drv.dev_get, err)) ||
+      /* at 12000 this is cuDeviceGetUuid_v2, as libmok's, so MIG instances
+       * have their own UUIDs on both sides */
+      (rc = entry("cuDeviceGetUuid", (void **)&drv.uuid, err)))
     return rc;
   drv.ready = 1;
   return 0;
@@ -182,12 +195,51 @@ void mokk_gpu_mem_free_now(mokk_gpu_mem *m)
   memset(m, 0, sizeof *m);
 }
 
+/* ---- GPU identity ---------------------------------------------------------- */
+
+extern "C" int mokk_cuda_uuid(int device, uint8_t uuid[MOKW_UUID_BYTES], char *err)
+{
+  CUdevice d;
+  CUuuid u;
+  CUresult r;
+  int rc;
+
+  if ((rc = use_device(device, err)))
+    return rc;
+  if ((r = drv.dev_get(&d, device)) != CUDA_SUCCESS)
+    return CU_FAIL(r, "cuDeviceGet");
+  if ((r = drv.uuid(&u, d)) != CUDA_SUCCESS)
+    return CU_FAIL(r, "cuDeviceGetUuid");
+  memcpy(uuid, u.bytes, MOKW_UUID_BYTES);
+  return 0;
+}
+
+/* Client memory must lie on the session's GPU: its steps run there, and an
+ * ordinal the client computed in its own numbering may name another GPU
+ * here. Leaves device current. */
+static int check_on_device(int where, int device, char *err)
+{
+  char got[MOKW_UUID_STRLEN] = "?", want[MOKW_UUID_STRLEN] = "?", ignore[MOK_ERRLEN];
+  uint8_t u[MOKW_UUID_BYTES];
+
+  if (where == device)
+    return 0;
+  if (mokk_cuda_uuid(where, u, ignore) == 0)
+    mokw_uuid_format(u, got);
+  if (mokk_cuda_uuid(device, u, ignore) == 0)
+    mokw_uuid_format(u, want);
+  return mokk_fail(err, MOK_EDEVICE, "the memory is on GPU %s (device %d here), not on the "
+                   "session's GPU %s (device %d): allocate it there, or connect on its GPU",
+                   got, where, want, device);
+}
+
 /* ---- client memory ------------------------------------------------------- */
 
 int mokk_gpu_import_ipc(int device, const void *ipc_handle, size_t bytes,
                                    mokk_gpu_import *m, char *err)
 {
   cudaIpcMemHandle_t h;
+  cudaPointerAttributes at;
   CUdeviceptr base = 0;
   size_t size = 0;
   void *p = NULL;
@@ -205,6 +257,15 @@ int mokk_gpu_import_ipc(int device, const void *ipc_handle, size_t bytes,
                      "must come from cudaIpcGetMemHandle on a cudaMalloc allocation of a "
                      "live process on device %d", cudaGetErrorString(e), cudaGetErrorName(e),
                      device);
+  }
+  /* opened with peer access, memory of another GPU maps too: refuse it */
+  if ((e = cudaPointerGetAttributes(&at, p)) != cudaSuccess) {
+    cudaIpcCloseMemHandle(p);
+    return CUDA_FAIL(e, "cudaPointerGetAttributes");
+  }
+  if (at.device != device) {
+    cudaIpcCloseMemHandle(p);
+    return check_on_device(at.device, device, err);
   }
   /* the handle names a whole allocation: it must hold what the client claims */
   if ((r = drv.range(&base, &size, (CUdeviceptr)p)) != CUDA_SUCCESS || size < bytes) {
@@ -225,6 +286,7 @@ int mokk_gpu_import_fd(int device, int fd, size_t bytes, mokk_gpu_import *m,
                                   char *err)
 {
   CUmemGenericAllocationHandle h = 0;
+  CUmemAllocationProp prop;
   CUdeviceptr va = 0;
   CUresult r;
   int rc;
@@ -236,6 +298,22 @@ int mokk_gpu_import_fd(int device, int fd, size_t bytes, mokk_gpu_import *m,
       CUDA_SUCCESS)
     return mokk_fail(err, MOK_EINVAL, "the fd is not an exported cuMem allocation "
                      "(cuMemImportFromShareableHandle: CUresult %d)", (int)r);
+  /* before mapping: a map of another GPU's memory would fail as if it were
+   * too small */
+  memset(&prop, 0, sizeof prop);
+  if ((r = drv.props(&prop, h)) != CUDA_SUCCESS) {
+    drv.release(h);
+    return CU_FAIL(r, "cuMemGetAllocationPropertiesFromHandle");
+  }
+  if (prop.location.type != CU_MEM_LOCATION_TYPE_DEVICE) {
+    drv.release(h);
+    return mokk_fail(err, MOK_EINVAL, "the cuMem allocation is not device memory (location "
+                     "type %d); import GPU memory of the session's GPU", (int)prop.location.type);
+  }
+  if (prop.location.id != device) {
+    drv.release(h);
+    return check_on_device(prop.location.id, device, err);
+  }
   if ((r = drv.reserve(&va, bytes, 0, 0, 0)) != CUDA_SUCCESS) {
     drv.release(h);
     return CU_FAIL(r, "cuMemAddressReserve");

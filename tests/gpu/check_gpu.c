@@ -34,6 +34,7 @@
 #include "cuda/cuda_backend.h"
 #include "devices.h"
 #include "gpu/gemm_core.h"
+#include "gpuid.h"
 #include "mok.h"
 #include "ref.h"
 
@@ -63,9 +64,12 @@ static void *xcalloc(int64_t n, size_t size)
   return p;
 }
 
-/* The case on the GPU (P = 1); outputs come back into o like case_run's. */
-static int gpu_run(const moe_case *c, int bwd, mokk_grad_mode mode, float seed_grad,
-                   moe_out *o, char *err)
+/* The case on the GPU (P = 1); outputs come back into o like case_run's.
+ * move != 0: between the forward and the backward the weights are copied
+ * elsewhere and their old memory is set to NaN, as FSDP frees and gathers
+ * them again; the backward is told where they are now. */
+static int gpu_run_moved(const moe_case *c, int bwd, mokk_grad_mode mode, float seed_grad,
+                         int move, moe_out *o, char *err)
 {
   const mokk_shape *s = &c->s;
   int64_t T = c->T, H = s->H, K = s->K;
@@ -99,6 +103,16 @@ static int gpu_run(const moe_case *c, int bwd, mokk_grad_mode mode, float seed_g
     br.g_f32[w] = dev[nd++] = dev_copy(o->g_f32[w], n * 4);
   }
   rc = mokk_forward(gpu, s, T, &fr, bwd ? &ctx : NULL, err);
+  if (rc == 0 && bwd && move && (rc = mokk_cuda_sync(gpu, err)) == 0)
+    for (int w = 0; w < MOKK_NWEIGHTS; w++) {
+      size_t n = (size_t)case_weight_elems(c, w) * 2;
+      if (fr.w[w] == NULL)
+        continue;
+      br.w[w] = dev[nd++] = dev_copy(NULL, n);
+      ck_assert_int_eq(cudaMemcpy((void *)br.w[w], fr.w[w], n, cudaMemcpyDeviceToDevice),
+                       cudaSuccess);
+      ck_assert_int_eq(cudaMemset((void *)fr.w[w], 0xff, n), cudaSuccess); /* NaN */
+    }
   if (rc == 0 && bwd)
     rc = mokk_backward(gpu, ctx, mode, &br, err);
   mokk_ctx_free(gpu, ctx);
@@ -119,6 +133,12 @@ static int gpu_run(const moe_case *c, int bwd, mokk_grad_mode mode, float seed_g
   for (int i = 0; i < nd; i++)
     cudaFree(dev[i]);
   return rc;
+}
+
+static int gpu_run(const moe_case *c, int bwd, mokk_grad_mode mode, float seed_grad,
+                   moe_out *o, char *err)
+{
+  return gpu_run_moved(c, bwd, mode, seed_grad, 0, o, err);
 }
 
 #define TOL_FWD (1.0 / 128)
@@ -275,6 +295,31 @@ START_TEST(repeat_20_bitwise)
     out_free(&again);
   }
   out_free(&first), case_free(&c);
+}
+END_TEST
+
+/* FSDP frees its gathered weights after the forward and gathers them again,
+ * elsewhere, before the backward: a backward told where they are now gives
+ * the bits of one that reads them where the forward did, while the forward's
+ * memory holds NaN; in both gradient modes. */
+START_TEST(backward_reads_moved_weights)
+{
+  mokk_shape s = {.H = 256, .I = 128, .E = 16, .K = 4, .I_s = 128, .swiglu_limit = 0.8f, .P = 1};
+  moe_case c;
+  char err[2 * MOK_ERRLEN] = "";
+
+  case_make(&c, &s, 333, 12, ROUTE_RANDOM);
+  for (int mode = MOKK_GRAD_BF16; mode <= MOKK_GRAD_FP32_ACCUM; mode++) {
+    moe_out want, got;
+    ck_assert_msg(gpu_run(&c, 1, mode, 0.5f, &want, err) == 0, "%s", err);
+    ck_assert_msg(gpu_run_moved(&c, 1, mode, 0.5f, 1, &got, err) == 0, "%s", err);
+    expect_same(&want, &got, &c, "moved weights");
+    for (int w = 0; w < MOKK_NWEIGHTS; w++)
+      ck_assert_msg(memcmp(want.g_f32[w], got.g_f32[w], case_weight_elems(&c, w) * 4) == 0,
+                    "moved weights: fp32 %s differs", wname[w]);
+    out_free(&want), out_free(&got);
+  }
+  case_free(&c);
 }
 END_TEST
 
@@ -827,7 +872,7 @@ START_TEST(two_gpus)
   ck_assert_int_eq(mok_server_info(c0)->device, 0);
   ck_assert_int_eq(mok_server_info(c1)->device, 1);
   ck_assert_int_eq(mok_connect_device(dr.sock, "gpu5", 5, &c2), MOK_EDEVICE);
-  ck_assert_msg(strstr(mok_last_error(c2), "not one of this daemon's (0,1)") != NULL, "%s",
+  ck_assert_msg(strstr(mok_last_error(c2), "this process has no CUDA device 5") != NULL, "%s",
                 mok_last_error(c2));
   mok_close(c2);
   case_make(&cs, &s, T, 23, ROUTE_RANDOM);
@@ -877,6 +922,139 @@ START_TEST(gpu_quota)
 }
 END_TEST
 
+/* ---- GPU identity -------------------------------------------------------- */
+
+/* Run by remapped_visible_devices in a process of its own whose
+ * CUDA_VISIBLE_DEVICES is one GPU's UUID, so that GPU is its device 0 while
+ * the daemon (which sees them all) calls it MOKD_GPU_ID_DEVICE. Asking for its
+ * device 0 must land on that GPU, not on the daemon's device 0: the arenas
+ * map here, the layer matches the CPU engine, our own memory imports. */
+START_TEST(remapped_client)
+{
+  const char *sock = getenv("MOKD_GPU_ID_SOCK"), *uuid = getenv("CUDA_VISIBLE_DEVICES");
+  const char *theirs = getenv("MOKD_GPU_ID_DEVICE");
+  char err[2 * MOK_ERRLEN] = "";
+  mokk_shape s = daemon_shape;
+  int64_t T = 200, H = s.H, K = s.K;
+  mok_client *c = NULL;
+  uint64_t arena, off;
+  daemon_step st;
+  moe_case cs;
+  moe_out oc, og;
+  void *mine;
+
+  ck_assert(sock != NULL && uuid != NULL && theirs != NULL);
+  ck_assert_msg(mok_connect_device(sock, "remapped", 0, &c) == 0, "%s", mok_last_error(c));
+  ck_assert_int_eq(mok_server_info(c)->device, 0);
+  ck_assert_int_eq(mok_server_info(c)->daemon_device, atoi(theirs));
+  ck_assert_str_eq(mok_server_info(c)->device_uuid, uuid);
+  case_make(&cs, &s, T, 31, ROUTE_RANDOM);
+  daemon_layer(c, &cs, 0, &og, &st);
+  ck_assert_msg(case_run(cpu, &cs, 1, 1, MOKK_GRAD_BF16, 0, &oc, err) == 0, "%s", err);
+  expect_close_bf16(oc.out, og.out, T * H, TOL_FWD, "remapped out");
+  expect_close_bf16(oc.d_x, og.d_x, T * H, TOL_BWD, "remapped d_x");
+  expect_close_f32(oc.d_tw, og.d_tw, T * K, TOL_FWD, "remapped d_topk_weights");
+  ck_assert_int_eq(cudaSetDevice(0), cudaSuccess);
+  ck_assert_int_eq(cudaMalloc(&mine, 1 << 20), cudaSuccess);
+  ck_assert_msg(mok_arena_import_cuda(c, mine, 1 << 20, &arena, &off) == 0, "%s",
+                mok_last_error(c));
+  ck_assert(mok_arena_destroy(c, arena) == 0);
+  printf("remapped_client: CUDA_VISIBLE_DEVICES=%s, device 0 here ran on the daemon's "
+         "device %s\n", uuid, theirs);
+  mok_close(c);
+  cudaFree(mine);
+  out_free(&og), out_free(&oc), case_free(&cs);
+}
+END_TEST
+
+/* A client whose CUDA_VISIBLE_DEVICES renumbers the GPUs (as Slurm and
+ * Kubernetes do) is placed by UUID; a UUID the daemon does not run is
+ * refused, naming the ones it does. The last GPU is the remapped one, so
+ * with several GPUs the client's device 0 is not the daemon's. */
+START_TEST(remapped_visible_devices)
+{
+  char err[MOK_ERRLEN], uuid[MOKW_UUID_STRLEN], theirs[16];
+  const char *madeup = "GPU-12345678-9abc-def0-1234-56789abcdef0";
+  int n = mokk_cuda_devices(err), target = n - 1, st;
+  uint8_t u[MOKW_UUID_BYTES];
+  daemon_run dr;
+  mok_client *c = daemon_start(&dr, NULL, NULL), *bad = NULL;
+  pid_t pid;
+
+  ck_assert_msg(mokk_cuda_uuid(target, u, err) == 0, "%s", err);
+  mokw_uuid_format(u, uuid);
+  ck_assert_int_eq(mok_server_info(c)->ndevices, n);
+  mok_close(c);
+  snprintf(theirs, sizeof theirs, "%d", target);
+  if ((pid = fork()) == 0) {
+    setenv("CUDA_VISIBLE_DEVICES", uuid, 1);
+    setenv("MOKD_GPU_ID_SOCK", dr.sock, 1);
+    setenv("MOKD_GPU_ID_DEVICE", theirs, 1);
+    execl("/proc/self/exe", "check_gpu", "--remapped-client", (char *)NULL);
+    _exit(127);
+  }
+  ck_assert_int_gt(pid, 0);
+  ck_assert_int_eq(waitpid(pid, &st, 0), pid);
+  ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 0, "the client with "
+                "CUDA_VISIBLE_DEVICES=%s failed (status %d); its output is above", uuid, st);
+
+  ck_assert_int_eq(mok_connect_uuid(dr.sock, "made-up", madeup, &bad), MOK_EDEVICE);
+  ck_assert_msg(strstr(mok_last_error(bad), "GPU GPU-12345678-9abc-def0-1234-56789abcdef0 is "
+                       "not one this daemon runs (it runs GPU-") != NULL, "%s",
+                mok_last_error(bad));
+  printf("remapped_visible_devices: a made-up UUID: %s\n", mok_last_error(bad));
+  mok_close(bad);
+  ck_assert_msg(mok_connect_uuid(dr.sock, "by-uuid", uuid, &c) == 0, "%s", mok_last_error(c));
+  ck_assert_int_eq(mok_server_info(c)->daemon_device, target);
+  ck_assert_int_eq(mok_server_info(c)->device, target); /* this process sees them all */
+  ck_assert_str_eq(mok_server_info(c)->device_uuid, uuid);
+  mok_close(c);
+  daemon_stop(&dr);
+}
+END_TEST
+
+/* Memory of another GPU is refused with the two GPUs named: by libmok for a
+ * cudaMalloc block, by the backend for a cuMem fd (a client that skips
+ * libmok's check meets the daemon's). Needs two GPUs; with one it says so. */
+START_TEST(import_on_another_gpu)
+{
+  char err[MOK_ERRLEN];
+  if (mokk_cuda_devices(err) < 2) {
+    printf("import_on_another_gpu: fewer than two GPUs visible; skipped\n");
+    return;
+  }
+  daemon_run dr;
+  mok_client *c0 = daemon_start(&dr, "--devices", "0,1"), *c1 = NULL;
+  mokk_backend *b1 = NULL;
+  mokk_buffer *buf = NULL;
+  mokk_gpu_mem m0;
+  uint64_t arena, off;
+  void *mine;
+  int fd = -1;
+
+  mok_close(c0);
+  ck_assert_msg(mok_connect_device(dr.sock, "gpu1", 1, &c1) == 0, "%s", mok_last_error(c1));
+  ck_assert_int_eq(cudaSetDevice(0), cudaSuccess);
+  ck_assert_int_eq(cudaMalloc(&mine, 1 << 20), cudaSuccess);
+  ck_assert_int_eq(mok_arena_import_cuda(c1, mine, 1 << 20, &arena, &off), MOK_EDEVICE);
+  ck_assert_msg(strstr(mok_last_error(c1), "the memory is on CUDA device 0 of this process "
+                       "(GPU-") != NULL, "%s", mok_last_error(c1));
+  mok_close(c1);
+  daemon_stop(&dr);
+  cudaFree(mine);
+
+  ck_assert_msg(mokk_cuda_create(1, &b1, err) == 0, "%s", err);
+  ck_assert_msg(mokk_gpu_mem_create(0, 2 << 20, &m0, &fd, err) == 0, "%s", err);
+  mokk_import src = {MOKK_IMPORT_CUMEM_FD, fd, NULL, m0.bytes};
+  ck_assert_int_eq(mokk_buffer_import(b1, &src, &buf, err), MOK_EDEVICE);
+  ck_assert_msg(strstr(err, "(device 0 here), not on the session's GPU GPU-") != NULL, "%s", err);
+  printf("import_on_another_gpu: %s\n", err);
+  close(fd);
+  mokk_gpu_mem_free(&m0);
+  mokk_backend_destroy(b1);
+}
+END_TEST
+
 static Suite *gpu_suite(void)
 {
   Suite *su = suite_create("cuda");
@@ -897,6 +1075,7 @@ static Suite *gpu_suite(void)
   tc = tcase_create("determinism");
   tcase_set_timeout(tc, 600);
   tcase_add_test(tc, repeat_20_bitwise);
+  tcase_add_test(tc, backward_reads_moved_weights);
   tcase_add_test(tc, block_count_invariance);
   tcase_add_test(tc, batch_invariance);
   suite_add_tcase(su, tc);
@@ -910,28 +1089,48 @@ static Suite *gpu_suite(void)
   tcase_add_test(tc, gpu_quota);
   tcase_add_test(tc, two_gpus);
   suite_add_tcase(su, tc);
+  tc = tcase_create("identity");
+  tcase_set_timeout(tc, 120);
+  tcase_add_test(tc, remapped_visible_devices);
+  tcase_add_test(tc, import_on_another_gpu);
+  suite_add_tcase(su, tc);
   return su;
 }
 
-int main(void)
+/* What a process started by remapped_visible_devices runs. */
+static Suite *remapped_suite(void)
+{
+  Suite *su = suite_create("remapped");
+  TCase *tc = tcase_create("remapped_client");
+  tcase_set_timeout(tc, 120);
+  tcase_add_test(tc, remapped_client);
+  suite_add_tcase(su, tc);
+  return su;
+}
+
+int main(int argc, char **argv)
 {
   char err[MOK_ERRLEN] = "";
   int n = mokk_gpu_count(err), failed;
+  int remapped = argc == 2 && strcmp(argv[1], "--remapped-client") == 0;
   SRunner *sr;
 
   if (n <= 0) {
     printf("gpu-check: no usable CUDA device (%s); GPU tests skipped\n",
            n < 0 ? err : "none visible");
-    return EXIT_SUCCESS;
+    return remapped ? EXIT_FAILURE : EXIT_SUCCESS;
   }
   if (mokk_cuda_create(0, &gpu, err) || mokk_cpu_create(0, &cpu, err)) {
     fprintf(stderr, "gpu-check: %s\n", err);
     return EXIT_FAILURE;
   }
-  sr = srunner_create(gpu_suite());
+  /* the parent's CK_RUN_CASE names a case of its suite, not of this one */
+  if (remapped)
+    unsetenv("CK_RUN_CASE"), unsetenv("CK_RUN_SUITE");
+  sr = srunner_create(remapped ? remapped_suite() : gpu_suite());
   srunner_set_fork_status(sr, CK_NOFORK);
   srunner_run_all(sr, CK_NORMAL);
-  failed = srunner_ntests_failed(sr);
+  failed = srunner_ntests_failed(sr) + (remapped && srunner_ntests_run(sr) != 1);
   srunner_free(sr);
   mokk_backend_destroy(gpu);
   mokk_backend_destroy(cpu);

@@ -37,7 +37,7 @@ step() { # name timeout command...
 nvidia-smi -L
 step core 120 env CK_RUN_CASE=gemm_core "$B/tests/check_gpu"
 # one test case at a time, so a hang costs one timeout and names its case
-for c in vs_cpu determinism errors daemon; do
+for c in vs_cpu determinism errors daemon identity; do
   step "gpu_check_$c" 90 env CK_RUN_CASE=$c "$B/tests/check_gpu"
 done
 # libmok.so needs libprotobuf-c.so.1, which the GPU machine lacks: put a copy

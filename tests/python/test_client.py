@@ -168,6 +168,25 @@ class ClientTest(unittest.TestCase):
             mokd.Layer(self.c, 32, 16, 6, 7)
         self.assertEqual(cm.exception.name, "MOK_ESHAPE")
 
+    def test_gpu_named_by_uuid(self):
+        """GPUs are named by UUID, as nvidia-smi -L prints them; the cpu
+        backend has none, and a text that is no UUID is refused before
+        anything is sent."""
+        with self.assertRaises(mokd.MokError) as cm:
+            mokd.Client(self.sock, gpu_uuid="GPU-00000000-1111-2222-3333-444444444444")
+        self.assertEqual(cm.exception.code, mokd.EDEVICE)
+        self.assertIn("this daemon runs the cpu backend; it has no GPU "
+                      "GPU-00000000-1111-2222-3333-444444444444", str(cm.exception))
+        with self.assertRaises(mokd.MokError) as cm:
+            mokd.Client(self.sock, gpu_uuid="1")
+        self.assertEqual(cm.exception.name, "MOK_EINVAL")
+        self.assertIn('"1" is not a GPU UUID', str(cm.exception))
+        with self.assertRaises(ValueError):
+            mokd.Client(self.sock, device=0, gpu_uuid="GPU-00000000-1111-2222-3333-444444444444")
+        info = self.c.info()
+        self.assertEqual((info["device"], info["daemon_device"], info["device_uuid"]),
+                         (-1, -1, ""))
+
     def test_stats_return_to_zero_after_close(self):
         other = mokd.Client(self.sock, name="short-lived")
         layer = mokd.Layer(other, 32, 16, 4, 2)

@@ -237,6 +237,273 @@ class TorchLayerTest(unittest.TestCase):
         out = m(x, ids.long(), tw)  # int64 ids that fit are taken
         self.assertTrue(torch.equal(out, m(x, ids, tw)))
 
+    def grads_of(self, m, x, tw):
+        return [x.grad, tw.grad] + [w.grad for w in m.weights()]
+
+    def test_weights_replaced_before_backward_keep_the_forwards(self):
+        """A module that lets go of its weights between forward and backward
+        (p.data replaced, the old storage dropped and its memory handed out
+        again) still gets the gradients of the weights its forward ran with."""
+        T, H, E, K = 200, 256, 16, 4
+        m = self.layer(Is=64)
+        x, ids, tw, d_out = self.inputs(T, H, E, K, 41)
+        old = [w.detach().clone() for w in m.weights()]
+        out = m(x, ids, tw)
+        for w in m.weights():
+            w.data = torch.randn_like(w)
+        gc.collect()
+        junk = [torch.full_like(w, 3.0) for w in old]  # would land where freed weights were
+        out.backward(d_out)
+        ref, xs, tws, ws = reference_mixed(x, ids, tw, old)
+        ref.backward(d_out)
+        for name, r, o in zip(["d_x", "d_topk_weights"] + ["d_" + n for n in m._names],
+                              [xs.grad, tws.grad] + [w.grad for w in ws],
+                              self.grads_of(m, x, tw)):
+            self.assertLessEqual(ratio(r, o) / TOL_BWD, 1.0, name)
+        del junk
+
+    def grads_bits(self, m, x, tw):
+        return [g.detach().clone() for g in self.grads_of(m, x, tw)]
+
+    def assert_same_bits(self, want, got, names):
+        def bits(t):
+            return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+        for name, a, b in zip(names, want, got):
+            self.assertTrue(torch.equal(bits(a), bits(b)), "%s differs" % name)
+
+    def test_weights_regathered_before_backward_give_the_same_gradients(self):
+        """FSDP2 frees its gathered weights after the forward (the storage
+        resized to 0) and gathers them again before the backward, wherever the
+        allocator puts them now, keeping their version counter; a module may
+        also swap in a copy (p.data = ...). Either way the gradients are the
+        bits of a run whose weights never moved."""
+        T, H, E, K = 200, 256, 16, 4
+        for how in ("resize", "data"):
+            m = self.layer(Is=64)
+            names = ["d_x", "d_topk_weights"] + ["d_" + n for n in m._names]
+            x, ids, tw, d_out = self.inputs(T, H, E, K, 53)
+            m(x, ids, tw).backward(d_out)
+            want = self.grads_bits(m, x, tw)
+            m.zero_grad(set_to_none=True)
+            x.grad = tw.grad = None
+            out = m(x, ids, tw)
+            keep = [w.detach().clone() for w in m.weights()]
+            old_ptrs = [w.data_ptr() for w in m.weights()]
+            junk = None
+            if how == "resize":
+                nbytes = [w.untyped_storage().nbytes() for w in m.weights()]
+                for w in m.weights():
+                    w.untyped_storage().resize_(0)
+                # what the freed memory is handed to now: the daemon must not read it
+                junk = [torch.full_like(k, 3.0) for k in keep]
+                for w, n, k in zip(m.weights(), nbytes, keep):
+                    w.untyped_storage().resize_(n)
+                    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(w):
+                        w.copy_(k)
+            else:
+                for w in m.weights():
+                    w.data = w.data.clone()
+            moved = sum(w.data_ptr() != p for w, p in zip(m.weights(), old_ptrs))
+            out.backward(d_out)
+            self.assert_same_bits(want, self.grads_of(m, x, tw), names)
+            print("%s: %d of %d weights moved; gradients bitwise equal"
+                  % (how, moved, len(old_ptrs)))
+            del junk
+
+    def test_weight_freed_at_backward_is_refused(self):
+        """A weight freed after the forward and not gathered again: the backward
+        names it instead of reading freed memory."""
+        T, H, E, K = 64, 256, 16, 4
+        m = self.layer()
+        x, ids, tw, d_out = self.inputs(T, H, E, K, 43)
+        out = m(x, ids, tw)
+        m.w_up.untyped_storage().resize_(0)
+        with self.assertRaisesRegex(RuntimeError, r"^mokd\.MoELayer: w_up was freed after the "
+                                    r"forward \(its storage has 0 bytes\)"):
+            out.backward(d_out)
+
+    def test_weights_modified_in_place_before_backward_are_refused(self):
+        """As PyTorch refuses a backward over a saved tensor modified in place,
+        with the same message."""
+        T, H, E, K = 64, 256, 16, 4
+        m = self.layer()
+        x, ids, tw, d_out = self.inputs(T, H, E, K, 47)
+        out = m(x, ids, tw)
+        with torch.no_grad():
+            m.w_down.mul_(2.0)
+        with self.assertRaises(RuntimeError) as ours:
+            out.backward(d_out)
+        self.assertRegex(str(ours.exception),
+                         r"^one of the variables needed for gradient computation has been "
+                         r"modified by an inplace operation: \[torch\.cuda\.BFloat16Tensor "
+                         r"\[16, 256, 128\]\] \(mokd\.MoELayer's w_down\) is at version \d+; "
+                         r"expected version \d+ instead")
+        w = torch.randn(256, 256, device="cuda", requires_grad=True)
+        y = (w * w).sum()  # saves w for its backward
+        with torch.no_grad():
+            w.mul_(2.0)
+        with self.assertRaises(RuntimeError) as theirs:
+            y.backward()
+        prefix = ("one of the variables needed for gradient computation has been modified by "
+                  "an inplace operation: [")
+        self.assertTrue(str(theirs.exception).startswith(prefix), str(theirs.exception))
+        # a step that starts after the change is fine
+        out = m(x, ids, tw)
+        out.backward(d_out)
+        ref, xs, tws, ws = reference_mixed(x, ids, tw, m.weights())
+        ref.backward(d_out)
+        self.assertLessEqual(ratio(xs.grad, x.grad) / TOL_BWD, 1.0)
+
+    def test_fsdp2_reshard_after_forward(self):
+        """The layer inside FSDP2 (fully_shard, one rank, not the root, so its
+        gathered weights are freed after the forward and gathered again for
+        the backward), two steps: the gradients are the bits of the layer
+        without FSDP."""
+        child = r"""
+import sys, torch, torch.distributed as dist, mokd
+import mokd.nn as mnn
+try:
+    from torch.distributed.fsdp import fully_shard
+except ImportError:
+    from torch.distributed._composable.fsdp import fully_shard
+torch.cuda.set_device(0)
+dist.init_process_group("nccl", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+s = mnn.Session(sys.argv[1])
+ref = mokd.MoELayer(256, 128, 16, 4, shared_intermediate=64, session=s)
+m = mokd.MoELayer(256, 128, 16, 4, shared_intermediate=64, session=s)
+m.load_state_dict(ref.state_dict())
+
+
+class Net(torch.nn.Module):
+    def __init__(self, moe):
+        super().__init__()
+        self.moe = moe
+
+    def forward(self, x, ids, tw):
+        return self.moe(x, ids, tw)
+
+
+net = Net(m)
+fully_shard(m, reshard_after_forward=True)
+fully_shard(net)
+moved = []
+now = mnn._SavedWeights.now
+
+
+def spy(self):
+    w = now(self)
+    moved.append(w is not None)
+    return w
+
+
+mnn._SavedWeights.now = spy
+g = torch.Generator(device="cuda")
+g.manual_seed(5)
+x = torch.randn(96, 256, device="cuda", generator=g).to(torch.bfloat16)
+ids = torch.rand(96, 16, device="cuda", generator=g).topk(4, dim=1).indices.to(torch.int32)
+tw = torch.softmax(torch.randn(96, 4, device="cuda", generator=g), -1)
+d_out = torch.randn(96, 256, device="cuda", generator=g).to(torch.bfloat16)
+xr, twr = x.clone().requires_grad_(), tw.clone().requires_grad_()
+xf, twf = x.clone().requires_grad_(), tw.clone().requires_grad_()
+for step in range(2):
+    ref(xr, ids, twr).backward(d_out)
+    net(xf, ids, twf).backward(d_out)
+torch.cuda.synchronize()
+
+
+def bits(t):
+    t = t.full_tensor() if hasattr(t, "full_tensor") else t
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+pairs = [("d_x", xr.grad, xf.grad), ("d_topk_weights", twr.grad, twf.grad)]
+pairs += [("d_" + n, getattr(ref, n).grad, getattr(m, n).grad) for n in ref._names]
+for name, a, b in pairs:
+    assert b is not None, name
+    assert torch.equal(bits(a), bits(b)), name
+print("fsdp2: backwards that named moved weights: %s; gradients bitwise equal" % moved)
+dist.destroy_process_group()
+"""
+        import torch.distributed as dist
+        if not dist.is_available() or not dist.is_nccl_available():
+            self.skipTest("torch.distributed with NCCL is needed")
+        store = os.path.join(self.dir, "fsdp2-store")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+        r = subprocess.run([sys.executable, "-c", child, self.sock, store], env=env,
+                           capture_output=True, text=True, timeout=300)
+        print(r.stdout, r.stderr)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("gradients bitwise equal", r.stdout)
+
+    def test_session_follows_gpu_uuid_not_ordinal(self):
+        """A process whose CUDA_VISIBLE_DEVICES is the GPU's UUID (as Slurm and
+        Kubernetes renumber GPUs) asks for its device 0; libmok names it by
+        UUID and the daemon runs the session there."""
+        info = self.session.client.info()
+        uuid, theirs = info["device_uuid"], info["daemon_device"]
+        self.assertTrue(uuid.startswith("GPU-") or uuid.startswith("MIG-"), uuid)
+        child = r"""
+import sys, torch, mokd
+from mokd.nn import Session
+s = Session(sys.argv[1])
+info = s.client.info()
+assert info["device"] == 0 and info["device_uuid"] == sys.argv[2], info
+assert info["daemon_device"] == int(sys.argv[3]), info
+m = mokd.MoELayer(256, 128, 16, 4, session=s)
+x = torch.randn(64, 256, device="cuda").to(torch.bfloat16).requires_grad_()
+ids = torch.rand(64, 16, device="cuda").topk(4, dim=1).indices.to(torch.int32)
+tw = torch.softmax(torch.randn(64, 4, device="cuda"), -1)
+m(x, ids, tw).float().sum().backward()
+assert torch.isfinite(x.grad.float()).all()
+try:
+    mokd.Client(sys.argv[1], gpu_uuid="GPU-12345678-9abc-def0-1234-56789abcdef0")
+    raise AssertionError("a made-up UUID was taken")
+except mokd.MokError as e:
+    assert e.code == mokd.EDEVICE, e
+    print(e)
+print("remapped: device 0 here is the daemon's device", info["daemon_device"])
+"""
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=uuid)
+        r = subprocess.run([sys.executable, "-c", child, self.sock, uuid, str(theirs)], env=env,
+                           capture_output=True, text=True, timeout=120)
+        print(r.stdout, r.stderr)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("is not one this daemon runs (it runs %s" % uuid, r.stdout)
+
+    def test_expandable_segments_work_or_are_named(self):
+        """PyTorch's expandable_segments allocator maps a large tensor as several
+        cuMem allocations. A tensor inside one of them is imported like any
+        other; one that spans several is refused naming the setting, never
+        computed on from a partial mapping."""
+        child = r"""
+import sys, torch, mokd
+from mokd.nn import Session
+sys.path.insert(0, sys.argv[2])
+from test_torch import reference_mixed, ratio, TOL_FWD
+s = Session(sys.argv[1])
+for H, I in ((256, 128), (1024, 2048)):   # weights of 1 MiB, then of 64 MiB each
+    m = mokd.MoELayer(H, I, 16, 4, session=s)
+    x = torch.randn(128, H, device="cuda").to(torch.bfloat16)
+    ids = torch.rand(128, 16, device="cuda").topk(4, dim=1).indices.to(torch.int32)
+    tw = torch.softmax(torch.randn(128, 4, device="cuda"), -1)
+    try:
+        out = m(x, ids, tw)
+    except mokd.MokError as e:
+        # ENOTSUP: it spans allocations; EINVAL: PyTorch made them unexportable
+        assert e.code in (mokd.ENOTSUP, -22) and "expandable_segments" in str(e), e
+        print("H=%d I=%d refused: %s" % (H, I, e))
+        continue
+    q = ratio(reference_mixed(x, ids, tw, m.weights())[0], out) / TOL_FWD
+    assert q <= 1.0, q
+    print("H=%d I=%d ran: error/tolerance %.3f" % (H, I, q))
+"""
+        env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+        r = subprocess.run([sys.executable, "-c", child, self.sock, HERE], env=env,
+                           capture_output=True, text=True, timeout=300)
+        print(r.stdout, r.stderr)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(r.stdout.count(" ran: ") + r.stdout.count(" refused: "), 2, r.stdout)
+
     def test_training_matches_torch(self):
         import train_moe
         ours, ref = train_moe.train(steps=100, log=print, session=self.session)

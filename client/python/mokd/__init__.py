@@ -88,7 +88,8 @@ class _Welcome(ctypes.Structure):
                 ("max_frame_bytes", ctypes.c_uint32), ("max_arena_bytes", ctypes.c_uint64),
                 ("session_quota_bytes", ctypes.c_uint64),
                 ("session_gpu_quota_bytes", ctypes.c_uint64), ("ndevices", ctypes.c_int),
-                ("device", ctypes.c_int)]
+                ("device", ctypes.c_int), ("daemon_device", ctypes.c_int),
+                ("device_uuid", ctypes.c_char * 41)]
 
 
 class _Usage(ctypes.Structure):
@@ -124,6 +125,8 @@ _P = ctypes.POINTER
 _lib.mok_connect.argtypes = [ctypes.c_char_p, ctypes.c_char_p, _P(ctypes.c_void_p)]
 _lib.mok_connect_device.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int,
                                     _P(ctypes.c_void_p)]
+_lib.mok_connect_uuid.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p,
+                                  _P(ctypes.c_void_p)]
 _lib.mok_close.argtypes = [ctypes.c_void_p]
 _lib.mok_last_error.argtypes = [ctypes.c_void_p]
 _lib.mok_last_error.restype = ctypes.c_char_p
@@ -146,6 +149,8 @@ _lib.mok_forward.argtypes = [ctypes.c_void_p, ctypes.c_uint64, _P(_Tensor), _P(_
                              _P(_Tensor), ctypes.c_int, _P(_FwdResult)]
 _lib.mok_backward.argtypes = [ctypes.c_void_p, ctypes.c_uint64, _P(_Tensor), _P(_Tensor),
                               ctypes.c_int, _P(_BwdResult)]
+_lib.mok_backward_weights.argtypes = [ctypes.c_void_p, ctypes.c_uint64, _P(_Tensor),
+                                      _P(_Tensor), ctypes.c_int, _P(_Tensor), _P(_BwdResult)]
 _lib.mok_release.argtypes = [ctypes.c_void_p, _P(ctypes.c_uint64), ctypes.c_int]
 _lib.mok_arena_import_cuda.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
                                        _P(ctypes.c_uint64), _P(ctypes.c_uint64)]
@@ -153,7 +158,7 @@ _lib.mok_set_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
 _lib.mok_step_status.argtypes = [ctypes.c_void_p, _P(_Tensor)]
 
 
-EPROTO, ENOTSUP, EEXPERT = -errno.EPROTO, -errno.ENOTSUP, -4003
+EPROTO, ENOTSUP, EEXPERT, EDEVICE = -errno.EPROTO, -errno.ENOTSUP, -4003, -4007
 
 
 class MokError(RuntimeError):
@@ -268,12 +273,22 @@ class Arena:
 
 class Client:
     """One connection to mokd. Not thread-safe: use one per thread. device: the
-    daemon GPU (CUDA ordinal) to run on; None lets a cuda daemon pick."""
+    GPU to run on, as this process's CUDA numbers it (torch's device index),
+    or gpu_uuid: its UUID ("GPU-..." as nvidia-smi -L prints it); libmok names
+    it to the daemon by UUID, so CUDA_VISIBLE_DEVICES may differ between the
+    two. Neither lets a cuda daemon pick. info()["device_uuid"] says which."""
 
-    def __init__(self, socket=None, name="python", device=None):
+    def __init__(self, socket=None, name="python", device=None, gpu_uuid=None):
+        self._h = None
         h = ctypes.c_void_p()
-        rc = _lib.mok_connect_device(socket.encode() if socket else None, name.encode(),
-                                     -1 if device is None else int(device), ctypes.byref(h))
+        sock = socket.encode() if socket else None
+        if gpu_uuid is not None and device is not None:
+            raise ValueError("give device or gpu_uuid, not both")
+        if gpu_uuid is not None:
+            rc = _lib.mok_connect_uuid(sock, name.encode(), gpu_uuid.encode(), ctypes.byref(h))
+        else:
+            rc = _lib.mok_connect_device(sock, name.encode(),
+                                         -1 if device is None else int(device), ctypes.byref(h))
         self._h = h
         self._arenas = {}
         self._owners = weakref.WeakValueDictionary()  # id -> _Owner, while viewed

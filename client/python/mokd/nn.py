@@ -15,6 +15,16 @@ How the tensors travel:
 - Outputs (out, d_x, d_topk_weights and the weight gradients) are zero-copy
   views of daemon arenas, exposed through __cuda_array_interface__; the
   daemon result behind them is released when the last view is gone.
+- A forward's saved state in the daemon reads the weights in place at the
+  backward. The autograd context keeps the forward's weight storage alive, so
+  a module that drops or replaces its parameters in between (`p.data = ...`)
+  still gets the gradients of the forward it ran. Storage freed after the
+  forward and allocated again before the backward, as FSDP2's reshard after
+  forward and its gather before the backward do, is followed: the backward
+  names the weights where they are now. A weight still freed (0 bytes) at
+  the backward raises a RuntimeError naming it, and one written in place in
+  between raises the RuntimeError PyTorch gives for a tensor saved for
+  backward and modified in place (its version counter tells, as PyTorch's).
 - Ordering is on the current CUDA stream: the daemon waits for an event
   recorded there before it starts, and the stream waits for the daemon's done
   event before anything queued after the call. Nothing waits on the host.
@@ -166,19 +176,66 @@ def _check_inputs(hidden, top_k, x, topk_ids, topk_weights):
                                                                         tuple(t.shape)))
 
 
+class _SavedWeights:
+    """The weights a forward's saved state in the daemon reads at the backward.
+    Aliases share each weight's storage and version counter: they keep the
+    storage alive when the module lets go of the tensor, and follow it when
+    it is freed and allocated again (FSDP2 frees its gathered parameters with
+    `untyped_storage().resize_(0)` after the forward and gathers them into the
+    same storage, wherever it lands now, before the backward)."""
+
+    def __init__(self, names, weights):
+        self.names = names
+        self.alias = [w.detach() for w in weights]
+        self.ptrs = [w.data_ptr() for w in self.alias]
+        self.versions = [w._version for w in self.alias]
+
+    def now(self):
+        """The weights where they are now, when any moved since the forward
+        (None: where the forward read them). Raises for a weight freed, or
+        written in place, since the forward."""
+        for name, w, version in zip(self.names, self.alias, self.versions):
+            have = w.untyped_storage().nbytes()
+            need = (w.storage_offset() + w.numel()) * w.element_size()
+            if have == 0:
+                raise RuntimeError(
+                    "mokd.MoELayer: %s was freed after the forward (its storage has 0 bytes) "
+                    "and the backward reads it: gather it again before the backward (FSDP2 "
+                    "does so in its pre-backward hook), or keep it "
+                    "(reshard_after_forward=False)" % name)
+            if have < need:
+                raise RuntimeError(
+                    "mokd.MoELayer: the storage of %s holds %d bytes now, and the weight "
+                    "%s needs %d: it was resized since the forward"
+                    % (name, have, tuple(w.shape), need))
+            if w._version != version:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified "
+                    "by an inplace operation: [%s [%s]] (mokd.MoELayer's %s) is at version "
+                    "%d; expected version %d instead. Hint: the backward reads the weights "
+                    "of the forward; change them after the backward (as an optimizer step "
+                    "does)." % (w.type(), ", ".join(str(d) for d in w.shape), name,
+                                w._version, version))
+        if all(w.data_ptr() == p for w, p in zip(self.alias, self.ptrs)):
+            return None
+        return self.alias
+
+
 class _MoEFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, layer, x, topk_ids, topk_weights, *weights):
-        out, owner, keep = layer._run_forward(x, topk_ids, topk_weights, weights,
-                                              any(ctx.needs_input_grad))
+        want_ctx = any(ctx.needs_input_grad)
+        out, owner, keep = layer._run_forward(x, topk_ids, topk_weights, weights, want_ctx)
         ctx.layer, ctx.owner, ctx.keep = layer, owner, keep
+        ctx.weights = _SavedWeights(layer._names, weights) if want_ctx else None
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_out):
-        d_x, d_tw, grads = ctx.layer._run_backward(ctx.owner, d_out)
-        ctx.owner = ctx.keep = None
+        weights = ctx.weights.now()
+        d_x, d_tw, grads = ctx.layer._run_backward(ctx.owner, d_out, weights)
+        ctx.owner = ctx.keep = ctx.weights = None
         return (None, d_x, None, d_tw) + tuple(grads)
 
 
@@ -289,15 +346,22 @@ class MoELayer(torch.nn.Module):
         # them alive until the backward
         return out, owner, (x, ids, tw) if want_ctx else None
 
-    def _run_backward(self, owner, d_out):
+    def _run_backward(self, owner, d_out, weights=None):
+        """weights: where the weights are now, when they moved since the
+        forward; None: where the forward read them."""
         s = self.session
         d_out = d_out.to(torch.bfloat16).contiguous()
         with s.lock:
             s._begin()
             res = _BwdResult()
             td = s.tensor(d_out)
-            s._check(_lib.mok_backward(s._h(), owner.id, ctypes.byref(td), None, 0,
-                                       ctypes.byref(res)))
+            tw = None
+            if weights is not None:
+                tw = (_Tensor * _NW)()
+                for i, w in enumerate(weights):
+                    tw[i] = s.tensor(w)
+            s._check(_lib.mok_backward_weights(s._h(), owner.id, ctypes.byref(td), None, 0, tw,
+                                               ctypes.byref(res)))
             result = _Owner(s, res.result, res.status)
             d_x = s.view(res.d_x, result)
             d_tw = s.view(res.d_topk_weights, result)
