@@ -152,7 +152,7 @@ __device__ __forceinline__ void load_stage(const params &p, const tile &x, int k
   const gemm_args &a = p.g;
   int k = kb * BK;
 
-  if (LAYOUT == L_TN) { /* A [rows, M] and B [rows, N], both MN-major */
+  if constexpr (LAYOUT == L_TN) { /* A [rows, M] and B [rows, N], both MN-major */
     int r = (int)x.rb + k;
 #pragma unroll
     for (int c = 0; c < BM / 64; c++)
@@ -160,27 +160,27 @@ __device__ __forceinline__ void load_stage(const params &p, const tile &x, int k
 #pragma unroll
     for (int c = 0; c < BN / 64; c++)
       tma_load(sb + c * CHUNK, &p.b, x.nt * BN + c * 64, r, 0, bar);
-    return;
-  }
-  /* A [rows, K], K-major, in 64-row boxes: none past the group's rows */
-  for (int c = 0; c < a_boxes<LAYOUT, BM>(x); c++)
-    tma_load(sa + c * CHUNK, &p.a, k, (int)x.rb + x.mt * BM + c * 64, 0, bar);
-  if (LAYOUT == L_NT) { /* B [groups, N, K], K-major */
-    if (EPI == E_GATEUP) {
-      tma_load(sb, &p.b, k, x.nt * (BN / 2), x.g, bar);
-      tma_load(sb + BN / 2 * 128, &p.b2, k, x.nt * (BN / 2), x.g, bar);
-    } else {
-      tma_load(sb, &p.b, k, x.nt * BN, x.g, bar);
-    }
-  } else {              /* B [groups, K, N], MN-major, rows >= split from b2 */
-    const CUtensorMap *m = &p.b;
-    if (a.B2 != NULL && k >= a.split) {
-      m = &p.b2;
-      k -= (int)a.split;
-    }
+  } else {
+    /* A [rows, K], K-major, in 64-row boxes: none past the group's rows */
+    for (int c = 0; c < a_boxes<LAYOUT, BM>(x); c++)
+      tma_load(sa + c * CHUNK, &p.a, k, (int)x.rb + x.mt * BM + c * 64, 0, bar);
+    if (LAYOUT == L_NT) { /* B [groups, N, K], K-major */
+      if (EPI == E_GATEUP) {
+        tma_load(sb, &p.b, k, x.nt * (BN / 2), x.g, bar);
+        tma_load(sb + BN / 2 * 128, &p.b2, k, x.nt * (BN / 2), x.g, bar);
+      } else {
+        tma_load(sb, &p.b, k, x.nt * BN, x.g, bar);
+      }
+    } else {              /* B [groups, K, N], MN-major, rows >= split from b2 */
+      const CUtensorMap *m = &p.b;
+      if (a.B2 != NULL && k >= a.split) {
+        m = &p.b2;
+        k -= (int)a.split;
+      }
 #pragma unroll
-    for (int c = 0; c < BN / 64; c++)
-      tma_load(sb + c * CHUNK, m, x.nt * BN + c * 64, k, x.g, bar);
+      for (int c = 0; c < BN / 64; c++)
+        tma_load(sb + c * CHUNK, m, x.nt * BN + c * 64, k, x.g, bar);
+    }
   }
 }
 
@@ -410,18 +410,29 @@ __device__ __forceinline__ void cooperative(const gemm_args &a, int64_t tiles, u
       bar_wait(&full[s], ph);
       if (LAYOUT == L_TN && kb == nk - 1 && x.rows % BK != 0)
         zero_rows<BN, BM>(sa + s * A_BYTES, sb + s * B_BYTES, x.rows % BK, ct, 256, 1);
-      if (act0) {
+      /* each branch a straight run of fence, MMAs, commit and wait: an MMA
+       * under a condition of its own makes ptxas serialise all of them */
+      bool both = false;
+      if constexpr (TALL)
+        both = act1;
+      if (both) {
         acc_fence(acc0);
         acc_fence(acc1);
         wgmma_fence();
         mma_stage<TA, TB, BN>(acc0, sa0 + s * A_BYTES, sb0 + s * B_BYTES, b0);
         if constexpr (TALL)
-          if (act1)
-            mma_stage<TA, TB, BN>(acc1, sa0 + s * A_BYTES, sb0 + s * B_BYTES, b0 + 1);
+          mma_stage<TA, TB, BN>(acc1, sa0 + s * A_BYTES, sb0 + s * B_BYTES, b0 + 1);
         wgmma_commit();
         wgmma_wait<1>();
         acc_fence(acc0);
         acc_fence(acc1);
+      } else if (act0) {
+        acc_fence(acc0);
+        wgmma_fence();
+        mma_stage<TA, TB, BN>(acc0, sa0 + s * A_BYTES, sb0 + s * B_BYTES, b0);
+        wgmma_commit();
+        wgmma_wait<1>();
+        acc_fence(acc0);
       }
       if (prev >= 0 && lane == 0)
         bar_arrive(&empty[prev]);
