@@ -109,6 +109,9 @@ void mokd_reply_error(mokd_session *s, uint64_t id, int code, const char *msg)
   r.message = (char *)msg;
   s->usage.errors++;
   s->srv->usage.errors++;
+  s->srv->metrics.errors[s->op]++;
+  if (code == MOK_EDQUOT)
+    s->srv->metrics.quota_rejections++;
   /* a device error is the daemon's news too: say it where an operator looks */
   if (code == MOK_EDEVICE)
     LOG_WARN(SESS, "session %llu request %llu: %s", (unsigned long long)s->id,
@@ -206,7 +209,7 @@ static void session_destroy(mokd_session *s)
 
 void mokd_session_maybe_destroy(mokd_session *s)
 {
-  if (!s->handle_open && s->busy == NULL)
+  if (!s->handle_open && s->busy == NULL && s->probes == 0)
     session_destroy(s);
 }
 

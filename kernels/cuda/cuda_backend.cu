@@ -166,11 +166,23 @@ static void cuda_destroy(mokk_backend *b)
   free(cb);
 }
 
+/* A sticky error (an illegal address, a kernel that trapped) poisons the
+ * context: every later call returns it. cudaStreamQuery says so without
+ * waiting for the stream. */
+static int cuda_check(mokk_backend *b, char *err)
+{
+  cudaError_t e = cudaStreamQuery(((cuda_backend *)b)->stream);
+  if (e == cudaSuccess || e == cudaErrorNotReady)
+    return 0;
+  return mokk_fail(err, MOK_EDEVICE, "CUDA device %d: %s (%s); restart mokd", b->device,
+                   cudaGetErrorString(e), cudaGetErrorName(e));
+}
+
 /* forward and backward are cuda_moe.cu's */
 static const mokk_backend_iface cuda_iface = {
     "cuda", cuda_forward_entry, cuda_backward_entry, cuda_ctx_free, cuda_ctx_bytes,
     cuda_destroy, cuda_buffer_alloc, cuda_buffer_import, cuda_buffer_release, cuda_reap,
-    cuda_events_new, cuda_events_free, cuda_step_begin, cuda_step_end,
+    cuda_events_new, cuda_events_free, cuda_step_begin, cuda_step_end, cuda_check,
 };
 
 extern "C" int mokk_cuda_devices(char *err)
