@@ -86,8 +86,7 @@ int mokd_h_evict(mokd_session *s, const Mokd__Request *q, const int *fds, int nf
     if (o == s || o->closing || !o->hello_done ||
         (e->session != 0 ? o->id != e->session : strcmp(o->job, job) != 0))
       continue;
-    LOG_INFO(SESS, "session %llu job %s: %s", (unsigned long long)o->id,
-             o->job[0] ? o->job : "-", msg);
+    LOG_INFO(SESS, SESS_FMT "%s", SESS_ARGS(o), msg);
     /* told why on request id 0, then closed; its memory goes with it, once
      * a step in flight has come back */
     mokd_session_fail(o, 0, MOK_ESHUTDOWN, msg);

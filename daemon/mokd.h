@@ -176,6 +176,11 @@ struct mokd_server {
   int nallow_gids;
 };
 
+/* Every log line about a session names it and its job: LOG_INFO(SESS,
+ * SESS_FMT "closed", SESS_ARGS(s)). */
+#define SESS_FMT "session %llu job %s: "
+#define SESS_ARGS(s) (unsigned long long)(s)->id, (s)->job[0] != 0 ? (s)->job : "-"
+
 /* A request handler: 0 once it has replied (or queued a step that will),
  * else a MOK_* code with the message in err, which dispatch sends back. */
 typedef int (*mokd_handler)(mokd_session *s, const Mokd__Request *q, const int *fds, int nfds,

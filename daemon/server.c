@@ -386,9 +386,8 @@ static void on_hello_timer(uv_timer_t *t)
     next = s->next;
     if (!s->hello_done && !s->closing && now - s->born_ns >= limit) {
       char msg[128];
-      LOG_INFO(SESS, "session %llu (pid %d uid %u): no Hello within %lld ms; closing",
-               (unsigned long long)s->id, (int)s->pid, (unsigned)s->uid,
-               (long long)srv->cfg.hello_timeout_ms);
+      LOG_INFO(SESS, SESS_FMT "no Hello within %lld ms (pid %d uid %u); closing", SESS_ARGS(s),
+               (long long)srv->cfg.hello_timeout_ms, (int)s->pid, (unsigned)s->uid);
       snprintf(msg, sizeof msg, "no Hello within %lld ms (hello_timeout_ms); closing the "
                "connection", (long long)srv->cfg.hello_timeout_ms);
       mokd_session_fail(s, 0, MOK_EPROTO, msg);

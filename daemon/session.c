@@ -98,9 +98,8 @@ int mokd_h_hello(mokd_session *s, const Mokd__Request *q, const int *fds, int nf
   mokd_log_escape(h->client_name != NULL ? h->client_name : "", 63, s->name);
   snprintf(s->job, sizeof s->job, "%s", h->job_id != NULL ? h->job_id : "");
   s->hello_done = 1;
-  LOG_INFO(SESS, "session %llu job %s: hello from \"%s\" (pid %d uid %u gid %u, protocol %u)",
-           (unsigned long long)s->id, s->job[0] ? s->job : "-", s->name, (int)s->pid,
-           (unsigned)s->uid, (unsigned)s->gid, s->proto);
+  LOG_INFO(SESS, SESS_FMT "hello from \"%s\" (pid %d uid %u gid %u, protocol %u)",
+           SESS_ARGS(s), s->name, (int)s->pid, (unsigned)s->uid, (unsigned)s->gid, s->proto);
   lim.max_frame_bytes = (uint32_t)srv->cfg.max_frame_bytes;
   lim.max_arena_bytes = (uint64_t)srv->cfg.max_arena_bytes;
   lim.session_quota_bytes = (uint64_t)srv->cfg.session_quota_bytes;

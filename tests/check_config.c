@@ -308,7 +308,8 @@ static void log_one_line_to(int fd)
 START_TEST(terminal_lines_carry_a_timestamp)
 {
   char line[256] = "";
-  int y, mo, d, h, mi, sec, ms, n = 0;
+  int y, mo, d, h, mi, sec, ms, off, n = 0;
+  char sign;
   int master = posix_openpt(O_RDWR | O_NOCTTY), tty;
   ck_assert_int_ge(master, 0);
   ck_assert_int_eq(grantpt(master), 0);
@@ -317,8 +318,9 @@ START_TEST(terminal_lines_carry_a_timestamp)
   ck_assert_int_ge(tty, 0);
   log_one_line_to(tty);
   ck_assert_int_gt(read(master, line, sizeof line - 1), 0);
-  ck_assert_msg(sscanf(line, "%4d-%2d-%2d %2d:%2d:%2d.%3d mokd info [init] ready%n", &y, &mo, &d,
-                       &h, &mi, &sec, &ms, &n) == 7 && n > 0,
+  ck_assert_msg(sscanf(line, "%4d-%2d-%2dT%2d:%2d:%2d.%3d%c%4d mokd info [init] ready%n", &y,
+                       &mo, &d, &h, &mi, &sec, &ms, &sign, &off, &n) == 9 && n > 0 &&
+                    (sign == '+' || sign == '-'),
                 "terminal line: %s", line);
   close(tty);
   close(master);

@@ -254,6 +254,7 @@ class MokctlTest(unittest.TestCase):
         finally:
             del os.environ["SLURM_JOB_ID"]
         other = mokd.Client(self.d.sock)
+        sid = a.info()["session_id"]
         layer, x, ids, tw = small_layer(a)
         out, ctx = layer.forward(x, ids, tw)
         table = self.mokctl("sessions")
@@ -261,7 +262,7 @@ class MokctlTest(unittest.TestCase):
         rows = [r.split() for r in table.stdout.splitlines()[1:]]
         jobs = sorted(r[3] for r in rows)
         self.assertEqual(jobs, ["-", "-", "9001", "9001"])  # mokctl's own session, other
-        mine = [r for r in rows if r[0] == str(a.info()["session_id"])][0]
+        mine = [r for r in rows if r[0] == str(sid)][0]
         self.assertEqual((mine[1], mine[3], mine[4]), (str(os.getpid()), "9001", "trainer"))
         self.assertGreater(int(mine[6]), 0)   # arena bytes
         self.assertEqual(mine[9], "1")        # one context
@@ -282,6 +283,12 @@ class MokctlTest(unittest.TestCase):
         other.close()
         for c in (a, b):
             c.close()
+        # every line about those sessions names the session and the job
+        with open(os.path.join(self.d.dir, "mokd.log")) as f:
+            log = f.read()
+        for what in ('hello from "trainer"', "evicted by uid %d (job 9001)" % os.getuid(),
+                     "closed (pid %d" % os.getpid()):
+            self.assertIn("[sess] session %d job 9001: %s" % (sid, what), log)
 
     def test_evict_is_for_root_and_the_daemon_uid(self):
         if os.getuid() != 0:
