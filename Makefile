@@ -128,7 +128,7 @@ endif
 
 PREFIX ?= /usr/local
 
-.PHONY: all deps check check-run check-c check-python asan bench-cpu bench bench-gpu clean \
+.PHONY: all deps check check-run check-c check-python check-deploy asan bench-cpu bench bench-gpu clean \
         demo demo-run install gpu-check bench-gemm stress
 .DEFAULT_GOAL := all
 
@@ -238,7 +238,7 @@ $(STRESS_BIN): $(call obj,tests/stress/stress.c client/testbed.c) $(LIBMOK_A) $(
 check: deps
 	@$(MAKE) --no-print-directory check-run
 
-check-run: check-c check-python gpu-check
+check-run: check-c check-python check-deploy gpu-check
 
 check-c: all
 	CK_FORK=yes $(UNIT_BIN)
@@ -249,6 +249,12 @@ check-c: all
 check-python: $(MOKD_BIN) $(LIBMOK_SO)
 	@test -n "$(PYTHON)" || { echo "check: no python3 with numpy (tried python3, /usr/bin/python3); run make deps" >&2; exit 1; }
 	MOKD_BIN=$(MOKD_BIN) MOK_LIB=$(LIBMOK_SO) PYTHONPATH=client/python $(PYTHON) -m unittest discover -s tests/python -v
+
+# deploy/k8s (a schema check of the manifests) and deploy/slurm (shellcheck, and
+# the prolog, task prolog and epilog against a real mokd)
+check-deploy: $(MOKD_BIN) $(MOKCTL_BIN) $(LIBMOK_SO)
+	@test -n "$(PYTHON)" || { echo "check: no python3 with numpy (tried python3, /usr/bin/python3); run make deps" >&2; exit 1; }
+	bash tests/check_deploy.sh $(BUILD) $(PYTHON)
 
 # a mokd under killed, crowding, unread and input-flipping clients (tests/stress);
 # on the ASan build: make stress BUILD=build/asan SAN=1

@@ -13,7 +13,7 @@ major=$(ver MAJOR)
 version=$major.$(ver MINOR).$(ver PATCH)
 real=$build/libmok.so.$version
 
-[ -f "$real" ] && [ ! -L "$real" ] || fail "$real is not a real file"
+if [ ! -f "$real" ] || [ -L "$real" ]; then fail "$real is not a real file"; fi
 [ "$(readlink "$build/libmok.so.$major")" = "libmok.so.$version" ] ||
   fail "$build/libmok.so.$major does not point at libmok.so.$version"
 [ "$(readlink "$build/libmok.so")" = "libmok.so.$major" ] ||
@@ -25,9 +25,9 @@ soname=$(objdump -p "$real" | awk '$1 == "SONAME" {print $2}')
 exported=$(nm -D --defined-only "$real" | awk '$2 != "A" {sub(/@.*/, "", $3); print $3}' | sort -u)
 declared=$(grep -ohE '\bmok_[a-z0-9_]+ *\(' "${hdr[@]}" | tr -d ' (' | sort -u)
 stray=$(comm -23 <(echo "$exported") <(echo "$declared"))
-[ -z "$stray" ] || fail "libmok.so exports symbols no public header declares:" $stray
+[ -z "$stray" ] || fail "libmok.so exports symbols no public header declares:" "$stray"
 missing=$(comm -13 <(echo "$exported") <(echo "$declared"))
-[ -z "$missing" ] || fail "declared in mok.h but not exported:" $missing
+[ -z "$missing" ] || fail "declared in mok.h but not exported:" "$missing"
 echo "$exported" | grep -qv '^mok_' && fail "a symbol without the mok_ prefix is exported"
 
 got=$(python3 -c 'import ctypes, sys
