@@ -361,11 +361,8 @@ static int start_metrics(mokd_server *srv, char *err, size_t errlen)
     mokd_executor_observe(srv->gpus[i].exec, observe_step, srv);
   if (addr[0] == 0)
     return 0;
-  if (addr[0] == '/') {
-    if ((rc = mok_socket_dir_check(addr, err, errlen)) != 0 ||
-        (rc = clear_stale(addr, err, errlen)) != 0)
-      return rc;
-  }
+  if (addr[0] == '/' && (rc = clear_stale(addr, err, errlen)) != 0)
+    return rc;
   if ((rc = mokd_http_start(srv->loop, addr, render_metrics, srv, &srv->http, err, errlen)))
     return rc;
   if (addr[0] == '/')

@@ -212,6 +212,16 @@ class UnixMetricsTest(unittest.TestCase):
         self.assertEqual(out.returncode, 2)
         self.assertIn("metrics: \"0.0.0.0:9464\" is neither an absolute Unix socket path "
                       "nor 127.0.0.1:PORT or localhost:PORT", out.stderr)
+        d = Daemon("mokd-metrics-bad-", [])  # only for a fresh directory
+        d.stop()
+        out = subprocess.run([os.environ.get("MOKD_BIN", "build/mokd"), "--config",
+                              "/dev/null", "--backend", "cpu", "--socket",
+                              os.path.join(d.dir, "s.sock"), "--metrics",
+                              os.path.join(d.dir, "no", "m.sock")],
+                             capture_output=True, text=True, timeout=30)
+        self.assertEqual(out.returncode, 1)
+        self.assertIn("metrics: cannot listen on %s/no/m.sock" % d.dir, out.stderr)
+        self.assertFalse(os.path.exists(os.path.join(d.dir, "s.sock")))
 
 
 class MokctlTest(unittest.TestCase):
