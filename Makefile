@@ -54,8 +54,9 @@ KERNEL_SRC := kernels/layer.c kernels/backend.c kernels/cpu/ops.c \
               kernels/cpu/pool.c kernels/cpu/cpu_moe.c kernels/cpu/hostmem.c
 DAEMON_SRC := daemon/main.c daemon/config.c daemon/log.c daemon/server.c daemon/conn.c \
               daemon/dispatch.c daemon/session.c daemon/arenas.c daemon/layers.c \
-              daemon/steps.c daemon/results.c daemon/groups.c daemon/registry.c daemon/executor.c daemon/notify.c \
-              daemon/idmap.c kernels/devices.c
+              daemon/steps.c daemon/results.c daemon/groups.c daemon/registry.c daemon/executor.c \
+              daemon/notify.c daemon/idmap.c daemon/admin.c daemon/metrics.c daemon/http.c \
+              daemon/httpreq.c daemon/progress.c kernels/devices.c
 CLIENT_SRC := client/mok.c client/cudamap.c
 UNIT_SRC   := tests/check_main.c tests/ref.c tests/check_bf16.c \
               tests/check_schedule.c tests/check_forward.c tests/check_backward.c \
@@ -63,9 +64,11 @@ UNIT_SRC   := tests/check_main.c tests/ref.c tests/check_bf16.c \
               tests/check_pool.c tests/check_frame.c tests/check_config.c \
               tests/check_registry.c
 UNIT_SRC   += tests/check_paths.c
-UNIT_SRC   += tests/check_mokctl.c tests/check_idmap.c tests/check_gpuid.c
-# config.c, log.c, registry.c and idmap.c are unit-tested without the rest of the daemon
-UNIT_DAEMON := daemon/config.c daemon/log.c daemon/registry.c daemon/idmap.c
+UNIT_SRC   += tests/check_mokctl.c tests/check_idmap.c tests/check_gpuid.c tests/check_ops.c
+# config.c, log.c, registry.c, idmap.c, httpreq.c and progress.c are unit-tested
+# without the rest of the daemon
+UNIT_DAEMON := daemon/config.c daemon/log.c daemon/registry.c daemon/idmap.c \
+               daemon/httpreq.c daemon/progress.c
 INTEG_SRC  := tests/check_daemon.c tests/daemon_fixture.c tests/check_daemon_steps.c \
               tests/check_daemon_wire.c tests/check_daemon_service.c tests/ref.c \
               tests/check_daemon_limits.c tests/check_daemon_ep.c
@@ -90,6 +93,12 @@ LIBCOMMON  := $(BUILD)/libmokcommon.a
 LIBMOKK    := $(BUILD)/libmokk.a
 LIBMOK_A   := $(BUILD)/libmok.a
 LIBMOK_SO  := $(BUILD)/libmok.so
+# libmok.so -> libmok.so.MAJOR (the soname) -> libmok.so.MAJOR.MINOR.PATCH,
+# the numbers from mok.h
+mok_ver = $(shell sed -n 's/^\#define MOK_VERSION_$(1) \([0-9]*\)$$/\1/p' client/include/mok.h)
+LIBMOK_MAJOR   := $(call mok_ver,MAJOR)
+LIBMOK_VERSION := $(LIBMOK_MAJOR).$(call mok_ver,MINOR).$(call mok_ver,PATCH)
+LIBMOK_REAL    := $(BUILD)/libmok.so.$(LIBMOK_VERSION)
 MOKD_BIN   := $(BUILD)/mokd
 MOKCTL_BIN := $(BUILD)/mokctl
 DEMO_BIN   := $(BUILD)/mok_demo
@@ -119,7 +128,7 @@ endif
 
 PREFIX ?= /usr/local
 
-.PHONY: all deps check check-run check-c check-python asan bench-cpu bench bench-gpu clean \
+.PHONY: all deps check check-run check-c check-python check-deploy asan bench-cpu bench bench-gpu clean \
         demo demo-run install gpu-check bench-gemm stress
 .DEFAULT_GOAL := all
 
@@ -176,11 +185,26 @@ $(LIBMOKK): $(KERNEL_OBJ)
 	$(AR) rcs $@ $^
 $(LIBMOK_A): $(CLIENT_OBJ) $(COMMON_OBJ)
 	$(AR) rcs $@ $^
-$(LIBMOK_SO): $(CLIENT_OBJ) $(COMMON_OBJ)
-	$(CC) $(LDSAN) -shared -Wl,-soname,libmok.so.0 -o $@ $^ $(PROTOBUF_SO) -ldl -lpthread
+# libmok.so exports the functions its public headers declare and nothing else
+# (protobuf-c's generated code, the framing, helpers shared with the daemon
+# stay inside): a version script made from the headers
+LIBMOK_MAP := $(BUILD)/libmok.map
+LIBMOK_HDR := client/include/mok.h client/include/mok_errno.h
+$(LIBMOK_MAP): $(LIBMOK_HDR)
+	@mkdir -p $(dir $@)
+	{ echo 'LIBMOK_$(LIBMOK_MAJOR) {'; echo '  global:'; \
+	  grep -ohE '\bmok_[a-z0-9_]+ *\(' $(LIBMOK_HDR) | tr -d ' (' | sort -u | sed 's/.*/    &;/'; \
+	  echo '  local: *;'; echo '};'; } > $@
+$(LIBMOK_REAL): $(CLIENT_OBJ) $(COMMON_OBJ) $(LIBMOK_MAP)
+	$(CC) $(LDSAN) -shared -Wl,-soname,libmok.so.$(LIBMOK_MAJOR) \
+	  -Wl,--version-script=$(LIBMOK_MAP) -o $@ $(CLIENT_OBJ) $(COMMON_OBJ) \
+	  $(PROTOBUF_SO) -ldl -lpthread
+$(LIBMOK_SO): $(LIBMOK_REAL)
+	ln -sf libmok.so.$(LIBMOK_VERSION) $(BUILD)/libmok.so.$(LIBMOK_MAJOR)
+	ln -sf libmok.so.$(LIBMOK_MAJOR) $@
 
 $(PC_FILE): Makefile
-	@printf 'prefix=%s\nlibdir=$${prefix}/lib\nincludedir=$${prefix}/include\n\nName: mok\nDescription: client library of the mokd MoE daemon\nVersion: 0.1.0\nRequires.private: libprotobuf-c\nLibs: -L$${libdir} -lmok\nCflags: -I$${includedir}\n' '$(PREFIX)' > $@
+	@printf 'prefix=%s\nlibdir=$${prefix}/lib\nincludedir=$${prefix}/include\n\nName: mok\nDescription: client library of the mokd MoE daemon\nVersion: $(LIBMOK_VERSION)\nRequires.private: libprotobuf-c\nLibs: -L$${libdir} -lmok\nCflags: -I$${includedir}\n' '$(PREFIX)' > $@
 
 ifeq ($(HAVE_CUDA),1)
 $(DAEMON_OBJ) $(call obj,$(UNIT_DAEMON) tests/check_config.c tests/check_daemon_service.c): \
@@ -214,16 +238,23 @@ $(STRESS_BIN): $(call obj,tests/stress/stress.c client/testbed.c) $(LIBMOK_A) $(
 check: deps
 	@$(MAKE) --no-print-directory check-run
 
-check-run: check-c check-python gpu-check
+check-run: check-c check-python check-deploy gpu-check
 
 check-c: all
 	CK_FORK=yes $(UNIT_BIN)
 	CK_FORK=yes MOKD_BIN=$(MOKD_BIN) $(INTEG_BIN)
 	MOKD_BIN=$(MOKD_BIN) $(STRESS_BIN) --short
+	bash tests/check_symbols.sh $(BUILD)
 
 check-python: $(MOKD_BIN) $(LIBMOK_SO)
 	@test -n "$(PYTHON)" || { echo "check: no python3 with numpy (tried python3, /usr/bin/python3); run make deps" >&2; exit 1; }
 	MOKD_BIN=$(MOKD_BIN) MOK_LIB=$(LIBMOK_SO) PYTHONPATH=client/python $(PYTHON) -m unittest discover -s tests/python -v
+
+# deploy/k8s (a schema check of the manifests) and deploy/slurm (shellcheck, and
+# the prolog, task prolog and epilog against a real mokd)
+check-deploy: $(MOKD_BIN) $(MOKCTL_BIN) $(LIBMOK_SO)
+	@test -n "$(PYTHON)" || { echo "check: no python3 with numpy (tried python3, /usr/bin/python3); run make deps" >&2; exit 1; }
+	bash tests/check_deploy.sh $(BUILD) $(PYTHON)
 
 # a mokd under killed, crowding, unread and input-flipping clients (tests/stress);
 # on the ASan build: make stress BUILD=build/asan SAN=1
@@ -288,8 +319,9 @@ install: all
 	  $(DESTDIR)$(PREFIX)/lib/pkgconfig
 	install -m 755 $(MOKD_BIN) $(MOKCTL_BIN) $(DESTDIR)$(PREFIX)/bin
 	install -m 644 $(LIBMOK_A) $(DESTDIR)$(PREFIX)/lib
-	install -m 755 $(LIBMOK_SO) $(DESTDIR)$(PREFIX)/lib/libmok.so.0
-	ln -sf libmok.so.0 $(DESTDIR)$(PREFIX)/lib/libmok.so
+	install -m 755 $(LIBMOK_REAL) $(DESTDIR)$(PREFIX)/lib
+	ln -sf libmok.so.$(LIBMOK_VERSION) $(DESTDIR)$(PREFIX)/lib/libmok.so.$(LIBMOK_MAJOR)
+	ln -sf libmok.so.$(LIBMOK_MAJOR) $(DESTDIR)$(PREFIX)/lib/libmok.so
 	install -m 644 client/include/mok.h client/include/mok_errno.h $(DESTDIR)$(PREFIX)/include
 	install -m 644 $(PC_FILE) $(DESTDIR)$(PREFIX)/lib/pkgconfig
 

@@ -229,6 +229,28 @@ static int recv_frame(mok_client *c, Mokd__Response **out)
 }
 
 /* Sends req and waits for its reply; maps the arenas the reply announces. */
+/* The daemon closed the connection (an evict, a framing error): it said why
+ * in a last frame, which is still there to read. */
+static int closed_why(mok_client *c, int rc)
+{
+  char sent[sizeof c->err];
+  Mokd__Response *r;
+
+  memcpy(sent, c->err, sizeof sent);
+  if (recv_frame(c, &r) != 0) {
+    memcpy(c->err, sent, sizeof sent);
+    return rc;
+  }
+  if (r->status != 0)
+    rc = fail(c, r->status, "mokd closed the connection: %s", r->message != NULL ? r->message
+                                                                                 : "");
+  else
+    memcpy(c->err, sent, sizeof sent);
+  mokd__response__free_unpacked(r, NULL);
+  drop_fds(c);
+  return rc;
+}
+
 static int call(mok_client *c, Mokd__Request *req, const int *fds, int nfds,
                 Mokd__Response **out)
 {
@@ -239,7 +261,7 @@ static int call(mok_client *c, Mokd__Request *req, const int *fds, int nfds,
   c->err[0] = 0;
   req->id = ++c->next_id;
   if ((rc = send_frame(c, req, fds, nfds)) != 0)
-    return rc;
+    return rc == MOK_ECONNRESET ? closed_why(c, rc) : rc;
   if ((rc = recv_frame(c, &r)) != 0)
     return rc;
   if (r->id != req->id && r->status == 0) {
@@ -363,6 +385,13 @@ static int connect_on(const char *path, const char *client_name, int device,
       (rc = mok_socket_peer_check(c->fd, geteuid(), path, why, sizeof why)) != 0)
     return fail(c, rc, "%s", why);
   h.protocol_version = MOK_PROTOCOL_VERSION;
+  h.min_protocol = MOK_PROTOCOL_MIN;
+  h.max_protocol = MOK_PROTOCOL_VERSION;
+  h.job_id = getenv("MOKD_JOB_ID");
+  if (h.job_id == NULL || h.job_id[0] == 0)
+    h.job_id = getenv("SLURM_JOB_ID");
+  if (h.job_id == NULL)
+    h.job_id = (char *)"";
   h.client_name = (char *)(client_name != NULL ? client_name : "libmok");
   if (uuid_text != NULL || device >= 0) {
     h.device_uuid.data = uuid;
@@ -494,6 +523,116 @@ int mok_stats_get(mok_client *c, mok_stats *out)
   usage_from(&out->session, r->stats->session);
   out->uptime_ns = r->stats->uptime_ns;
   snprintf(out->backend, sizeof out->backend, "%s", r->stats->backend);
+  mokd__response__free_unpacked(r, NULL);
+  return 0;
+}
+
+#define MOK_STR_(x) #x
+#define MOK_STR(x) MOK_STR_(x)
+
+const char *mok_version(int *major, int *minor, int *patch)
+{
+  if (major != NULL)
+    *major = MOK_VERSION_MAJOR;
+  if (minor != NULL)
+    *minor = MOK_VERSION_MINOR;
+  if (patch != NULL)
+    *patch = MOK_VERSION_PATCH;
+  return MOK_STR(MOK_VERSION_MAJOR) "." MOK_STR(MOK_VERSION_MINOR) "." MOK_STR(
+      MOK_VERSION_PATCH);
+}
+
+/* Operator requests came with protocol 2: say so before asking an older daemon. */
+static int needs_protocol(mok_client *c, uint32_t v, const char *what)
+{
+  if (c->info.protocol_version >= v)
+    return 0;
+  return fail(c, MOK_ENOTSUP, "%s needs protocol %u; mokd %s speaks %u (upgrade the daemon)",
+              what, v, c->info.daemon_version, c->info.protocol_version);
+}
+
+int mok_sessions(mok_client *c, mok_session_info **out, size_t *n)
+{
+  Mokd__Request req = MOKD__REQUEST__INIT;
+  Mokd__ListSessions ls = MOKD__LIST_SESSIONS__INIT;
+  Mokd__Response *r;
+  mok_session_info *v;
+  int rc;
+
+  if (c == NULL || out == NULL || n == NULL)
+    return MOK_ENULL;
+  *out = NULL, *n = 0;
+  if ((rc = needs_protocol(c, 2, "listing sessions")) != 0)
+    return rc;
+  req.body_case = MOKD__REQUEST__BODY_LIST_SESSIONS;
+  req.list_sessions = &ls;
+  if ((rc = expect(c, &req, NULL, 0, MOKD__RESPONSE__BODY_SESSION_LIST, &r)) != 0)
+    return rc;
+  v = calloc(r->session_list->n_sessions + 1, sizeof *v);
+  if (v == NULL) {
+    mokd__response__free_unpacked(r, NULL);
+    return fail(c, MOK_ENOMEM, "out of memory for %zu sessions", r->session_list->n_sessions);
+  }
+  for (size_t i = 0; i < r->session_list->n_sessions; i++) {
+    const Mokd__SessionInfo *in = r->session_list->sessions[i];
+    v[i].id = in->id, v[i].pid = in->pid, v[i].uid = in->uid, v[i].gid = in->gid;
+    snprintf(v[i].client_name, sizeof v[i].client_name, "%s", in->client_name);
+    snprintf(v[i].job_id, sizeof v[i].job_id, "%s", in->job_id);
+    v[i].device = in->device - 1;
+    v[i].arena_bytes = in->arena_bytes, v[i].context_bytes = in->context_bytes;
+    v[i].gpu_bytes = in->gpu_bytes, v[i].contexts = in->contexts, v[i].layers = in->layers;
+    v[i].requests = in->requests, v[i].age_ns = in->age_ns;
+  }
+  *n = r->session_list->n_sessions;
+  *out = v;
+  mokd__response__free_unpacked(r, NULL);
+  return 0;
+}
+
+int mok_evict(mok_client *c, const char *job_id, uint64_t session, uint32_t *count)
+{
+  Mokd__Request req = MOKD__REQUEST__INIT;
+  Mokd__Evict e = MOKD__EVICT__INIT;
+  Mokd__Response *r;
+  int rc;
+
+  if (c == NULL)
+    return MOK_ENULL;
+  if ((rc = needs_protocol(c, 2, "evict")) != 0)
+    return rc;
+  e.job_id = (char *)(job_id != NULL ? job_id : "");
+  e.session = session;
+  req.body_case = MOKD__REQUEST__BODY_EVICT;
+  req.evict = &e;
+  if ((rc = expect(c, &req, NULL, 0, MOKD__RESPONSE__BODY_EVICTED, &r)) != 0)
+    return rc;
+  if (count != NULL)
+    *count = r->evicted->count;
+  mokd__response__free_unpacked(r, NULL);
+  return 0;
+}
+
+int mok_health(mok_client *c, int *ready, char *reason, size_t reason_len,
+               uint64_t *round_trip_ns)
+{
+  Mokd__Request req = MOKD__REQUEST__INIT;
+  Mokd__Health h = MOKD__HEALTH__INIT;
+  Mokd__Response *r;
+  int rc;
+
+  if (c == NULL || ready == NULL)
+    return MOK_ENULL;
+  if ((rc = needs_protocol(c, 2, "health")) != 0)
+    return rc;
+  req.body_case = MOKD__REQUEST__BODY_HEALTH;
+  req.health = &h;
+  if ((rc = expect(c, &req, NULL, 0, MOKD__RESPONSE__BODY_HEALTH, &r)) != 0)
+    return rc;
+  *ready = r->health->ready;
+  if (reason != NULL && reason_len > 0)
+    snprintf(reason, reason_len, "%s", r->health->reason);
+  if (round_trip_ns != NULL)
+    *round_trip_ns = r->health->round_trip_ns;
   mokd__response__free_unpacked(r, NULL);
   return 0;
 }

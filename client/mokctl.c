@@ -1,8 +1,11 @@
-/* mokctl - talk to a running mokd: ping, status, stats, and a layer bench. */
+/* mokctl - talk to a running mokd: ping, status, stats, a layer bench, and
+ * the operators' health, sessions and evict. */
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "mok.h"
 #include "mokctl_opts.h"
@@ -86,6 +89,124 @@ static int bench(mok_client *c, const mok_layer_desc *d, int64_t T, int iters)
   return 0;
 }
 
+/* health must answer even when the daemon does not: a stuck daemon is not ready */
+static int health_timeout_s;
+
+static void on_health_alarm(int sig)
+{
+  char msg[96];
+  int n = snprintf(msg, sizeof msg, "not ready: mokd did not answer within %d s\n",
+                   health_timeout_s);
+  (void)sig;
+  if (write(STDOUT_FILENO, msg, (size_t)n) < 0)
+    _exit(1);
+  _exit(1);
+}
+
+static void start_health_alarm(int seconds)
+{
+  struct sigaction sa = {.sa_handler = on_health_alarm};
+  health_timeout_s = seconds;
+  sigaction(SIGALRM, &sa, NULL);
+  alarm((unsigned)seconds);
+}
+
+static int health(mok_client *c)
+{
+  char reason[MOK_ERRLEN];
+  uint64_t rtt;
+  int ready, rc;
+
+  if ((rc = mok_health(c, &ready, reason, sizeof reason, &rtt)) != 0) {
+    printf("not ready: %s (%s)\n", mok_last_error(c), mok_strerror(rc));
+    mok_close(c);
+    return 1;
+  }
+  if (ready)
+    printf("ready: mokd %s, backend %s, executor round trip %.1f us\n",
+           mok_server_info(c)->daemon_version, mok_server_info(c)->backend, (double)rtt * 1e-3);
+  else
+    printf("not ready: %s\n", reason);
+  mok_close(c);
+  return ready ? 0 : 1;
+}
+
+static int sessions(mok_client *c)
+{
+  mok_session_info *v;
+  size_t n;
+  int rc;
+
+  if ((rc = mok_sessions(c, &v, &n)) != 0)
+    return die(c, "sessions", rc);
+  printf("%-8s %-8s %-6s %-12s %-8s %-5s %14s %14s %14s %8s %6s %9s\n", "SESSION", "PID",
+         "UID", "JOB", "CLIENT", "GPU", "ARENA_BYTES", "CONTEXT_BYTES", "GPU_BYTES",
+         "CONTEXTS", "LAYERS", "AGE_S");
+  for (size_t i = 0; i < n; i++) {
+    char gpu[16] = "-";
+    if (v[i].device >= 0)
+      snprintf(gpu, sizeof gpu, "%d", v[i].device);
+    printf("%-8llu %-8d %-6u %-12s %-8s %-5s %14llu %14llu %14llu %8llu %6llu %9.1f%s\n",
+           (unsigned long long)v[i].id, (int)v[i].pid, (unsigned)v[i].uid,
+           v[i].job_id[0] ? v[i].job_id : "-", v[i].client_name, gpu,
+           (unsigned long long)v[i].arena_bytes, (unsigned long long)v[i].context_bytes,
+           (unsigned long long)v[i].gpu_bytes, (unsigned long long)v[i].contexts,
+           (unsigned long long)v[i].layers, (double)v[i].age_ns * 1e-9,
+           v[i].id == mok_server_info(c)->session_id ? " (this mokctl)" : "");
+  }
+  free(v);
+  mok_close(c);
+  return 0;
+}
+
+/* How many sessions of the job (or the session) are still there. */
+static int left_of(mok_client *c, const mokctl_opts *o, size_t *left)
+{
+  mok_session_info *v;
+  size_t n;
+  int rc = mok_sessions(c, &v, &n);
+  if (rc != 0)
+    return rc;
+  *left = 0;
+  for (size_t i = 0; i < n; i++)
+    if (v[i].id != mok_server_info(c)->session_id &&
+        (o->session != 0 ? v[i].id == o->session : strcmp(v[i].job_id, o->job) == 0))
+      (*left)++;
+  free(v);
+  return 0;
+}
+
+/* Evicts, then waits until the daemon has let the sessions go (a step in
+ * flight finishes first), so that their memory is back when this returns. */
+static int evict(mok_client *c, const mokctl_opts *o)
+{
+  uint64_t deadline = mono_ns() + (uint64_t)o->timeout_s * 1000000000ull;
+  uint32_t count;
+  size_t left = 0;
+  int rc;
+
+  if ((rc = mok_evict(c, o->job, o->session, &count)) != 0)
+    return die(c, "evict", rc);
+  while ((rc = left_of(c, o, &left)) == 0 && left > 0 && mono_ns() < deadline) {
+    struct timespec ts = {0, 20000000};
+    nanosleep(&ts, NULL);
+  }
+  if (rc != 0)
+    return die(c, "evict", rc);
+  if (o->session != 0)
+    printf("evicted session %llu (%u closed)", (unsigned long long)o->session, count);
+  else
+    printf("evicted job %s: %u session%s closed", o->job, count, count == 1 ? "" : "s");
+  if (left > 0) {
+    printf("; %zu still there after %d s\n", left, o->timeout_s);
+    mok_close(c);
+    return 1;
+  }
+  printf(", their memory freed\n");
+  mok_close(c);
+  return 0;
+}
+
 int main(int argc, char **argv)
 {
   mokctl_opts o;
@@ -108,8 +229,21 @@ int main(int argc, char **argv)
       return 2;
     }
   }
+  if (o.cmd == MOKCTL_HEALTH) {
+    start_health_alarm(o.timeout_s);
+    if ((rc = mok_connect(o.socket, "mokctl", &c)) != 0) {
+      printf("not ready: %s (%s)\n", c != NULL ? mok_last_error(c) : "", mok_strerror(rc));
+      mok_close(c);
+      return 1;
+    }
+    return health(c);
+  }
   if ((rc = mok_connect(o.socket, "mokctl", &c)) != 0)
     return die(c, "connect", rc);
+  if (o.cmd == MOKCTL_SESSIONS)
+    return sessions(c);
+  if (o.cmd == MOKCTL_EVICT)
+    return evict(c, &o);
   if (o.cmd == MOKCTL_PING) {
     uint64_t rtt;
     if ((rc = mok_ping(c, &rtt)) != 0)

@@ -10,7 +10,8 @@
 
 #include "layer.h"
 
-enum { OPT_T = 256, OPT_H, OPT_I, OPT_E, OPT_K, OPT_SHARED, OPT_ITERS };
+enum { OPT_T = 256, OPT_H, OPT_I, OPT_E, OPT_K, OPT_SHARED, OPT_ITERS, OPT_TIMEOUT, OPT_JOB,
+       OPT_SESSION };
 
 static const struct option global_opts[] = {
   {"socket", required_argument, NULL, 's'},
@@ -31,13 +32,31 @@ static const struct option bench_opts[] = {
   {NULL, 0, NULL, 0},
 };
 
+static const struct option health_opts[] = {
+  {"socket", required_argument, NULL, 's'},
+  {"help", no_argument, NULL, 'h'},
+  {"timeout", required_argument, NULL, OPT_TIMEOUT},
+  {NULL, 0, NULL, 0},
+};
+
+static const struct option evict_opts[] = {
+  {"socket", required_argument, NULL, 's'},
+  {"help", no_argument, NULL, 'h'},
+  {"job", required_argument, NULL, OPT_JOB},
+  {"session", required_argument, NULL, OPT_SESSION},
+  {"timeout", required_argument, NULL, OPT_TIMEOUT},
+  {NULL, 0, NULL, 0},
+};
+
 static const struct {
   const char *name;
   mokctl_cmd cmd;
 } commands[] = {
   {"ping", MOKCTL_PING}, {"status", MOKCTL_STATUS}, {"stats", MOKCTL_STATS},
-  {"bench", MOKCTL_BENCH},
+  {"bench", MOKCTL_BENCH}, {"health", MOKCTL_HEALTH}, {"sessions", MOKCTL_SESSIONS},
+  {"evict", MOKCTL_EVICT},
 };
+#define COMMAND_LIST "ping, status, stats, bench, health, sessions, evict"
 
 static int fail(char *err, size_t errlen, const char *fmt, ...)
 {
@@ -146,7 +165,52 @@ static int parse_bench(int argc, char **argv, mokctl_opts *o, char *err, size_t 
   return 0;
 }
 
-/* ping, status and stats take only --socket and --help */
+/* health [--timeout S]; evict --job ID | --session N [--timeout S] */
+static int parse_admin(int argc, char **argv, const struct option *opts, mokctl_opts *o,
+                       char *err, size_t errlen)
+{
+  char where[32];
+  int64_t v;
+  int c;
+
+  snprintf(where, sizeof where, "%s: ", argv[0]);
+  optind = 0;
+  while ((c = getopt_long(argc, argv, "+:h", opts, NULL)) != -1) {
+    switch (c) {
+    case 'h':
+      o->help = 1;
+      return 0;
+    case 's':
+      if (parse_socket(optarg, o, err, errlen))
+        return MOK_EINVAL;
+      break;
+    case OPT_TIMEOUT:
+      if (parse_int("timeout", optarg, 1, MOKCTL_TIMEOUT_MAX, &v, err, errlen))
+        return MOK_EINVAL;
+      o->timeout_s = (int)v;
+      break;
+    case OPT_JOB:
+      if (optarg[0] == 0)
+        return fail(err, errlen, "%s--job: the job id is empty", where);
+      o->job = optarg;
+      break;
+    case OPT_SESSION:
+      if (parse_int("session", optarg, 1, INT64_MAX, &v, err, errlen))
+        return MOK_EINVAL;
+      o->session = (uint64_t)v;
+      break;
+    default:
+      return bad_option(c, opts, argv, where, err, errlen);
+    }
+  }
+  if (optind < argc)
+    return fail(err, errlen, "%sunexpected argument \"%s\"", where, argv[optind]);
+  if (o->cmd == MOKCTL_EVICT && (o->job == NULL) == (o->session == 0))
+    return fail(err, errlen, "evict: name exactly one of --job ID and --session N");
+  return 0;
+}
+
+/* ping, status, stats and sessions take only --socket and --help */
 static int parse_plain(int argc, char **argv, mokctl_opts *o, char *err, size_t errlen)
 {
   char where[32];
@@ -177,6 +241,7 @@ int mokctl_parse(int argc, char **argv, mokctl_opts *o, char *err, size_t errlen
   o->layer = (mok_layer_desc){.hidden = 1024, .intermediate = 512, .experts = 16, .top_k = 2};
   o->T = 1024;
   o->iters = 20;
+  o->timeout_s = 10;
   opterr = 0;
   optind = 0;
   while ((c = getopt_long(argc, argv, "+:h", global_opts, NULL)) != -1) {
@@ -190,17 +255,20 @@ int mokctl_parse(int argc, char **argv, mokctl_opts *o, char *err, size_t errlen
       return MOK_EINVAL;
   }
   if (optind >= argc)
-    return fail(err, errlen, "no command given; one of ping, status, stats, bench");
+    return fail(err, errlen, "no command given; one of " COMMAND_LIST);
   for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
     if (strcmp(argv[optind], commands[i].name) == 0)
       o->cmd = commands[i].cmd;
   if (o->cmd == MOKCTL_NONE)
-    return fail(err, errlen, "unknown command \"%s\"; one of ping, status, stats, bench",
-                argv[optind]);
+    return fail(err, errlen, "unknown command \"%s\"; one of " COMMAND_LIST, argv[optind]);
   /* the command's own options: argv from the command on */
   argc -= optind, argv += optind;
-  return o->cmd == MOKCTL_BENCH ? parse_bench(argc, argv, o, err, errlen)
-                                : parse_plain(argc, argv, o, err, errlen);
+  if (o->cmd == MOKCTL_BENCH)
+    return parse_bench(argc, argv, o, err, errlen);
+  if (o->cmd == MOKCTL_HEALTH || o->cmd == MOKCTL_EVICT)
+    return parse_admin(argc, argv, o->cmd == MOKCTL_HEALTH ? health_opts : evict_opts, o, err,
+                       errlen);
+  return parse_plain(argc, argv, o, err, errlen);
 }
 
 static const char bench_help[] =
@@ -236,6 +304,14 @@ void mokctl_usage(FILE *out, mokctl_cmd cmd)
         "  status    daemon version, backend, limits (frame, arena, quotas), uptime\n"
         "  stats     what the daemon holds and has served, over all sessions\n"
         "  bench     run a layer through the daemon (mokctl bench --help)\n"
+        "  health [--timeout S]\n"
+        "            ready when a round trip through every executor and backend works\n"
+        "            and none is stuck; exit 0 ready, 1 not (or no answer in S s, 10)\n"
+        "  sessions  who is connected: pid, uid, client, job, memory, contexts\n"
+        "            (root and the daemon's uid see all; others their own)\n"
+        "  evict --job ID | --session N [--timeout S]\n"
+        "            close a job's sessions and free what they hold, waiting up to S s\n"
+        "            (10) until they are gone; root or the daemon's uid only\n"
         "\n"
         "  --socket PATH  the daemon's socket (before or after the command); default\n"
         "                 $MOKD_SOCKET, else /run/mokd/mokd.sock as root, else\n"

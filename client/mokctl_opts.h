@@ -10,7 +10,12 @@
 
 #include "mok.h"
 
-typedef enum { MOKCTL_NONE, MOKCTL_PING, MOKCTL_STATUS, MOKCTL_STATS, MOKCTL_BENCH } mokctl_cmd;
+typedef enum {
+  MOKCTL_NONE, MOKCTL_PING, MOKCTL_STATUS, MOKCTL_STATS, MOKCTL_BENCH,
+  MOKCTL_HEALTH, MOKCTL_SESSIONS, MOKCTL_EVICT
+} mokctl_cmd;
+
+#define MOKCTL_TIMEOUT_MAX 3600
 
 #define MOKCTL_ITERS_MAX 1000000
 
@@ -21,6 +26,10 @@ typedef struct mokctl_opts {
   mok_layer_desc layer; /* bench */
   int64_t T;
   int iters;
+  int timeout_s;       /* health: no answer in this long is not ready; evict: wait this
+                        * long for the sessions to be gone */
+  const char *job;     /* evict --job */
+  uint64_t session;    /* evict --session */
 } mokctl_opts;
 
 /* 0 and *o filled (defaults for what argv leaves out), or MOK_EINVAL and a

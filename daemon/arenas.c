@@ -31,8 +31,8 @@ int mokd_h_create_arena(mokd_session *s, const Mokd__Request *q, const int *fds,
   mokd_send(s, &r, &a->fd, 1);
   close(a->fd); /* the client has it now; the mapping keeps the memory */
   a->fd = -1;
-  LOG_DEBUG(SESS, "session %llu: arena %llu of %zu bytes", (unsigned long long)s->id,
-            (unsigned long long)a->id, a->bytes);
+  LOG_DEBUG(SESS, SESS_FMT "arena %llu of %zu bytes", SESS_ARGS(s), (unsigned long long)a->id,
+            a->bytes);
   return 0;
 }
 

@@ -74,10 +74,33 @@ static int check_ids(const char *val, char *why, size_t n)
   return mokd_config_ids(val, ids, MOKD_MAX_IDS, &count, why, n);
 }
 
+/* the metrics listener: off, an absolute socket path, or a loopback port */
+static int check_metrics(const char *val, char *why, size_t n)
+{
+  const char *colon = strrchr(val, ':');
+  char *end;
+  long port;
+
+  if (val[0] == 0 || val[0] == '/')
+    return 0;
+  if (colon != NULL && colon - val == 9 &&
+      (strncmp(val, "127.0.0.1", 9) == 0 || strncmp(val, "localhost", 9) == 0)) {
+    port = strtol(colon + 1, &end, 10);
+    if (*end == 0 && end != colon + 1 && port > 0 && port < 65536)
+      return 0;
+  }
+  snprintf(why, n, "\"%s\" is neither an absolute Unix socket path nor 127.0.0.1:PORT or "
+           "localhost:PORT (the metrics are unauthenticated: loopback only)", val);
+  return -1;
+}
+
 static const opt options[] = {
     {"socket", STR(socket), "", 0, 0, "MOKD_SOCKET",
      "Unix socket path (default /run/mokd/mokd.sock as root, else "
      "$XDG_RUNTIME_DIR/mokd.sock)", NULL},
+    {"metrics", STR(metrics), "", 0, 0, "MOKD_METRICS",
+     "Prometheus metrics listener (GET /metrics): an absolute Unix socket path, or "
+     "127.0.0.1:PORT / localhost:PORT; empty = off", check_metrics},
     {"backend", STR(backend), "auto", 0, 0, "MOKD_BACKEND",
      "compute backend: cuda, cpu, or auto (cuda when this build has it and a GPU is "
      "visible, else cpu)", check_backend},
@@ -113,6 +136,10 @@ static const opt options[] = {
      "how long the ranks of an EP group wait for the last one: to form the group, and "
      "from the first request of a step to the last; then the waiting ranks get "
      "MOK_ETIMEDOUT and the group is torn down", NULL},
+    {"stall_timeout_ms", NUM(T_INT, stall_timeout_ms), "60000", 1000, 86400000,
+     "MOKD_STALL_TIMEOUT_MS",
+     "an executor with work queued that completes none of it for this long is stuck: "
+     "the systemd watchdog is no longer fed and mokctl health says not ready", NULL},
     {"max_layers", NUM(T_INT, max_layers), "1024", 1, 1 << 20, "MOKD_MAX_LAYERS",
      "layers per session", NULL},
     {"max_arenas", NUM(T_INT, max_arenas), "1024", 1, 1 << 20, "MOKD_MAX_ARENAS",
@@ -430,7 +457,8 @@ int mokd_config_load(mokd_config *cfg, int argc, char **argv, char *err, size_t 
       return MOKD_CONFIG_EXIT;
     }
     if (strcmp(argv[i], "--version") == 0) {
-      printf("mokd " MOKD_VERSION " (protocol %d)\n", MOK_PROTOCOL_VERSION);
+      printf("mokd " MOKD_VERSION " (protocol %d to %d)\n", MOK_PROTOCOL_MIN,
+             MOK_PROTOCOL_VERSION);
       return MOKD_CONFIG_EXIT;
     }
     if (strcmp(argv[i], "--print-config") == 0)

@@ -14,6 +14,7 @@
 
 typedef struct mokd_config {
   char socket[108];
+  char metrics[108];     /* the Prometheus listener: a socket path or 127.0.0.1:PORT */
   char backend[16];
   char devices[64];
   int64_t cpu_threads;
@@ -26,6 +27,7 @@ typedef struct mokd_config {
   int64_t max_sessions;
   int64_t hello_timeout_ms;
   int64_t group_timeout_ms;
+  int64_t stall_timeout_ms;
   int64_t max_layers;
   int64_t max_arenas;
   char allow_uids[256];

@@ -109,13 +109,15 @@ void mokd_reply_error(mokd_session *s, uint64_t id, int code, const char *msg)
   r.message = (char *)msg;
   s->usage.errors++;
   s->srv->usage.errors++;
+  s->srv->metrics.errors[s->op]++;
+  if (code == MOK_EDQUOT)
+    s->srv->metrics.quota_rejections++;
   /* a device error is the daemon's news too: say it where an operator looks */
   if (code == MOK_EDEVICE)
-    LOG_WARN(SESS, "session %llu request %llu: %s", (unsigned long long)s->id,
-             (unsigned long long)id, msg);
+    LOG_WARN(SESS, SESS_FMT "request %llu: %s", SESS_ARGS(s), (unsigned long long)id, msg);
   else
-    LOG_DEBUG(SESS, "session %llu request %llu: %s: %s", (unsigned long long)s->id,
-              (unsigned long long)id, mok_err_name(code), msg);
+    LOG_DEBUG(SESS, SESS_FMT "request %llu: %s: %s", SESS_ARGS(s), (unsigned long long)id,
+              mok_err_name(code), msg);
   mokd_send(s, &r, NULL, 0);
 }
 
@@ -197,16 +199,16 @@ static void session_destroy(mokd_session *s)
     s->next->prev = s->prev;
   srv->nsessions--;
   srv->usage.sessions--;
-  LOG_INFO(SESS, "session %llu (pid %d uid %u) closed; daemon holds %llu arenas, %llu "
-           "bytes", (unsigned long long)s->id, (int)s->pid, (unsigned)s->uid,
-           (unsigned long long)srv->usage.arenas, (unsigned long long)srv->usage.arena_bytes);
+  LOG_INFO(SESS, SESS_FMT "closed (pid %d uid %u); daemon holds %llu arenas, %llu bytes",
+           SESS_ARGS(s), (int)s->pid, (unsigned)s->uid, (unsigned long long)srv->usage.arenas,
+           (unsigned long long)srv->usage.arena_bytes);
   free(s);
   mokd_server_maybe_stop(srv);
 }
 
 void mokd_session_maybe_destroy(mokd_session *s)
 {
-  if (!s->handle_open && s->busy == NULL)
+  if (!s->handle_open && s->busy == NULL && s->probes == 0)
     session_destroy(s);
 }
 
@@ -226,7 +228,7 @@ void mokd_session_close(mokd_session *s, const char *why)
   s->closing = 1;
   mokd_groups_session_closing(s); /* the other ranks' waits end now */
   write_out(s); /* last replies, as far as the socket takes them now */
-  LOG_DEBUG(SESS, "session %llu closing: %s", (unsigned long long)s->id, why);
+  LOG_DEBUG(SESS, SESS_FMT "closing: %s", SESS_ARGS(s), why);
   uv_poll_stop(&s->poll);
   uv_close((uv_handle_t *)&s->poll, on_handle_closed);
 }

@@ -3,7 +3,9 @@
  * Requests of a session run strictly in order: while a step is in flight, or
  * a request waits for the other ranks of its EP group, the queue waits, so a
  * reply never overtakes an earlier one; while the peer leaves too many
- * replies unread, it waits too. */
+ * replies unread, it waits too. Each row also names the oldest protocol that
+ * has the body: a session that chose an older one at Hello is told to
+ * upgrade instead. */
 #include "mokd.h"
 
 typedef struct route {
@@ -12,6 +14,7 @@ typedef struct route {
   int (*fds)(const Mokd__Request *q); /* NULL: takes none */
   int before_hello;
   int refused_draining; /* new work: a draining daemon only finishes what it has */
+  uint32_t since;       /* protocol version that brought it; 0 = 1 */
 } route;
 
 #define ROUTE(body) [MOKD__REQUEST__BODY_##body]
@@ -29,12 +32,23 @@ static const route routes[] = {
     ROUTE(DESTROY_LAYER) = {"DestroyLayer", mokd_h_destroy_layer, NULL, 0, 0},
     ROUTE(STATS) = {"Stats", mokd_h_stats, NULL, 0, 0},
     ROUTE(PING) = {"Ping", mokd_h_ping, NULL, 0, 0},
+    ROUTE(LIST_SESSIONS) = {"ListSessions", mokd_h_list_sessions, NULL, 0, 0, 2},
+    ROUTE(EVICT) = {"Evict", mokd_h_evict, NULL, 0, 0, 2},
+    ROUTE(HEALTH) = {"Health", mokd_h_health, NULL, 0, 0, 2},
 };
+_Static_assert(sizeof routes / sizeof routes[0] <= MOKD_METRIC_OPS,
+               "a request body has no metrics counter");
 
 static const route *route_of(const Mokd__Request *q)
 {
   size_t b = (size_t)q->body_case;
   return b < sizeof routes / sizeof routes[0] && routes[b].handler != NULL ? &routes[b] : NULL;
+}
+
+const char *mokd_dispatch_op_name(int body_case)
+{
+  size_t b = (size_t)body_case;
+  return b < sizeof routes / sizeof routes[0] ? routes[b].name : NULL;
 }
 
 int mokd_dispatch_fds(const Mokd__Request *q)
@@ -72,12 +86,16 @@ static int handle(mokd_session *s, const mokd_pending *p, char *err)
                      "(garbage or a zero-length frame)" : "malformed request");
   if (p->bad == MOK_EINVAL)
     return bad_fds(p, err);
-  if (mokw_find_unknown_field(&q->base, &unknown))
+  /* Hello is read leniently: a newer client learns which versions we speak */
+  if (q->body_case != MOKD__REQUEST__BODY_HELLO && mokw_find_unknown_field(&q->base, &unknown))
     return mokk_fail(err, MOK_EPROTO, "request carries unknown field %u; this daemon "
-                     "speaks protocol %d", unknown, MOK_PROTOCOL_VERSION);
+                     "speaks protocol %d to %d", unknown, MOK_PROTOCOL_MIN, MOK_PROTOCOL_VERSION);
   if ((r = route_of(q)) == NULL)
     return mokk_fail(err, MOK_EPROTO, "request has no body, or a body this daemon does "
                      "not know");
+  if (s->hello_done && r->since > s->proto)
+    return mokk_fail(err, MOK_EPROTO, "%s needs protocol %u; this session chose %u at Hello "
+                     "(upgrade the client)", r->name, r->since, s->proto);
   if (!s->hello_done && !r->before_hello)
     return mokk_fail(err, MOK_EPROTO, "send Hello first");
   if (s->srv->draining && r->refused_draining)
@@ -90,8 +108,8 @@ static int handle(mokd_session *s, const mokd_pending *p, char *err)
 
 void mokd_session_pump(mokd_session *s)
 {
-  while (!s->closing && s->busy == NULL && !s->parked && s->pend_head != NULL &&
-         !mokd_session_out_full(s)) {
+  while (!s->closing && s->busy == NULL && !s->parked && s->probes == 0 &&
+         s->pend_head != NULL && !mokd_session_out_full(s)) {
     mokd_pending *p = s->pend_head;
     char err[MOK_ERRLEN] = "";
     int rc;
@@ -102,10 +120,14 @@ void mokd_session_pump(mokd_session *s)
     s->npending--;
     s->usage.requests++;
     s->srv->usage.requests++;
+    s->op = p->req != NULL && route_of(p->req) != NULL ? (int)p->req->body_case : 0;
+    s->srv->metrics.requests[s->op]++;
     rc = handle(s, p, err);
     if (rc != 0)
       mokd_reply_error(s, p->req != NULL ? p->req->id : p->bad_id, rc, err);
     mokd_pending_free(p);
   }
+  if (s->busy == NULL && !s->parked && s->probes == 0)
+    s->op = 0; /* errors outside any request (framing) count as invalid */
   mokd_session_arm(s);
 }

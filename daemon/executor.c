@@ -17,6 +17,9 @@ struct mokd_executor {
   mokd_work *todo_head, *todo_tail;
   mokd_work *done_head, *done_tail;
   int stopping;
+  mokd_progress progress;  /* the loop thread's */
+  void (*observe)(void *arg, const mokd_work *w);
+  void *observe_arg;
 };
 
 uint64_t mokd_now_ns(void)
@@ -73,6 +76,9 @@ static void on_async(uv_async_t *h)
   pthread_mutex_unlock(&ex->mu);
   while (list != NULL) {
     mokd_work *next = list->next;
+    mokd_progress_done(&ex->progress, mokd_now_ns());
+    if (ex->observe != NULL)
+      ex->observe(ex->observe_arg, list);
     list->after_work(list);
     list = next;
   }
@@ -118,6 +124,7 @@ void mokd_executor_queue(mokd_executor *ex, mokd_work *w, mokd_work_cb work,
   w->after_work = after_work;
   w->next = NULL;
   w->t_queued = mokd_now_ns();
+  mokd_progress_queued(&ex->progress, w->t_queued);
   pthread_mutex_lock(&ex->mu);
   if (ex->todo_tail != NULL)
     ex->todo_tail->next = w;
@@ -126,6 +133,18 @@ void mokd_executor_queue(mokd_executor *ex, mokd_work *w, mokd_work_cb work,
   ex->todo_tail = w;
   pthread_cond_signal(&ex->cv);
   pthread_mutex_unlock(&ex->mu);
+}
+
+void mokd_executor_observe(mokd_executor *ex, void (*cb)(void *arg, const mokd_work *w),
+                           void *arg)
+{
+  ex->observe = cb;
+  ex->observe_arg = arg;
+}
+
+const mokd_progress *mokd_executor_progress(const mokd_executor *ex)
+{
+  return &ex->progress;
 }
 
 static void on_closed(uv_handle_t *h)

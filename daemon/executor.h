@@ -9,6 +9,8 @@
 #include <stdint.h>
 #include <uv.h>
 
+#include "progress.h"
+
 typedef struct mokd_executor mokd_executor;
 typedef struct mokd_work mokd_work;
 
@@ -29,6 +31,12 @@ uint64_t mokd_now_ns(void);
 int mokd_executor_create(uv_loop_t *loop, int threads, mokd_executor **out);
 void mokd_executor_queue(mokd_executor *ex, mokd_work *w, mokd_work_cb work,
                          mokd_after_work_cb after_work);
+/* Called on the loop thread for each finished item, before its after_work
+ * (the metrics take the item's timings there). */
+void mokd_executor_observe(mokd_executor *ex, void (*cb)(void *arg, const mokd_work *w),
+                           void *arg);
+/* Work queued and completed, as the loop has seen it (progress.h). */
+const mokd_progress *mokd_executor_progress(const mokd_executor *ex);
 /* Joins the workers (they finish what is queued, and the after_work callbacks
  * run) and closes the async handle; the executor is freed in its close
  * callback. */

@@ -125,9 +125,12 @@ void mokd_log_write(int level, unsigned sub, const char *file, int line, const c
     struct tm tm;
     clock_gettime(CLOCK_REALTIME, &ts);
     localtime_r(&ts.tv_sec, &tm);
-    n = (int)strftime(msg, sizeof msg, "%Y-%m-%d %H:%M:%S", &tm);
-    n += snprintf(msg + n, sizeof msg - (size_t)n, ".%03ld mokd %s [%s] ",
-                  ts.tv_nsec / 1000000, level_names[level], sub_name(sub));
+    /* ISO 8601, local time with its offset: 2026-01-31T09:15:02.118+0100 */
+    n = (int)strftime(msg, sizeof msg, "%Y-%m-%dT%H:%M:%S", &tm);
+    n += snprintf(msg + n, sizeof msg - (size_t)n, ".%03ld", ts.tv_nsec / 1000000);
+    n += (int)strftime(msg + n, sizeof msg - (size_t)n, "%z", &tm);
+    n += snprintf(msg + n, sizeof msg - (size_t)n, " mokd %s [%s] ", level_names[level],
+                  sub_name(sub));
   } else {
     n = snprintf(msg, sizeof msg, "%smokd %s [%s] ", level_prio[level], level_names[level],
                  sub_name(sub));

@@ -1,6 +1,6 @@
 /* log.h - level x subsystem logging to stderr (journald adds the timestamps
- * and keeps the priority prefix; on a terminal, lines carry a local
- * timestamp instead). The macros test the level and subsystem before
+ * and keeps the priority prefix; on a terminal, lines carry a local ISO 8601
+ * timestamp with milliseconds instead). The macros test the level and subsystem before
  * anything is formatted. MOKD_DEBUG / MOKD_DEBUG_SUBSYS set them. */
 #ifndef MOKD_LOG_H
 #define MOKD_LOG_H

@@ -16,6 +16,7 @@
 #include "frame.h"
 #include "gpuid.h"
 #include "idmap.h"
+#include "metrics.h"
 #include "mok.h"
 #include "proto/mokd.pb-c.h"
 #include "registry.h"
@@ -25,6 +26,8 @@ _Static_assert(MOKD__GRAD_MODE__GRAD_BF16 == (int)MOKK_GRAD_BF16 &&
                    MOKD__GRAD_MODE__GRAD_FP32_ACCUM == (int)MOKK_GRAD_FP32_ACCUM,
                "the wire's GradMode and mokk_grad_mode differ");
 _Static_assert(MOKW_IPC_BYTES == MOKK_IPC_BYTES, "IPC handles differ in size");
+
+#define MOKD_JOB_MAX 63 /* bytes of a job id */
 
 typedef struct mokd_server mokd_server;
 typedef struct mokd_refused mokd_refused; /* a refused peer told why (server.c) */
@@ -131,6 +134,10 @@ struct mokd_session {
   uid_t uid;
   gid_t gid;
   char name[4 * 63 + 1]; /* the client_name of Hello, escaped (mokd_log_escape) */
+  char job[MOKD_JOB_MAX + 1]; /* the job_id of Hello (checked: no escaping needed); "" */
+  uint32_t proto;       /* the protocol version chosen at Hello */
+  int op;               /* body of the request being handled (metrics); 0 = none */
+  int probes;           /* Health probes on the executors: the queue waits for them */
   mokw_framer rx;
   mokd_rxfd rxfds[16];
   int nrxfds;
@@ -183,11 +190,19 @@ struct mokd_server {
   uint64_t max_maps;         /* arenas of all sessions: half of vm.max_map_count */
   uint64_t accept_logged_ns; /* when a failed accept was last logged */
   uint64_t accept_failures;  /* since then */
+  mokd_metrics metrics;
+  struct mokd_http *http;    /* the --metrics listener */
+  uint64_t stall_logged_ns;  /* when a stuck executor was last logged */
   uid_t allow_uids[MOKD_MAX_IDS];
   int nallow_uids;
   gid_t allow_gids[MOKD_MAX_IDS];
   int nallow_gids;
 };
+
+/* Every log line about a session names it and its job: LOG_INFO(SESS,
+ * SESS_FMT "closed", SESS_ARGS(s)). */
+#define SESS_FMT "session %llu job %s: "
+#define SESS_ARGS(s) (unsigned long long)(s)->id, (s)->job[0] != 0 ? (s)->job : "-"
 
 /* A request handler: 0 once it has replied (or queued a step that will),
  * else a MOK_* code with the message in err, which dispatch sends back. */
@@ -217,6 +232,9 @@ void mokd_session_fail(mokd_session *s, uint64_t id, int code, const char *msg);
 int mokd_dispatch_fds(const Mokd__Request *q);
 /* Runs queued requests in order until one leaves a step in flight. */
 void mokd_session_pump(mokd_session *s);
+
+/* The op name of a request body ("Forward"), NULL for none. */
+const char *mokd_dispatch_op_name(int body_case);
 
 /* session.c: Hello (placement on a GPU), Stats, Ping */
 int mokd_h_hello(mokd_session *s, const Mokd__Request *q, const int *fds, int nfds, char *err);
@@ -300,7 +318,18 @@ int mokd_result_outputs(mokd_session *s, mokd_result *r, int n, const size_t *by
                         size_t *offs, char *err);
 void mokd_result_free(mokd_session *s, mokd_result *r);
 
+/* admin.c: ListSessions, Evict, Health (protocol 2) */
+int mokd_h_list_sessions(mokd_session *s, const Mokd__Request *q, const int *fds, int nfds,
+                         char *err);
+int mokd_h_evict(mokd_session *s, const Mokd__Request *q, const int *fds, int nfds,
+                 char *err);
+int mokd_h_health(mokd_session *s, const Mokd__Request *q, const int *fds, int nfds,
+                  char *err);
+
 /* server.c */
+/* 0 when every executor makes progress; else how long the worst one has not,
+ * with a sentence saying which in why. */
+uint64_t mokd_server_stuck(mokd_server *srv, char *why, size_t n);
 int mokd_server_start(mokd_server *srv, char *err, size_t errlen);
 void mokd_server_maybe_stop(mokd_server *srv);
 /* Frees the GPUs' released memory whose work has run; polls for the rest. */

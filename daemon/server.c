@@ -13,6 +13,7 @@
 
 #include "executor.h"
 #include "fdpass.h"
+#include "http.h"
 #include "log.h"
 #include "mokd.h"
 #include "notify.h"
@@ -290,10 +291,84 @@ static void on_signal(uv_signal_t *h, int signum)
   mokd_server_drain(srv);
 }
 
+static uint64_t exec_stuck(const mokd_executor *ex, uint64_t now, uint64_t limit)
+{
+  return ex != NULL ? mokd_progress_stuck(mokd_executor_progress(ex), now, limit) : 0;
+}
+
+uint64_t mokd_server_stuck(mokd_server *srv, char *why, size_t n)
+{
+  uint64_t now = mokd_now_ns(), limit = (uint64_t)srv->cfg.stall_timeout_ms * 1000000ull;
+  uint64_t worst = exec_stuck(srv->exec, now, limit);
+  int gpu = -1;
+
+  for (int i = 0; i < srv->ngpus; i++) {
+    uint64_t t = exec_stuck(srv->gpus[i].exec, now, limit);
+    if (t > worst)
+      worst = t, gpu = srv->gpus[i].ordinal;
+  }
+  if (worst != 0) {
+    char which[48] = "the CPU executor";
+    if (gpu >= 0)
+      snprintf(which, sizeof which, "the executor of GPU %d", gpu);
+    snprintf(why, n, "%s has had work for %.1f s without completing any (stall_timeout_ms "
+             "%lld)", which, (double)worst * 1e-9, (long long)srv->cfg.stall_timeout_ms);
+  }
+  return worst;
+}
+
+/* Fed only while the executors make progress (progress.h): a daemon whose
+ * loop spins while its GPU hangs is restarted by systemd. */
 static void on_watchdog(uv_timer_t *t)
 {
-  (void)t;
-  mokd_notify("WATCHDOG=1");
+  mokd_server *srv = t->data;
+  char why[MOK_ERRLEN], msg[MOK_ERRLEN + 16];
+  uint64_t now = mokd_now_ns();
+
+  if (mokd_server_stuck(srv, why, sizeof why) == 0) {
+    mokd_notify("WATCHDOG=1");
+    return;
+  }
+  srv->metrics.watchdog_stalls++;
+  if (srv->stall_logged_ns == 0 || now - srv->stall_logged_ns >= 10000000000ull) {
+    LOG_ERROR(EXEC, "watchdog not fed: %s", why);
+    snprintf(msg, sizeof msg, "STATUS=stuck: %s", why);
+    mokd_notify(msg);
+    srv->stall_logged_ns = now;
+  }
+}
+
+static int render_metrics(void *arg, char **out, size_t *len)
+{
+  return mokd_metrics_render(arg, out, len);
+}
+
+static void observe_step(void *arg, const mokd_work *w)
+{
+  mokd_server *srv = arg;
+  mokd_histogram_observe(&srv->metrics.queue, w->t_start - w->t_queued);
+  mokd_histogram_observe(&srv->metrics.compute, w->t_end - w->t_start);
+}
+
+static int start_metrics(mokd_server *srv, char *err, size_t errlen)
+{
+  const char *addr = srv->cfg.metrics;
+  int rc;
+
+  if (srv->exec != NULL)
+    mokd_executor_observe(srv->exec, observe_step, srv);
+  for (int i = 0; i < srv->ngpus; i++)
+    mokd_executor_observe(srv->gpus[i].exec, observe_step, srv);
+  if (addr[0] == 0)
+    return 0;
+  if (addr[0] == '/' && (rc = clear_stale(addr, err, errlen)) != 0)
+    return rc;
+  if ((rc = mokd_http_start(srv->loop, addr, render_metrics, srv, &srv->http, err, errlen)))
+    return rc;
+  if (addr[0] == '/')
+    chmod(addr, 0660);
+  LOG_INFO(NET, "metrics on %s (GET /metrics)", addr);
+  return 0;
 }
 
 /* Connections that never say Hello would hold their session slots forever:
@@ -308,9 +383,8 @@ static void on_hello_timer(uv_timer_t *t)
     next = s->next;
     if (!s->hello_done && !s->closing && now - s->born_ns >= limit) {
       char msg[128];
-      LOG_INFO(SESS, "session %llu (pid %d uid %u): no Hello within %lld ms; closing",
-               (unsigned long long)s->id, (int)s->pid, (unsigned)s->uid,
-               (long long)srv->cfg.hello_timeout_ms);
+      LOG_INFO(SESS, SESS_FMT "no Hello within %lld ms (pid %d uid %u); closing", SESS_ARGS(s),
+               (long long)srv->cfg.hello_timeout_ms, (int)s->pid, (unsigned)s->uid);
       snprintf(msg, sizeof msg, "no Hello within %lld ms (hello_timeout_ms); closing the "
                "connection", (long long)srv->cfg.hello_timeout_ms);
       mokd_session_fail(s, 0, MOK_EPROTO, msg);
@@ -392,6 +466,15 @@ int mokd_server_start(mokd_server *srv, char *err, size_t errlen)
   uv_signal_start(&srv->sig_term, on_signal, SIGTERM);
   uv_signal_start(&srv->sig_int, on_signal, SIGINT);
   uv_signal_start(&srv->sig_hup, on_signal, SIGHUP);
+  if ((rc = start_metrics(srv, err, errlen)) != 0) {
+    uv_close((uv_handle_t *)&srv->listener, NULL);
+    unlink(path);
+    uv_close((uv_handle_t *)&srv->sig_term, NULL);
+    uv_close((uv_handle_t *)&srv->sig_int, NULL);
+    uv_close((uv_handle_t *)&srv->sig_hup, NULL);
+    srv->listening = 0;
+    return rc;
+  }
   start_hello_timer(srv);
   uv_timer_init(srv->loop, &srv->refused_timer);
   srv->refused_timer.data = srv;
@@ -399,6 +482,7 @@ int mokd_server_start(mokd_server *srv, char *err, size_t errlen)
   uint64_t wd = mokd_notify_watchdog_usec();
   if (wd > 0) {
     uv_timer_init(srv->loop, &srv->watchdog);
+    srv->watchdog.data = srv;
     uv_timer_start(&srv->watchdog, on_watchdog, wd / 2000, wd / 2000);
     srv->watchdog_on = 1;
   }
@@ -460,7 +544,7 @@ static void mokd_server_drain(mokd_server *srv)
 static int any_busy(const mokd_server *srv)
 {
   for (const mokd_session *s = srv->sessions; s != NULL; s = s->next)
-    if (s->busy != NULL)
+    if (s->busy != NULL || s->probes > 0)
       return 1;
   return 0;
 }
@@ -486,6 +570,12 @@ void mokd_server_maybe_stop(mokd_server *srv)
     uv_close((uv_handle_t *)&srv->refused_timer, NULL);
   if (srv->reaper_on)
     uv_close((uv_handle_t *)&srv->reaper, NULL);
+  if (srv->http != NULL) {
+    mokd_http_stop(srv->http);
+    if (srv->cfg.metrics[0] == '/')
+      unlink(srv->cfg.metrics);
+    srv->http = NULL;
+  }
   srv->reaper_on = 0;
   if (srv->exec != NULL)
     mokd_executor_close(srv->exec);

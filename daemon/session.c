@@ -80,6 +80,43 @@ static int place(mokd_session *s, int device, const uint8_t *uuid, char *err)
   return 0;
 }
 
+/* The newest version both speak: the client's range (protocol_version alone
+ * from a client of protocol 1) against the daemon's. */
+static int choose_protocol(const Mokd__Hello *h, uint32_t *out, char *err)
+{
+  uint32_t lo = h->min_protocol ? h->min_protocol : h->protocol_version;
+  uint32_t hi = h->max_protocol ? h->max_protocol : h->protocol_version;
+
+  if (lo == 0 || lo > hi)
+    return mokk_fail(err, MOK_EPROTO, "Hello offers no protocol version (min %u, max %u, "
+                     "protocol_version %u)", h->min_protocol, h->max_protocol,
+                     h->protocol_version);
+  if (hi < MOK_PROTOCOL_MIN || lo > MOK_PROTOCOL_VERSION)
+    return mokk_fail(err, MOK_EPROTO, "client speaks protocol %u to %u; this daemon (mokd %s) "
+                     "speaks %d to %d: upgrade the %s", lo, hi, MOKD_VERSION, MOK_PROTOCOL_MIN,
+                     MOK_PROTOCOL_VERSION, hi < MOK_PROTOCOL_MIN ? "client" : "daemon");
+  *out = hi < MOK_PROTOCOL_VERSION ? hi : MOK_PROTOCOL_VERSION;
+  return 0;
+}
+
+/* A job id goes into logs, metrics labels and mokctl's table as it is:
+ * what a scheduler uses (SLURM_JOB_ID 1234, 1234_7, k8s names) and no more. */
+static int check_job(const char *job, char *err)
+{
+  size_t n = strlen(job);
+  if (n > MOKD_JOB_MAX)
+    return mokk_fail(err, MOK_EINVAL, "job_id is %zu bytes; at most %d (MOKD_JOB_ID, "
+                     "SLURM_JOB_ID)", n, MOKD_JOB_MAX);
+  for (size_t i = 0; i < n; i++) {
+    char c = job[i];
+    if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+          strchr("._:@+-", c) != NULL))
+      return mokk_fail(err, MOK_EINVAL, "job_id has byte 0x%02x at %zu; a job id is letters, "
+                       "digits and ._:@+- (MOKD_JOB_ID, SLURM_JOB_ID)", (unsigned char)c, i);
+  }
+  return 0;
+}
+
 int mokd_h_hello(mokd_session *s, const Mokd__Request *q, const int *fds, int nfds, char *err)
 {
   const Mokd__Hello *h = q->hello;
@@ -94,9 +131,9 @@ int mokd_h_hello(mokd_session *s, const Mokd__Request *q, const int *fds, int nf
   (void)fds, (void)nfds;
   if (s->hello_done)
     return mokk_fail(err, MOK_EPROTO, "this session has said Hello already");
-  if (h->protocol_version != MOK_PROTOCOL_VERSION)
-    return mokk_fail(err, MOK_EPROTO, "client speaks protocol %u; this daemon speaks %d",
-                     h->protocol_version, MOK_PROTOCOL_VERSION);
+  if ((rc = choose_protocol(h, &s->proto, err)) != 0 ||
+      (h->job_id != NULL && (rc = check_job(h->job_id, err)) != 0))
+    return rc;
   if (h->device_uuid.len != 0) {
     if (h->device_uuid.len != MOKW_UUID_BYTES)
       return mokk_fail(err, MOK_EINVAL, "Hello's device_uuid holds %zu bytes; a GPU UUID has "
@@ -109,16 +146,16 @@ int mokd_h_hello(mokd_session *s, const Mokd__Request *q, const int *fds, int nf
   if ((rc = place(s, h->device - 1, uuid, err))) /* the wire: ordinal + 1, 0 = any */
     return rc;
   mokd_log_escape(h->client_name != NULL ? h->client_name : "", 63, s->name);
+  snprintf(s->job, sizeof s->job, "%s", h->job_id != NULL ? h->job_id : "");
   s->hello_done = 1;
-  LOG_INFO(SESS, "session %llu: hello from \"%s\" (pid %d uid %u gid %u)",
-           (unsigned long long)s->id, s->name, (int)s->pid, (unsigned)s->uid,
-           (unsigned)s->gid);
+  LOG_INFO(SESS, SESS_FMT "hello from \"%s\" (pid %d uid %u gid %u, protocol %u)",
+           SESS_ARGS(s), s->name, (int)s->pid, (unsigned)s->uid, (unsigned)s->gid, s->proto);
   lim.max_frame_bytes = (uint32_t)srv->cfg.max_frame_bytes;
   lim.max_arena_bytes = (uint64_t)srv->cfg.max_arena_bytes;
   lim.session_quota_bytes = (uint64_t)srv->cfg.session_quota_bytes;
   lim.session_gpu_quota_bytes = (uint64_t)srv->cfg.session_gpu_quota_bytes;
   lim.max_layers = (uint32_t)srv->cfg.max_layers;
-  w.protocol_version = MOK_PROTOCOL_VERSION;
+  w.protocol_version = s->proto;
   w.daemon_version = (char *)MOKD_VERSION;
   w.backend = (char *)mokk_backend_name(srv->backend);
   w.limits = &lim;

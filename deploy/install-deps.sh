@@ -3,10 +3,13 @@
 # what make fuzz needs). Idempotent: it asks dpkg first and only calls apt-get
 # for what is missing (through sudo when not root).
 # libopenblas0-pthread gives numpy (the CPU benchmark baseline) a real BLAS.
+# curl scrapes the metrics listener in the tests; python3-yaml and shellcheck
+# check deploy/k8s and deploy/slurm.
 set -euo pipefail
 
 pkgs=(libuv1-dev libprotobuf-c-dev protobuf-c-compiler check pkg-config
-      libsystemd-dev libinih-dev python3-numpy libopenblas0-pthread)
+      libsystemd-dev libinih-dev python3-numpy libopenblas0-pthread
+      curl python3-yaml shellcheck)
 # --fuzz: also clang and its runtimes (libFuzzer, ASan, UBSan) for make fuzz
 if [ "${1:-}" = "--fuzz" ]; then
   pkgs+=(clang libclang-rt-dev)

@@ -97,6 +97,11 @@ int mokk_backend_reap(mokk_backend *b, int wait)
   return b != NULL && b->iface->reap != NULL ? b->iface->reap(b, wait) : 0;
 }
 
+int mokk_backend_check(mokk_backend *b, char *err)
+{
+  return b->iface->check != NULL ? b->iface->check(b, err) : 0;
+}
+
 int mokk_step_begin(mokk_backend *b, mokk_events **ev, const void *ready, char *err)
 {
   int rc;

@@ -85,6 +85,9 @@ int mokk_buffer_release(mokk_backend *b, mokk_buffer *buf, char *err);
 /* Frees the released buffers whose work has run; wait != 0 waits for the
  * device first (shutdown). Returns how many still wait. */
 int mokk_backend_reap(mokk_backend *b, int wait);
+/* Whether the backend still works (no sticky device error), on the thread
+ * that runs its steps: 0, or a MOK_* code with what broke in err. */
+int mokk_backend_check(mokk_backend *b, char *err);
 
 /* ---- ordering with a client process (no host waits) --------------------- */
 

@@ -256,7 +256,7 @@ START_TEST(help_and_version_exit)
   char out[16384];
   char *argv[] = {"mokd", "--version"};
   ck_assert_int_eq(load_quietly(2, argv, out, sizeof out), MOKD_CONFIG_EXIT);
-  ck_assert_str_eq(out, "mokd " MOKD_VERSION " (protocol 1)\n");
+  ck_assert_str_eq(out, "mokd " MOKD_VERSION " (protocol 1 to 2)\n");
   char *argv2[] = {"mokd", "--help"};
   ck_assert_int_eq(load_quietly(2, argv2, out, sizeof out), MOKD_CONFIG_EXIT);
   ck_assert_msg(strncmp(out, "usage: mokd [options]\n", 22) == 0, "%.200s", out);
@@ -330,7 +330,8 @@ static void log_one_line_to(int fd)
 START_TEST(terminal_lines_carry_a_timestamp)
 {
   char line[256] = "";
-  int y, mo, d, h, mi, sec, ms, n = 0;
+  int y, mo, d, h, mi, sec, ms, off, n = 0;
+  char sign;
   int master = posix_openpt(O_RDWR | O_NOCTTY), tty;
   ck_assert_int_ge(master, 0);
   ck_assert_int_eq(grantpt(master), 0);
@@ -339,8 +340,9 @@ START_TEST(terminal_lines_carry_a_timestamp)
   ck_assert_int_ge(tty, 0);
   log_one_line_to(tty);
   ck_assert_int_gt(read(master, line, sizeof line - 1), 0);
-  ck_assert_msg(sscanf(line, "%4d-%2d-%2d %2d:%2d:%2d.%3d mokd info [init] ready%n", &y, &mo, &d,
-                       &h, &mi, &sec, &ms, &n) == 7 && n > 0,
+  ck_assert_msg(sscanf(line, "%4d-%2d-%2dT%2d:%2d:%2d.%3d%c%4d mokd info [init] ready%n", &y,
+                       &mo, &d, &h, &mi, &sec, &ms, &sign, &off, &n) == 9 && n > 0 &&
+                    (sign == '+' || sign == '-'),
                 "terminal line: %s", line);
   close(tty);
   close(master);

@@ -353,9 +353,10 @@ START_TEST(mokctl_flag_errors)
     {"--socket %s bench --H 16777216 --I 16777216 --E 16777216",
      "mokctl: bench: layer T=1024 H=16777216 I=16777216 E=16777216 K=2 I_s=0: its tensors "
      "need more than 2^64 bytes\n"},
-    {"--socket %s", "mokctl: no command given; one of ping, status, stats, bench\n"},
+    {"--socket %s", "mokctl: no command given; one of ping, status, stats, bench, health, "
+                    "sessions, evict\n"},
     {"--socket %s pong", "mokctl: unknown command \"pong\"; one of ping, status, stats, "
-                        "bench\n"},
+                        "bench, health, sessions, evict\n"},
   };
   char out[4096];
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {

@@ -111,6 +111,83 @@ START_TEST(hello_comes_first)
 }
 END_TEST
 
+/* Hello of a client that speaks only `version` (as clients of protocol 1
+ * do: no range), or the range [lo, hi]; the reply. */
+static Mokd__Response *hello_range(int fd, uint32_t version, uint32_t lo, uint32_t hi)
+{
+  Mokd__Request req = MOKD__REQUEST__INIT;
+  Mokd__Hello h = MOKD__HELLO__INIT;
+  h.protocol_version = version, h.min_protocol = lo, h.max_protocol = hi;
+  h.client_name = "old";
+  req.id = 1, req.body_case = MOKD__REQUEST__BODY_HELLO, req.hello = &h;
+  raw_request(fd, &req, -1);
+  Mokd__Response *r = raw_reply(fd);
+  ck_assert_ptr_nonnull(r);
+  return r;
+}
+
+START_TEST(protocol_versions_are_negotiated)
+{
+  /* an older client: protocol 1 alone, no range, no job id */
+  int fd = raw_connect();
+  Mokd__Response *r = hello_range(fd, 1, 0, 0);
+  ck_assert_int_eq(r->status, 0);
+  ck_assert_int_eq(r->body_case, MOKD__RESPONSE__BODY_WELCOME);
+  ck_assert_uint_eq(r->welcome->protocol_version, 1);
+  mokd__response__free_unpacked(r, NULL);
+  Mokd__Request req = MOKD__REQUEST__INIT;
+  Mokd__Ping p = MOKD__PING__INIT;
+  req.id = 2, req.body_case = MOKD__REQUEST__BODY_PING, req.ping = &p;
+  raw_request(fd, &req, -1); /* what protocol 1 had works */
+  r = raw_reply(fd);
+  ck_assert(r != NULL && r->status == 0 && r->body_case == MOKD__RESPONSE__BODY_PONG);
+  mokd__response__free_unpacked(r, NULL);
+  Mokd__Health hq = MOKD__HEALTH__INIT;
+  req.id = 3, req.body_case = MOKD__REQUEST__BODY_HEALTH, req.health = &hq;
+  raw_request(fd, &req, -1); /* what came later is refused, saying why */
+  expect_status(fd, MOK_EPROTO, "Health needs protocol 2; this session chose 1 at Hello "
+                "(upgrade the client)");
+  close(fd);
+
+  /* a range reaching past ours: the newest both speak */
+  fd = raw_connect();
+  r = hello_range(fd, 9, 1, 9);
+  ck_assert_int_eq(r->status, 0);
+  ck_assert_uint_eq(r->welcome->protocol_version, MOK_PROTOCOL_VERSION);
+  mokd__response__free_unpacked(r, NULL);
+  close(fd);
+
+  /* ranges it cannot serve, either side */
+  fd = raw_connect();
+  r = hello_range(fd, 7, 5, 7);
+  ck_assert_int_eq(r->status, MOK_EPROTO);
+  ck_assert_str_eq(r->message, "client speaks protocol 5 to 7; this daemon (mokd 0.1.0) "
+                   "speaks 1 to 2: upgrade the daemon");
+  mokd__response__free_unpacked(r, NULL);
+  close(fd);
+  fd = raw_connect();
+  r = hello_range(fd, 0, 3, 2);
+  ck_assert_int_eq(r->status, MOK_EPROTO);
+  ck_assert_str_eq(r->message, "Hello offers no protocol version (min 3, max 2, "
+                   "protocol_version 0)");
+  mokd__response__free_unpacked(r, NULL);
+  close(fd);
+
+  /* a newer client's Hello with a field this daemon does not know (field
+   * 15 = 1) is still answered */
+  fd = raw_connect();
+  static const uint8_t newer[] = {10, 0, 0, 0, 0x08, 0x01, 0x52, 0x06, 0x08, 0x02,
+                                  0x28, 0x02, 0x78, 0x01};
+  raw_send(fd, newer, sizeof newer, -1);
+  r = raw_reply(fd);
+  ck_assert(r != NULL && r->status == 0 && r->body_case == MOKD__RESPONSE__BODY_WELCOME);
+  ck_assert_uint_eq(r->welcome->protocol_version, 2);
+  mokd__response__free_unpacked(r, NULL);
+  close(fd);
+  still_serving();
+}
+END_TEST
+
 /* A forward on a real layer with one tensor broken by `mutate`. */
 static void bad_forward(void (*mutate)(Mokd__Forward *, uint64_t), int code,
                         const char *needle)
@@ -437,6 +514,7 @@ Suite *daemon_wire_suite(void)
   tcase_add_test(tc, unknown_body_and_no_body);
   tcase_add_test(tc, unknown_field_zero_is_refused);
   tcase_add_test(tc, hello_comes_first);
+  tcase_add_test(tc, protocol_versions_are_negotiated);
   tcase_add_test(tc, valid_raw_forward_runs);
   tcase_add_test(tc, wrong_dtype_is_refused);
   tcase_add_test(tc, offset_out_of_range_is_refused);

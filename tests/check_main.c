@@ -13,6 +13,7 @@ int main(void)
   srunner_add_suite(sr, config_suite());
   srunner_add_suite(sr, registry_suite());
   srunner_add_suite(sr, idmap_suite());
+  srunner_add_suite(sr, ops_suite());
   srunner_add_suite(sr, paths_suite());
   srunner_add_suite(sr, mokctl_suite());
   srunner_add_suite(sr, gpuid_suite());

@@ -3,6 +3,7 @@
  * exits with 2; check_daemon runs the binary for a few of them). */
 #include <stdarg.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "mokctl_opts.h"
 #include "ref.h"
@@ -59,6 +60,16 @@ START_TEST(defaults_and_every_flag)
   ck_assert_int_eq(o.cmd, MOKCTL_STATUS);
   ck_assert_int_eq(parse(&o, err, "stats", (char *)NULL), 0);
   ck_assert_int_eq(o.cmd, MOKCTL_STATS);
+  ck_assert_int_eq(parse(&o, err, "sessions", (char *)NULL), 0);
+  ck_assert_int_eq(o.cmd, MOKCTL_SESSIONS);
+  ck_assert_int_eq(parse(&o, err, "health", (char *)NULL), 0);
+  ck_assert(o.cmd == MOKCTL_HEALTH && o.timeout_s == 10);
+  ck_assert_int_eq(parse(&o, err, "health", "--timeout", "3", (char *)NULL), 0);
+  ck_assert_int_eq(o.timeout_s, 3);
+  ck_assert_int_eq(parse(&o, err, "evict", "--job", "1234_7", (char *)NULL), 0);
+  ck_assert(o.cmd == MOKCTL_EVICT && strcmp(o.job, "1234_7") == 0 && o.session == 0);
+  ck_assert_int_eq(parse(&o, err, "evict", "--session=42", "--timeout", "1", (char *)NULL), 0);
+  ck_assert(o.job == NULL && o.session == 42 && o.timeout_s == 1);
 }
 END_TEST
 
@@ -96,14 +107,24 @@ END_TEST
 
 START_TEST(commands_and_arguments)
 {
-  REFUSED("no command given; one of ping, status, stats, bench", "--socket", "/tmp/a.sock");
-  REFUSED("unknown command \"pong\"; one of ping, status, stats, bench", "pong");
+  REFUSED("no command given; one of ping, status, stats, bench, health, sessions, evict",
+          "--socket", "/tmp/a.sock");
+  REFUSED("unknown command \"pong\"; one of ping, status, stats, bench, health, sessions, "
+          "evict", "pong");
   REFUSED("ping: unexpected argument \"now\"", "ping", "now");
   REFUSED("bench: unexpected argument \"fast\"", "bench", "--T", "4", "fast");
   REFUSED("unknown option \"--T\"", "--T", "4", "bench");
   REFUSED("unknown option \"-x\"", "-x", "ping");
   REFUSED("bench: unknown option \"--tokens\"", "bench", "--tokens=4");
   REFUSED("stats: unknown option \"--T\"", "stats", "--T", "4");
+  REFUSED("evict: name exactly one of --job ID and --session N", "evict");
+  REFUSED("evict: name exactly one of --job ID and --session N", "evict", "--job", "7",
+          "--session", "3");
+  REFUSED("evict: --job: the job id is empty", "evict", "--job", "");
+  REFUSED("--session: \"x\" is not a whole number", "evict", "--session", "x");
+  REFUSED("--timeout: 0 is out of range; it must be in [1, 3600]", "health", "--timeout", "0");
+  REFUSED("health: unknown option \"--job\"", "health", "--job", "7");
+  REFUSED("sessions: unexpected argument \"all\"", "sessions", "all");
 }
 END_TEST
 

@@ -97,6 +97,7 @@ Suite *frame_suite(void);
 Suite *config_suite(void);
 Suite *registry_suite(void);
 Suite *idmap_suite(void);
+Suite *ops_suite(void);
 Suite *paths_suite(void);
 Suite *mokctl_suite(void);
 Suite *gpuid_suite(void);

@@ -20,7 +20,15 @@
 extern "C" {
 #endif
 
-#define MOK_PROTOCOL_VERSION 1
+/* The protocol versions this libmok speaks (Hello offers the range; the
+ * daemon picks the newest both speak). 2: job ids, ListSessions, Evict, Health,
+ * GPUs named by UUID, Backward.weights. */
+#define MOK_PROTOCOL_VERSION 2
+#define MOK_PROTOCOL_MIN 1
+/* libmok's own version (libmok.so.0.MINOR.PATCH; the soname changes with MAJOR) */
+#define MOK_VERSION_MAJOR 0
+#define MOK_VERSION_MINOR 2
+#define MOK_VERSION_PATCH 0
 #define MOK_MAX_DIMS 4
 /* A GPU UUID as nvidia-smi -L prints it, with its NUL */
 #define MOK_UUID_STRLEN 41
@@ -145,6 +153,35 @@ const mok_welcome *mok_server_info(const mok_client *c);
 
 int mok_ping(mok_client *c, uint64_t *rtt_ns);
 int mok_stats_get(mok_client *c, mok_stats *out);
+
+/* The version of the libmok that is loaded, "MAJOR.MINOR.PATCH" (which may
+ * differ from the header's MOK_VERSION_*); each part, when not NULL. */
+const char *mok_version(int *major, int *minor, int *patch);
+
+/* Operators (protocol 2). A session as the daemon sees it. */
+typedef struct mok_session_info {
+  uint64_t id;
+  int32_t pid;
+  uint32_t uid, gid;
+  char client_name[256]; /* escaped as the daemon's log writes it */
+  char job_id[64];       /* Hello's job id: $MOKD_JOB_ID, else $SLURM_JOB_ID; "" = none */
+  int device;            /* CUDA ordinal; -1 = cpu backend */
+  uint64_t arena_bytes, context_bytes, gpu_bytes;
+  uint64_t contexts, layers, requests;
+  uint64_t age_ns;
+} mok_session_info;
+
+/* The sessions connected (only the caller's uid's unless the caller is root
+ * or the daemon's uid), in *out (free() it) and *n. */
+int mok_sessions(mok_client *c, mok_session_info **out, size_t *n);
+/* Closes every session of job_id (or the session `session` when not 0) and
+ * frees what they hold; root or the daemon's uid only (MOK_EPERM). *count
+ * (when not NULL): the sessions closed. */
+int mok_evict(mok_client *c, const char *job_id, uint64_t session, uint32_t *count);
+/* Whether the daemon is ready: a round trip through each of its executors and
+ * backends worked and none is stuck. *ready 1 or 0, why not in reason. */
+int mok_health(mok_client *c, int *ready, char *reason, size_t reason_len,
+               uint64_t *round_trip_ns);
 
 /* A daemon-created arena, mapped here: a memfd on the CPU backend, GPU memory
  * (a cuMem allocation, rounded up to the GPU's granularity) on the CUDA

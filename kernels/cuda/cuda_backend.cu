@@ -167,7 +167,18 @@ static void cuda_destroy(mokk_backend *b)
   free(cb);
 }
 
-/* forward and backward are cuda_moe.cu's */
+/* A sticky error (an illegal address, a kernel that trapped) poisons the
+ * context: every later call returns it. cudaStreamQuery says so without
+ * waiting for the stream. */
+static int cuda_check(mokk_backend *b, char *err)
+{
+  cudaError_t e = cudaStreamQuery(((cuda_backend *)b)->stream);
+  if (e == cudaSuccess || e == cudaErrorNotReady)
+    return 0;
+  return mokk_fail(err, MOK_EDEVICE, "CUDA device %d: %s (%s); restart mokd", b->device,
+                   cudaGetErrorString(e), cudaGetErrorName(e));
+}
+
 static uint64_t cuda_mem_total(const mokk_backend *b)
 {
   cudaDeviceProp p;
@@ -176,10 +187,26 @@ static uint64_t cuda_mem_total(const mokk_backend *b)
   return (uint64_t)p.totalGlobalMem;
 }
 
+/* forward and backward are cuda_moe.cu's. Designated, in the order of
+ * kernels/backend_impl.h (C++ refuses any other), so an entry added there
+ * cannot shift the others into the wrong slots. */
 static const mokk_backend_iface cuda_iface = {
-    "cuda", cuda_forward_entry, cuda_backward_entry, cuda_ctx_free, cuda_ctx_bytes,
-    cuda_destroy, cuda_buffer_alloc, cuda_buffer_import, cuda_buffer_release, cuda_reap,
-    cuda_mem_total, cuda_events_new, cuda_events_free, cuda_step_begin, cuda_step_end,
+    .name = "cuda",
+    .forward = cuda_forward_entry,
+    .backward = cuda_backward_entry,
+    .ctx_free = cuda_ctx_free,
+    .ctx_bytes = cuda_ctx_bytes,
+    .destroy = cuda_destroy,
+    .buffer_alloc = cuda_buffer_alloc,
+    .buffer_import = cuda_buffer_import,
+    .buffer_release = cuda_buffer_release,
+    .reap = cuda_reap,
+    .mem_total = cuda_mem_total,
+    .events_new = cuda_events_new,
+    .events_free = cuda_events_free,
+    .step_begin = cuda_step_begin,
+    .step_end = cuda_step_end,
+    .check = cuda_check,
 };
 
 extern "C" int mokk_cuda_devices(char *err)

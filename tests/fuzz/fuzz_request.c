@@ -178,8 +178,8 @@ static void settle(int client, mokw_framer *rx)
       drain(client, rx);
     if (s == NULL)
       return;
-    if (s->busy != NULL) {
-      uv_run(&loop, UV_RUN_ONCE); /* the step's completion */
+    if (s->busy != NULL || s->probes > 0) {
+      uv_run(&loop, UV_RUN_ONCE); /* the step's (or a health probe's) completion */
       continue;
     }
     if (s->parked)

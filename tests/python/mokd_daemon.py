@@ -11,12 +11,12 @@ MOKD = os.environ.get("MOKD_BIN", "build/mokd")
 
 
 class Daemon:
-    def __init__(self, prefix):
+    def __init__(self, prefix, args=()):
         self.dir = tempfile.mkdtemp(prefix=prefix)
         self.sock = os.path.join(self.dir, "mokd.sock")
         self.log = open(os.path.join(self.dir, "mokd.log"), "w")
         self.proc = subprocess.Popen([MOKD, "--socket", self.sock, "--config", "/dev/null",
-                                      "--cpu-threads", "2"], stderr=self.log)
+                                      "--cpu-threads", "2", *args], stderr=self.log)
         for _ in range(400):
             if os.path.exists(self.sock):
                 try:
