@@ -503,6 +503,35 @@ START_TEST(bad_gpu_uuid_is_refused)
 }
 END_TEST
 
+/* A Hello of protocol 2 carries both a version range with a job id and a GPU
+ * UUID: the version is chosen first, and the UUID still places the session */
+START_TEST(hello_range_job_and_uuid_together)
+{
+  uint8_t sixteen[16] = {0};
+  Mokd__Request req = MOKD__REQUEST__INIT;
+  Mokd__Hello h = MOKD__HELLO__INIT;
+  int fd = raw_connect();
+  h.protocol_version = 7, h.min_protocol = 5, h.max_protocol = 7;
+  h.job_id = "4242";
+  h.device_uuid.data = sixteen, h.device_uuid.len = sizeof sixteen;
+  req.id = 1, req.body_case = MOKD__REQUEST__BODY_HELLO, req.hello = &h;
+  raw_request(fd, &req, -1);
+  expect_status(fd, MOK_EPROTO, "client speaks protocol 5 to 7");
+  h.protocol_version = MOK_PROTOCOL_VERSION, h.min_protocol = 1;
+  h.max_protocol = MOK_PROTOCOL_VERSION;
+  raw_request(fd, &req, -1);
+  expect_status(fd, MOK_EDEVICE, "it has no GPU GPU-00000000-0000-0000-0000-000000000000");
+  h.device_uuid.len = 0;
+  raw_request(fd, &req, -1);
+  Mokd__Response *r = raw_reply(fd);
+  ck_assert(r != NULL && r->status == 0 && r->body_case == MOKD__RESPONSE__BODY_WELCOME);
+  ck_assert_uint_eq(r->welcome->protocol_version, MOK_PROTOCOL_VERSION);
+  ck_assert_uint_eq(r->welcome->session_device_uuid.len, 0);
+  mokd__response__free_unpacked(r, NULL);
+  close(fd);
+}
+END_TEST
+
 Suite *daemon_wire_suite(void)
 {
   Suite *s = suite_create("daemon_wire");
@@ -525,6 +554,7 @@ Suite *daemon_wire_suite(void)
   tcase_add_test(tc, busy_arena_counts_contexts);
   tcase_add_test(tc, device_on_cpu_backend_is_refused);
   tcase_add_test(tc, bad_gpu_uuid_is_refused);
+  tcase_add_test(tc, hello_range_job_and_uuid_together);
   tcase_add_test(tc, client_name_is_logged_escaped);
   suite_add_tcase(s, tc);
   return s;
