@@ -1008,8 +1008,8 @@ static int read_status(mok_client *c, const mok_tensor *status)
   if ((rc = mok_tensor_read(c, status, &v)) != 0)
     return rc;
   if (v == MOK_EEXPERT)
-    return fail(c, MOK_EEXPERT, "topk_ids held an expert id outside [0, E); the GPU dropped "
-                "those pairs");
+    return fail(c, MOK_EEXPERT, "topk_ids held an expert id outside [0, E) other than -1 "
+                "(no route); the GPU dropped those pairs");
   if (v != 0)
     return fail(c, v < 0 ? v : MOK_EPROTO, "the step reported status %d", (int)v);
   return 0;

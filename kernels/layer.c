@@ -248,16 +248,22 @@ int mokk_plan_build(mokk_plan *plan, const mokk_shape *s, int64_t T,
 
   /* counts per (source rank, expert); the same exchange a real dispatch makes.
    * Each id is read once, into slot[]: the ids may lie in memory a client
-   * shares and writes, and the id that was checked must be the one placed. */
+   * shares and writes, and the id that was checked must be the one placed.
+   * MOKK_NO_ROUTE drops its pair: no row, slot -1. */
   for (int64_t r = 0; r < P; r++) {
     const int32_t *ids = topk_ids[r];
     for (int64_t i = 0; i < T * K; i++) {
       int32_t e = ((const volatile int32_t *)ids)[i];
+      if (e == MOKK_NO_ROUTE) {
+        plan->slot[r * T * K + i] = -1;
+        continue;
+      }
       if (e < 0 || e >= E) {
         free(cursor);
         mokk_plan_free(plan);
         return mokk_fail(err, MOK_EEXPERT,
-                         "rank %lld token %lld k %lld: expert id %d is outside [0, %lld)",
+                         "rank %lld token %lld k %lld: expert id %d is outside [0, %lld) "
+                         "(-1: no route)",
                          (long long)r, (long long)(i / K), (long long)(i % K), (int)e,
                          (long long)E);
       }
@@ -285,7 +291,10 @@ int mokk_plan_build(mokk_plan *plan, const mokk_shape *s, int64_t T,
     cursor[e] = plan->seg_start[e];
   for (int64_t r = 0; r < P; r++) {
     for (int64_t i = 0; i < T * K; i++) {
-      int64_t e = plan->slot[r * T * K + i], owner = e / El, row = cursor[e]++;
+      int64_t e = plan->slot[r * T * K + i];
+      if (e < 0)
+        continue;
+      int64_t owner = e / El, row = cursor[e]++;
       plan->slot[r * T * K + i] = row;
       plan->src[plan->recv_base[owner] + row] = r * T * K + i;
     }

@@ -16,6 +16,10 @@ extern "C" {
 /* Largest single dimension accepted; keeps every index product inside int64. */
 #define MOKK_DIM_MAX (1 << 24)
 
+/* The expert id of a pair with no route, as DeepEP and Megatron mark one: the
+ * pair is absent. It adds nothing to out and its d_topk_weights is 0. */
+#define MOKK_NO_ROUTE (-1)
+
 typedef struct mokk_shape {
   int64_t H;          /* hidden size */
   int64_t I;          /* routed expert intermediate size */
@@ -45,7 +49,7 @@ typedef enum {
 /* One EP rank's part of a forward step. */
 typedef struct mokk_fwd_rank {
   const uint16_t *x;          /* [T, H] bf16 */
-  const int32_t *topk_ids;    /* [T, K] global expert ids */
+  const int32_t *topk_ids;    /* [T, K] global expert ids, or MOKK_NO_ROUTE */
   const float *topk_weights;  /* [T, K] */
   const uint16_t *w[MOKK_NWEIGHTS];
   uint16_t *out;              /* [T, H] bf16 */
@@ -76,9 +80,11 @@ typedef struct mokk_plan {
   int64_t *seg_rows;   /* [E]       rows of expert e, all ranks together */
   int64_t *seg_start;  /* [E]       first row of e in its owner's receive buffer */
   int64_t *recv_rows;  /* [P]       rows each rank receives */
-  int64_t *recv_base;  /* [P + 1]   where rank p's rows start in src[] */
-  int64_t *slot;       /* [P*T*K]   row in the owner's receive buffer, per global pair */
-  int64_t *src;        /* [P*T*K]   global pair index, per row, ranks concatenated */
+  int64_t *recv_base;  /* [P + 1]   where rank p's rows start in src[]; recv_base[P]:
+                        *           the routed pairs (pairs with no route have no row) */
+  int64_t *slot;       /* [P*T*K]   row in the owner's receive buffer, per global pair;
+                        *           -1 for a pair with no route */
+  int64_t *src;        /* [recv_base[P]] global pair index, per row, ranks concatenated */
 } mokk_plan;
 
 int mokk_shape_check(const mokk_shape *s, char *err);

@@ -121,6 +121,91 @@ static void same_bits(const void *a, const void *b, int64_t n, size_t size, cons
   ck_assert_msg(memcmp(a, b, (size_t)n * size) == 0, "%s differs", what);
 }
 
+START_TEST(pairs_with_no_route_match_the_reference)
+{
+  backward_matches((mokk_shape){.H = 40, .I = 24, .E = 6, .K = 3, .I_s = 16, .P = 1},
+                   90, ROUTE_DROPS, 16, MOKK_GRAD_BF16);
+  backward_matches((mokk_shape){.H = 37, .I = 19, .E = 8, .K = 2, .I_s = 0, .P = 1,
+                                .swiglu_limit = 0.5f},
+                   120, ROUTE_DROPS, 17, MOKK_GRAD_FP32_ACCUM);
+}
+END_TEST
+
+/* id -1 (no route) means the pair is absent. out and d_x are then the bits
+ * of the step that routes the pair to an expert with weight 0 (whose terms
+ * are exact zeros), d_topk_weights is the same at every routed pair and +0
+ * at the dropped ones; a token with no route at all gets out = its shared
+ * expert (0 without one). Bitwise the same over 1, 2 and 4 EP ranks and any
+ * thread count, weight gradients included. */
+START_TEST(no_route_is_an_absent_pair)
+{
+  mokk_shape s = {.H = 32, .I = 24, .E = 8, .K = 3, .I_s = 16, .P = 1};
+  mokk_backend *b, *b1;
+  moe_case c, z;
+  moe_out od, oz, op;
+  const float zero = 0.0f;
+  int64_t T = 88, H = s.H, K = s.K;
+
+  ck_assert_int_eq(mokk_cpu_create(3, &b, err), 0);
+  ck_assert_int_eq(mokk_cpu_create(1, &b1, err), 0);
+  for (int shared = 0; shared < 2; shared++) {
+    s.I_s = shared ? 16 : 0;
+    case_make(&c, &s, T, 18, ROUTE_DROPS);
+    case_make(&z, &s, T, 18, ROUTE_DROPS);
+    for (int64_t i = 0; i < T * K; i++)
+      if (z.ids[i] == MOKK_NO_ROUTE) {
+        z.ids[i] = (int32_t)(i % s.E);
+        z.tw[i] = 0.0f;
+      }
+    ck_assert_msg(case_run(b, &c, 1, 1, MOKK_GRAD_BF16, 0, &od, err) == 0, "%s", err);
+    ck_assert_msg(case_run(b, &z, 1, 1, MOKK_GRAD_BF16, 0, &oz, err) == 0, "%s", err);
+    same_bits(od.out, oz.out, T * H, 2, "out");
+    same_bits(od.d_x, oz.d_x, T * H, 2, "d_x");
+    for (int64_t i = 0; i < T * K; i++) {
+      if (c.ids[i] == MOKK_NO_ROUTE)
+        same_bits(&od.d_tw[i], &zero, 1, sizeof(float), "d_topk_weights of a dropped pair");
+      else
+        same_bits(&od.d_tw[i], &oz.d_tw[i], 1, sizeof(float), "d_topk_weights");
+    }
+    for (int64_t t = 3; t < T; t += 11) /* every pair of these tokens is dropped */
+      for (int64_t j = 0; j < H; j++)
+        if (!shared)
+          ck_assert_uint_eq(od.out[t * H + j], 0);
+    for (int64_t P = 1; P <= 4; P *= 2) {
+      ck_assert_msg(case_run(P == 1 ? b1 : b, &c, P, 1, MOKK_GRAD_BF16, 0, &op, err) == 0,
+                    "%s", err);
+      same_bits(od.out, op.out, T * H, 2, "out over P ranks");
+      same_bits(od.d_x, op.d_x, T * H, 2, "d_x over P ranks");
+      same_bits(od.d_tw, op.d_tw, T * K, sizeof(float), "d_topk_weights over P ranks");
+      for (int w = 0; w < MOKK_NWEIGHTS; w++)
+        same_bits(od.g_bf16[w], op.g_bf16[w], case_weight_elems(&c, w), 2,
+                  wname[w]);
+      out_free(&op);
+    }
+    out_free(&od), out_free(&oz);
+    case_free(&c), case_free(&z);
+  }
+  /* every pair dropped: no rows at all */
+  s.I_s = 0;
+  case_make(&c, &s, 8, 19, ROUTE_RANDOM);
+  for (int64_t i = 0; i < 8 * K; i++)
+    c.ids[i] = MOKK_NO_ROUTE;
+  ck_assert_msg(case_run(b, &c, 1, 1, MOKK_GRAD_BF16, 0, &od, err) == 0, "%s", err);
+  for (int64_t i = 0; i < 8 * H; i++) {
+    ck_assert_uint_eq(od.out[i], 0);
+    ck_assert_uint_eq(od.d_x[i], 0);
+  }
+  for (int64_t i = 0; i < 8 * K; i++)
+    same_bits(&od.d_tw[i], &zero, 1, sizeof(float), "d_topk_weights");
+  for (int w = 0; w < MOKK_S_GATE; w++)
+    for (int64_t i = 0; i < case_weight_elems(&c, w); i++)
+      ck_assert_uint_eq(od.g_bf16[w][i], 0);
+  out_free(&od), case_free(&c);
+  mokk_backend_destroy(b);
+  mokk_backend_destroy(b1);
+}
+END_TEST
+
 /* FSDP frees its gathered weights after the forward and gathers them again,
  * elsewhere, before the backward: a backward told where they are now gives
  * the bits of one that reads them where the forward did (while the forward's
@@ -239,6 +324,8 @@ Suite *backward_suite(void)
   tcase_add_test(tc, odd_sizes_empty_experts);
   tcase_add_test(tc, bf16_mode_is_rounded_fp32_mode);
   tcase_add_test(tc, backward_reads_moved_weights);
+  tcase_add_test(tc, pairs_with_no_route_match_the_reference);
+  tcase_add_test(tc, no_route_is_an_absent_pair);
   suite_add_tcase(s, tc);
   tc = tcase_create("finite_differences");
   tcase_set_timeout(tc, 60);

@@ -67,9 +67,12 @@ END_TEST
 START_TEST(expert_id_out_of_range)
 {
   c.ids[8 + 3] = 4;
-  expect_fwd(good, 4, MOK_EEXPERT, "rank 1 token 1 k 1: expert id 4 is outside [0, 4)");
-  c.ids[8 + 3] = -1;
-  expect_fwd(good, 4, MOK_EEXPERT, "expert id -1");
+  expect_fwd(good, 4, MOK_EEXPERT, "rank 1 token 1 k 1: expert id 4 is outside [0, 4) "
+             "(-1: no route)");
+  c.ids[8 + 3] = -2; /* -1 is a pair with no route; other negative ids are errors */
+  expect_fwd(good, 4, MOK_EEXPERT, "expert id -2");
+  c.ids[8 + 3] = INT32_MIN;
+  expect_fwd(good, 4, MOK_EEXPERT, "expert id -2147483648");
 }
 END_TEST
 

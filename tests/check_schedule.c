@@ -17,7 +17,16 @@ static mokk_shape shape(int64_t E, int64_t K, int64_t P)
 static void check_plan(const mokk_plan *pl, const int32_t *const *ids)
 {
   int64_t P = pl->P, T = pl->T, K = pl->K, E = pl->E, pairs = P * T * K, total = 0;
+  int64_t routed = 0;
   char *seen = calloc((size_t)pairs, 1);
+
+  /* a pair with no route has no row */
+  for (int64_t gp = 0; gp < pairs; gp++) {
+    int none = ids[gp / (T * K)][gp % (T * K)] == MOKK_NO_ROUTE;
+    routed += !none;
+    if (none)
+      ck_assert_int_eq(pl->slot[gp], -1);
+  }
 
   for (int64_t e = 0; e < E; e++) {
     int64_t n = 0;
@@ -26,7 +35,8 @@ static void check_plan(const mokk_plan *pl, const int32_t *const *ids)
     ck_assert_int_eq(pl->seg_rows[e], n);
     total += n;
   }
-  ck_assert_int_eq(total, pairs);
+  ck_assert_int_eq(total, routed);
+  ck_assert_int_eq(pl->recv_base[P], routed);
   for (int64_t p = 0; p < P; p++) {
     int64_t at = 0;
     for (int64_t e = p * pl->E_local; e < (p + 1) * pl->E_local; e++) {
@@ -68,6 +78,41 @@ START_TEST(small_example_by_hand)
   for (int q = 0; q < 6; q++)
     ck_assert_int_eq(pl.src[q], src[q]);
   check_plan(&pl, ids);
+  mokk_plan_free(&pl);
+}
+END_TEST
+
+START_TEST(pairs_with_no_route)
+{
+  /* T = 3, K = 2, E = 4: token 0 -> {2, none}, 1 -> {none, none}, 2 -> {0, 2} */
+  static const int32_t ids0[] = {2, -1, -1, -1, 0, 2};
+  const int32_t *ids[] = {ids0};
+  mokk_shape s = shape(4, 2, 1);
+  mokk_plan pl;
+
+  ck_assert_int_eq(mokk_plan_build(&pl, &s, 3, ids, err), 0);
+  static const int64_t rows[] = {1, 0, 2, 0}, start[] = {0, 1, 1, 3};
+  static const int64_t src[] = {4, 0, 5}, slot[] = {1, -1, -1, -1, 0, 2};
+  for (int e = 0; e < 4; e++) {
+    ck_assert_int_eq(pl.seg_rows[e], rows[e]);
+    ck_assert_int_eq(pl.seg_start[e], start[e]);
+  }
+  for (int q = 0; q < 3; q++)
+    ck_assert_int_eq(pl.src[q], src[q]);
+  for (int p = 0; p < 6; p++)
+    ck_assert_int_eq(pl.slot[p], slot[p]);
+  ck_assert_int_eq(pl.recv_base[1], 3);
+  check_plan(&pl, ids);
+  mokk_plan_free(&pl);
+
+  /* over 2 ranks, with rows of expert 2 from both */
+  static const int32_t a[] = {3, -1, -1, -1}, b[] = {-1, 2, 1, 3};
+  const int32_t *two[] = {a, b};
+  s = shape(4, 2, 2);
+  ck_assert_int_eq(mokk_plan_build(&pl, &s, 2, two, err), 0);
+  ck_assert_int_eq(pl.recv_rows[0], 1);
+  ck_assert_int_eq(pl.recv_rows[1], 3);
+  check_plan(&pl, two);
   mokk_plan_free(&pl);
 }
 END_TEST
@@ -230,6 +275,7 @@ Suite *schedule_suite(void)
   Suite *s = suite_create("schedule");
   TCase *tc = tcase_create("plan");
   tcase_add_test(tc, small_example_by_hand);
+  tcase_add_test(tc, pairs_with_no_route);
   tcase_add_test(tc, empty_experts);
   tcase_add_test(tc, all_tokens_on_one_expert);
   tcase_add_test(tc, k_equals_e);

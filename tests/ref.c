@@ -63,6 +63,8 @@ void ref_forward(const ref_moe *m, double *out)
       out[t * H + j] = 0;
     for (int64_t k = 0; k < m->K; k++) {
       int64_t e = m->ids[t * m->K + k];
+      if (e == MOKK_NO_ROUTE)
+        continue; /* the pair is absent */
       expert_row(m, x, m->w[MOKK_W_GATE] + e * I * H, m->w[MOKK_W_UP] + e * I * H,
                  m->w[MOKK_W_DOWN] + e * H * I, I, g, u, h, y);
       for (int64_t j = 0; j < H; j++)
@@ -123,6 +125,10 @@ void ref_backward(const ref_moe *m, const double *d_out, double *d_x, double *d_
     for (int64_t k = 0; k < m->K; k++) {
       int64_t e = m->ids[t * m->K + k];
       double wk = m->tw[t * m->K + k], dt = 0;
+      if (e == MOKK_NO_ROUTE) {
+        d_tw[t * m->K + k] = 0;
+        continue;
+      }
       expert_row(m, x, m->w[MOKK_W_GATE] + e * I * H, m->w[MOKK_W_UP] + e * I * H,
                  m->w[MOKK_W_DOWN] + e * H * I, I, g, u, h, y);
       for (int64_t j = 0; j < H; j++) {
@@ -212,6 +218,15 @@ void case_make(moe_case *c, const mokk_shape *s, int64_t T, uint64_t seed,
       c->tw[t * K + k] = (float)(0.5 + 0.5 * rng_uniform(&rng));
     }
   }
+  if (route == ROUTE_DROPS)
+    for (int64_t i = 0; i < T * K; i++)
+      if (case_drops(i / K, i % K, K))
+        c->ids[i] = MOKK_NO_ROUTE;
+}
+
+int case_drops(int64_t t, int64_t k, int64_t K)
+{
+  return t % 11 == 3 || (t % 5 == 1 && k == t % K);
 }
 
 void case_free(moe_case *c)

@@ -9,7 +9,8 @@
 
 #include "backend.h"
 
-/* The reference, in double, on P = 1 (all tokens, all experts). With round = 1
+/* The reference, in double, on P = 1 (all tokens, all experts); a pair whose
+ * id is MOKK_NO_ROUTE is absent (d_topk_weights 0). With round = 1
  * it rounds h, y and the shared expert's h and ys to bf16 where the engine does;
  * with round = 0 it is the smooth function that finite differences need.
  * out and d_x come back before their final bf16 rounding. */
@@ -29,6 +30,8 @@ typedef enum {
   ROUTE_RANDOM,   /* K distinct random experts per token */
   ROUTE_HALF,     /* random, but only the even experts: odd ones stay empty */
   ROUTE_SAME,     /* every token picks experts 0..K-1 */
+  ROUTE_DROPS,    /* random, with some pairs and some whole tokens routed nowhere
+                   * (MOKK_NO_ROUTE); see case_drops */
 } route_kind;
 
 /* A whole global problem in bf16, plus everything derived from it. */
@@ -45,6 +48,9 @@ typedef struct moe_case {
 void case_make(moe_case *c, const mokk_shape *s, int64_t T, uint64_t seed,
                route_kind route);
 void case_free(moe_case *c);
+/* Whether pair (t, k) of a ROUTE_DROPS case of K experts per token is dropped:
+ * one pair of every fifth token, and every pair of every eleventh. */
+int case_drops(int64_t t, int64_t k, int64_t K);
 int64_t case_weight_elems(const moe_case *c, int which); /* global */
 
 /* Outputs of one step over P ranks, stored globally ([T, H] etc.). */

@@ -210,22 +210,29 @@ static void fwd_down(void *arg, int64_t ti)
   }
 }
 
-/* out[t] = bf16(sum_k w * y[t, k] (k ascending) + ys[t]) */
+/* out[t] = bf16(sum_k w * y[t, k] (k ascending, routed pairs only) + ys[t]).
+ * A pair with no route gets a zero y row, which the backward's
+ * d_topk_weights reads. */
 static void fwd_combine(void *arg, int64_t blk)
 {
   step *st = arg;
   const mokk_shape *s = st->s;
+  const int64_t *slot = st->c->plan.slot;
   int64_t H = s->H, K = s->K, T = st->T;
   int64_t g1 = block_end(blk, st->tokens);
 
   for (int64_t gt = blk * TOK_BLOCK; gt < g1; gt++) {
     int64_t r = gt / T, t = gt % T;
     uint16_t *out = st->fr[r].out + t * H;
+    for (int64_t k = 0; k < K; k++)
+      if (slot[gt * K + k] < 0)
+        memset(st->c->y + (gt * K + k) * H, 0, (size_t)H * sizeof(uint16_t));
     for (int64_t j = 0; j < H; j++) {
       float acc = 0.0f;
       for (int64_t k = 0; k < K; k++) {
         int64_t gp = gt * K + k;
-        acc += st->c->tw[gp] * mokk_bf16_to_f32(st->c->y[gp * H + j]);
+        if (slot[gp] >= 0)
+          acc += st->c->tw[gp] * mokk_bf16_to_f32(st->c->y[gp * H + j]);
       }
       if (s->I_s > 0)
         acc += mokk_bf16_to_f32(st->ys[gt * H + j]);
@@ -293,7 +300,7 @@ static int cpu_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
   c->hdr.T = T;
   st.c = c;
   st.pairs = s->P * T * s->K;
-  st.rows = st.pairs;
+  st.rows = c->plan.recv_base[s->P];
   st.tokens = s->P * T;
 
   c->w = xmalloc((size_t)s->P, sizeof *c->w, NULL);
@@ -349,7 +356,7 @@ out:
 
 /* ---- backward ------------------------------------------------------------ */
 
-/* d_topk_weights[t, k] = dot(d_out[t], y[t, k]) */
+/* d_topk_weights[t, k] = dot(d_out[t], y[t, k]); 0 for a pair with no route */
 static void bwd_dtw(void *arg, int64_t blk)
 {
   step *st = arg;
@@ -358,8 +365,11 @@ static void bwd_dtw(void *arg, int64_t blk)
 
   for (int64_t gt = blk * TOK_BLOCK; gt < g1; gt++) {
     int64_t r = gt / T, t = gt % T;
-    mokc_gemm_nt(st->br[r].d_out + t * H, H, st->c->y + gt * K * H, H, 1, K, H,
-                 st->br[r].d_topk_weights + t * K, K);
+    float *dtw = st->br[r].d_topk_weights + t * K;
+    mokc_gemm_nt(st->br[r].d_out + t * H, H, st->c->y + gt * K * H, H, 1, K, H, dtw, K);
+    for (int64_t k = 0; k < K; k++)
+      if (st->c->plan.slot[gt * K + k] < 0)
+        dtw[k] = 0.0f;
   }
 }
 
@@ -432,11 +442,12 @@ static void bwd_dx(void *arg, int64_t ti)
   }
 }
 
-/* d_x[t] = bf16(sum_k dxp[t, k] (k ascending) + dxs[t]) */
+/* d_x[t] = bf16(sum_k dxp[t, k] (k ascending, routed pairs only) + dxs[t]) */
 static void bwd_combine(void *arg, int64_t blk)
 {
   step *st = arg;
   const mokk_shape *s = st->s;
+  const int64_t *slot = st->c->plan.slot;
   int64_t H = s->H, K = s->K, T = st->T;
   int64_t g1 = block_end(blk, st->tokens);
 
@@ -445,7 +456,8 @@ static void bwd_combine(void *arg, int64_t blk)
     for (int64_t j = 0; j < H; j++) {
       float acc = 0.0f;
       for (int64_t k = 0; k < K; k++)
-        acc += st->dxp[(gt * K + k) * H + j];
+        if (slot[gt * K + k] >= 0)
+          acc += st->dxp[(gt * K + k) * H + j];
       if (s->I_s > 0)
         acc += st->dxs[gt * H + j];
       dx[j] = mokk_f32_to_bf16(acc);
@@ -580,7 +592,8 @@ static int cpu_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
   step st = {.s = s, .T = ctx->T, .El = s->E / s->P, .c = c, .br = ranks, .mode = mode};
   int rc = 0;
 
-  st.pairs = st.rows = s->P * ctx->T * s->K;
+  st.pairs = s->P * ctx->T * s->K;
+  st.rows = c->plan.recv_base[s->P];
   st.tokens = s->P * ctx->T;
   st.dy = xmalloc((size_t)(st.rows * s->H), sizeof(float), NULL);
   st.dg = xmalloc((size_t)(st.rows * s->I), sizeof(float), NULL);

@@ -285,8 +285,8 @@ extern "C" int mokk_cuda_sync(mokk_backend *b, char *err)
   CUDA_CHECK(cudaMemcpy(&status, cb->status, sizeof status, cudaMemcpyDeviceToHost));
   if (status) {
     CUDA_CHECK(cudaMemset(cb->status, 0, sizeof(int)));
-    return mokk_fail(err, MOK_EEXPERT, "topk_ids held an expert id outside [0, E); those "
-                     "pairs were dropped");
+    return mokk_fail(err, MOK_EEXPERT, "topk_ids held an expert id outside [0, E) other "
+                     "than -1 (no route); those pairs were dropped");
   }
   return 0;
 }

@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "gemm.cuh"
+#include "layer.h"
 #include "route.h"
 
 #define SCHED_THREADS 256
@@ -17,8 +18,9 @@
 
 /* The ids are the client's memory, which it may still be writing: copy them
  * once, checked, and let every later kernel read the copy, so the counts and
- * the slots are taken from the same values. An id outside [0, E) becomes -1,
- * its pair is dropped and the status word says so. */
+ * the slots are taken from the same values. -1 (no route, as DeepEP and
+ * Megatron mark a pair) drops its pair, as the CPU engine does; any other id
+ * outside [0, E) becomes -1 too, and the status word says so. */
 __global__ void k_ids(const int32_t *ids, int64_t TK, int E, int32_t *own, int *slot,
                       int *status)
 {
@@ -26,9 +28,10 @@ __global__ void k_ids(const int32_t *ids, int64_t TK, int E, int32_t *own, int *
        p += (int64_t)gridDim.x * blockDim.x) {
     int id = ids[p];
     if (id < 0 || id >= E) {
+      if (id != MOKK_NO_ROUTE)
+        atomicOr(status, 1); /* an integer flag: the order does not matter */
       id = -1;
       slot[p] = -1;
-      atomicOr(status, 1); /* an integer flag: the order does not matter */
     }
     own[p] = id;
   }

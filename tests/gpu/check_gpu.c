@@ -243,6 +243,47 @@ START_TEST(tokens_not_tile_multiple)
 }
 END_TEST
 
+/* id -1 (no route): the pair is absent, as on the CPU; it sets no error. */
+START_TEST(pairs_with_no_route)
+{
+  mokk_shape s = {.H = 192, .I = 128, .E = 8, .K = 3, .I_s = 64, .swiglu_limit = 1.5f};
+  matches_cpu(s, 300, ROUTE_DROPS, 9, MOKK_GRAD_BF16);
+  matches_cpu(s, 300, ROUTE_DROPS, 9, MOKK_GRAD_FP32_ACCUM);
+}
+END_TEST
+
+/* On the GPU too, out and d_x with a dropped pair are the bits of the step
+ * that routes it with weight 0, and its d_topk_weights is +0, as the CPU's. */
+START_TEST(no_route_is_an_absent_pair)
+{
+  mokk_shape s = {.H = 128, .I = 64, .E = 8, .K = 4, .I_s = 64};
+  moe_case c, z;
+  moe_out od, oz, oc;
+  char err[2 * MOK_ERRLEN] = "";
+  int64_t T = 200, K = s.K;
+
+  case_make(&c, &s, T, 10, ROUTE_DROPS);
+  case_make(&z, &s, T, 10, ROUTE_DROPS);
+  for (int64_t i = 0; i < T * K; i++)
+    if (z.ids[i] == MOKK_NO_ROUTE)
+      z.ids[i] = (int32_t)(i % s.E), z.tw[i] = 0.0f;
+  ck_assert_msg(gpu_run(&c, 1, MOKK_GRAD_BF16, 0, &od, err) == 0, "%s", err);
+  ck_assert_msg(gpu_run(&z, 1, MOKK_GRAD_BF16, 0, &oz, err) == 0, "%s", err);
+  ck_assert_msg(case_run(cpu, &c, 1, 1, MOKK_GRAD_BF16, 0, &oc, err) == 0, "%s", err);
+  ck_assert(memcmp(od.out, oz.out, T * s.H * 2) == 0);
+  ck_assert(memcmp(od.d_x, oz.d_x, T * s.H * 2) == 0);
+  for (int64_t i = 0; i < T * K; i++) {
+    if (c.ids[i] != MOKK_NO_ROUTE) {
+      ck_assert(memcmp(&od.d_tw[i], &oz.d_tw[i], 4) == 0);
+      continue;
+    }
+    ck_assert(memcmp(&od.d_tw[i], &oc.d_tw[i], 4) == 0); /* +0 on both */
+    ck_assert_uint_eq(*(const uint32_t *)&od.d_tw[i], 0);
+  }
+  out_free(&od), out_free(&oz), out_free(&oc), case_free(&c), case_free(&z);
+}
+END_TEST
+
 static void expect_same(const moe_out *a, const moe_out *b, const moe_case *c, const char *why)
 {
   const mokk_shape *s = &c->s;
@@ -378,7 +419,7 @@ START_TEST(errors)
   s.H = 64;
   case_make(&c, &s, 10, 12, ROUTE_RANDOM);
   c.ids[3] = 4; /* E = 4: out of range */
-  c.ids[7] = -1;
+  c.ids[7] = -2; /* -1 is no route, not an error */
   ck_assert_int_eq(gpu_run(&c, 1, MOKK_GRAD_BF16, 0, &o, err), MOK_EEXPERT);
   ck_assert_msg(strstr(err, "outside [0, E)") != NULL, "%s", err);
   out_free(&o);
@@ -1071,6 +1112,8 @@ static Suite *gpu_suite(void)
   tcase_add_test(tc, empty_experts);
   tcase_add_test(tc, all_on_one_expert);
   tcase_add_test(tc, tokens_not_tile_multiple);
+  tcase_add_test(tc, pairs_with_no_route);
+  tcase_add_test(tc, no_route_is_an_absent_pair);
   suite_add_tcase(su, tc);
   tc = tcase_create("determinism");
   tcase_set_timeout(tc, 600);

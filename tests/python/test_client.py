@@ -53,6 +53,8 @@ def reference(x, ids, tw, w, d_out, limit=0.0):
     for t in range(T):
         for k in range(K):
             e = ids[t, k]
+            if e == -1:  # no route: the pair is absent
+                continue
             y = expert(x[t], None, w[0][e], w[1][e], w[2][e], None, None, None)
             out[t] += tw[t, k] * y
             dtw[t, k] = d_out[t] @ y
@@ -154,6 +156,35 @@ class ClientTest(unittest.TestCase):
         _, ctx2 = layer.forward(x, ids, tw, inference=True)
         self.assertFalse(np.shares_memory(out, ctx2.out))  # each context owns its output
         np.testing.assert_array_equal(out, ctx2.out)        # and the bits repeat
+
+    def test_no_route_through_the_daemon(self):
+        """-1 (no route, as DeepEP and Megatron mark a pair) is an absent pair:
+        out and the gradients match the reference without it, its
+        d_topk_weights is 0; int64 ids with -1 are taken too."""
+        T, H, I, E, K = 24, 32, 16, 6, 2
+        x, ids, tw, w, d_out = problem(np.random.default_rng(7), T, H, I, E, K, 8)
+        ids[3, 1] = ids[5, 0] = -1
+        ids[9] = -1  # a token routed nowhere: the shared expert only
+        layer = mokd.Layer(self.c, H, I, E, K, shared_intermediate=8)
+        layer.set_weights(*w)
+        wf = [mokd.from_bf16(a).astype(np.float64) for a in w]
+        ref = reference(mokd.from_bf16(x).astype(np.float64), ids, tw.astype(np.float64), wf,
+                        mokd.from_bf16(d_out).astype(np.float64))
+        for i in (ids, ids.astype(np.int64)):
+            out, ctx = layer.forward(x, i, tw)
+            assert_close(self, ref[0], mokd.from_bf16(out), "out")
+            g = layer.backward(ctx, d_out)
+            assert_close(self, ref[1], mokd.from_bf16(g["d_x"]), "d_x")
+            assert_close(self, ref[2], g["d_topk_weights"], "d_topk_weights")
+            self.assertTrue(np.all(g["d_topk_weights"][ids == -1] == 0))
+            for n, name in enumerate(["w_gate", "w_up", "w_down", "s_gate", "s_up", "s_down"]):
+                assert_close(self, ref[3][n], mokd.from_bf16(g[name]), name)
+        bad = ids.copy()
+        bad[2, 0] = -2
+        with self.assertRaises(mokd.MokError) as cm:
+            layer.forward(x, bad, tw)
+        self.assertIn("token 2 k 0: expert id -2 is outside [0, 6) (-1: no route)",
+                      str(cm.exception))
 
     def test_errors_carry_code_and_message(self):
         layer, (x, ids, tw, w, d_out), out, ctx, ref = self.run_layer(Is=0, limit=0.0, seed=4)

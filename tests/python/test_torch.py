@@ -1,6 +1,9 @@
 """mokd.MoELayer (PyTorch, daemon on the cuda backend) against pure PyTorch:
 forward and every gradient, zero-copy outputs, weights read in place,
-bitwise repeats, releases, GPU-found errors, and a short training run.
+bitwise repeats, releases, GPU-found errors, and a short training run; the
+custom ops under torch.library.opcheck and torch.compile(fullgraph=True)
+(bits of eager, a training loop), routing as frameworks produce it (int64
+ids, -1 for no route, bf16 weights), and mokd.memory_stats().
 Skipped where PyTorch or a GPU is missing.
 
 The reference is the same layer in plain PyTorch autograd, written with the
@@ -67,6 +70,24 @@ def reference_mixed(x, ids, tw, weights):
     if len(ws) == 6:
         out = out + _expert(xs, ws[3], ws[4], ws[5]).float()
     return out.to(torch.bfloat16), xs, tws, ws
+
+
+if HAVE_GPU:
+    class RoutedNet(torch.nn.Module):
+        """A model holding mokd.MoELayer as a framework uses one: int64 ids from
+        topk, some pairs dropped (-1, as a capacity limit drops them), the
+        layer's input made inside the model. Every op around the layer is
+        exact (topk, scaling by powers of two), so eager and compiled runs
+        must agree bit for bit."""
+
+        def __init__(self, moe):
+            super().__init__()
+            self.moe = moe
+
+        def forward(self, x, logits, routed):
+            tw, ids = logits.topk(self.moe.top_k, dim=-1)
+            ids = ids.masked_fill(~routed, -1)
+            return self.moe(x * 2.0, ids, tw) * 0.5
 
 
 @unittest.skipUnless(HAVE_GPU, "PyTorch with a CUDA GPU is needed")
@@ -189,19 +210,27 @@ class TorchLayerTest(unittest.TestCase):
         self.assertEqual(st["results"], 0)
 
     def test_expert_id_out_of_range_is_reported(self):
+        """With check=True the ids are checked on the host: ValueError naming
+        the id. Without, the GPU flags it and check() raises EEXPERT; an int64
+        id that int32 cannot hold is flagged, not wrapped into range."""
         T, H, E, K = 64, 256, 16, 4
         m = self.layer(check=True)
         x, ids, tw, _ = self.inputs(T, H, E, K, 9)
-        ids[3, 1] = E
-        with self.assertRaises(self.mokd.MokError) as cm:
-            m(x, ids, tw)
-        self.assertEqual(cm.exception.code, self.mokd.EEXPERT)
-        m2 = self.layer()
-        out = m2(x, ids, tw)  # on the stream: the call itself cannot know yet
-        with self.assertRaises(self.mokd.MokError) as cm:
-            m2.check()
-        self.assertEqual(cm.exception.code, self.mokd.EEXPERT)
-        del out
+        for bad, dtype in ((E, torch.int32), (-2, torch.int32), (2 ** 32 + 1, torch.int64),
+                           (-2 ** 31 - 1, torch.int64)):
+            b = ids.to(dtype, copy=True)
+            b[3, 1] = bad
+            with self.assertRaises(ValueError) as cm:
+                m(x, b, tw)
+            self.assertEqual(str(cm.exception), "topk_ids: id %d (token 3, k 1) is outside "
+                             "[0, %d) (-1: no route)" % (bad, E))
+            m2 = self.layer()
+            out = m2(x, b, tw)  # on the stream: the call itself cannot know yet
+            with self.assertRaises(self.mokd.MokError) as cm:
+                m2.check()
+            self.assertEqual(cm.exception.code, self.mokd.EEXPERT)
+            self.assertIn("other than -1 (no route)", str(cm.exception))
+            del out
 
     def test_rejects_what_it_cannot_run(self):
         m = self.layer()
@@ -503,6 +532,209 @@ for H, I in ((256, 128), (1024, 2048)):   # weights of 1 MiB, then of 64 MiB eac
         print(r.stdout, r.stderr)
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertEqual(r.stdout.count(" ran: ") + r.stdout.count(" refused: "), 2, r.stdout)
+
+    # -- routing as frameworks produce it ---------------------------------------
+
+    def test_routing_conventions(self):
+        """int64 ids give the bits of int32 ones; -1 (no route) is a pair that
+        is absent: out and every gradient match the reference without it, its
+        d_topk_weights is 0, and no error is flagged; bf16 router weights give
+        the bits of their float32 widening, and a bf16 gradient."""
+        T, H, E, K = 300, 256, 16, 4
+        m = self.layer(Is=64, check=True)
+        x, ids, tw, d_out = self.inputs(T, H, E, K, 81)
+        drop = torch.rand(T, K, device="cuda", generator=torch.Generator(device="cuda")
+                          .manual_seed(82)) < 0.2
+        drop[5] = True  # a token routed nowhere: only the shared expert
+        ids = ids.masked_fill(drop, -1)
+        runs = {}
+        for name, i in (("int32", ids), ("int64", ids.long())):
+            m.zero_grad(set_to_none=True)
+            x.grad = tw.grad = None
+            out = m(x, i, tw)
+            out.backward(d_out)
+            runs[name] = [out.detach().clone()] + self.grads_bits(m, x, tw)
+        names = ["out", "d_x", "d_topk_weights"] + ["d_" + n for n in m._names]
+        self.assert_same_bits(runs["int32"], runs["int64"], names)
+        got = runs["int32"]
+        self.assertTrue(torch.equal(got[2][drop], torch.zeros_like(got[2][drop])))
+        ref, xs, tws, ws = reference_mixed(x, ids, tw, m.weights())
+        ref.backward(d_out)
+        want = [ref, xs.grad, tws.grad] + [w.grad for w in ws]
+        for name, r, o in zip(names, want, got):
+            tol = TOL_FWD if name in ("out", "d_topk_weights") else TOL_BWD
+            self.assertLessEqual(ratio(r, o) / tol, 1.0, name)
+        # bf16 router weights: widened exactly, the gradient comes back in bf16
+        twb = tw.detach().to(torch.bfloat16).requires_grad_()
+        twf = twb.detach().float().requires_grad_()
+        outs = []
+        for t in (twb, twf):
+            out = m(x.detach(), ids, t)
+            out.backward(d_out)
+            outs.append(out)
+        self.assertTrue(torch.equal(outs[0], outs[1]))
+        self.assertEqual(twb.grad.dtype, torch.bfloat16)
+        self.assertTrue(torch.equal(twb.grad, twf.grad.to(torch.bfloat16)))
+
+    # -- the custom ops ----------------------------------------------------------
+
+    def test_custom_ops_pass_opcheck(self):
+        """mokd::moe_forward and mokd::moe_backward under torch.library.opcheck:
+        schema (no input mutated, outputs new), autograd registration, fake
+        kernels against real outputs; the backward also through AOTAutograd
+        with dynamic shapes."""
+        T, H, E, K = 64, 256, 16, 4
+        m = self.layer(Is=64)
+        x, ids, tw, d_out = self.inputs(T, H, E, K, 71)
+        ws = m.weights()
+        fwd, bwd = torch.ops.mokd.moe_forward.default, torch.ops.mokd.moe_backward.default
+        # Every forward call makes a new daemon context, and its second output
+        # names it: no two calls agree on that output, so
+        # test_aot_dispatch_dynamic (an AOT-compiled call compared against an
+        # eager one, output by output) cannot apply to the forward. Compiling
+        # it is tested in test_compile_fullgraph_gives_eager_bits.
+        tests = ("test_schema", "test_autograd_registration", "test_faketensor")
+        for i in (ids, ids.long(), ids.long().masked_fill(ids == 3, -1)):
+            torch.library.opcheck(fwd, (m.op_id, x, i, tw, ws, True), test_utils=tests)
+            torch.library.opcheck(fwd, (m.op_id, x.detach(), i, tw.detach(),
+                                        [w.detach() for w in ws], False), test_utils=tests)
+        out, ctx = fwd(m.op_id, x.detach(), ids, tw.detach(), [w.detach() for w in ws], True)
+        self.assertEqual((ctx.dtype, tuple(ctx.shape), ctx.device.type),
+                         (torch.int64, (1,), "cpu"))
+        # a backward reads the context and writes only new outputs: the same
+        # bits every call, so all four tests apply
+        torch.library.opcheck(bwd, (m.op_id, ctx, d_out))
+        first, again = bwd(m.op_id, ctx, d_out), bwd(m.op_id, ctx, d_out)
+        self.assert_same_bits(first, again, ["d_x", "d_topk_weights"] + m._names)
+        # misuse is named
+        with self.assertRaisesRegex(TypeError, r"^x: mokd::moe_forward takes torch\.bfloat16"):
+            fwd(m.op_id, x.detach().float(), ids, tw.detach(), ws, False)
+        with self.assertRaisesRegex(RuntimeError, r"^context: the forward kept no state"):
+            bwd(m.op_id, torch.zeros(1, dtype=torch.int64), d_out)
+        with self.assertRaisesRegex(TypeError, r"^context: expected the int64 \[1\] CPU"):
+            bwd(m.op_id, ctx.cuda(), d_out)
+        with self.assertRaisesRegex(RuntimeError, r"^mokd: no mokd\.MoELayer with op_id -5"):
+            bwd(-5, ctx, d_out)
+        with self.assertRaisesRegex(ValueError, r"^d_out: expected shape \[T, H\]"):
+            bwd(m.op_id, ctx, d_out[:, 1:])
+        del out
+
+    def compiled_and_eager(self, m, net, x, logits, routed, d_out):
+        runs = []
+        for fn in (net, torch.compile(net, fullgraph=True)):
+            m.zero_grad(set_to_none=True)
+            xs = x.detach().clone().requires_grad_()
+            ls = logits.detach().clone().requires_grad_()
+            out = fn(xs, ls, routed)
+            out.backward(d_out)
+            runs.append([out.detach().clone(), xs.grad.clone(), ls.grad.clone()] +
+                        [w.grad.clone() for w in m.weights()])
+        return runs
+
+    def test_compile_fullgraph_gives_eager_bits(self):
+        """A model holding mokd.MoELayer compiles with fullgraph=True (no graph
+        break) and its forward and backward give the bits of eager: out, d_x,
+        the router's gradient (d_topk_weights scattered by topk, 0 where a pair
+        was dropped) and every weight gradient."""
+        T, H, E, K = 256, 256, 16, 4
+        g = torch.Generator(device="cuda")
+        g.manual_seed(91)
+        for Is in (0, 64):
+            torch._dynamo.reset()
+            m = self.layer(Is=Is)
+            net = RoutedNet(m)
+            x = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
+            logits = torch.randn(T, E, device="cuda", generator=g)
+            routed = torch.rand(T, K, device="cuda", generator=g) > 0.1
+            d_out = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
+            eager, compiled = self.compiled_and_eager(m, net, x, logits, routed, d_out)
+            self.assert_same_bits(eager, compiled, ["out", "d_x", "d_logits"] +
+                                  ["d_" + n for n in m._names])
+            d_logits = compiled[2]
+            tw_idx = logits.topk(K, dim=-1).indices
+            self.assertTrue(torch.equal(d_logits.gather(1, tw_idx)[~routed],
+                                        torch.zeros(int((~routed).sum()), device="cuda")))
+            print("compile fullgraph I_s=%d: forward and backward bitwise equal to eager" % Is)
+
+    def test_compile_training_loop(self):
+        """A short training loop (Adam) of the compiled model: the loss falls,
+        and every step's loss and the final weights are the bits of the same
+        loop in eager."""
+        T, H, E, K = 256, 256, 16, 4
+        g = torch.Generator(device="cuda")
+        g.manual_seed(93)
+        x = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
+        logits = torch.randn(T, E, device="cuda", generator=g)
+        routed = torch.rand(T, K, device="cuda", generator=g) > 0.05
+        target = torch.randn(T, H, device="cuda", generator=g) * 0.1
+        init = self.layer(Is=64).state_dict()
+
+        def train(compiled):
+            torch._dynamo.reset()
+            m = self.layer(Is=64)
+            m.load_state_dict(init)
+            net = RoutedNet(m)
+            fn = torch.compile(net, fullgraph=True) if compiled else net
+            opt = torch.optim.Adam(m.parameters(), lr=2e-3)
+            losses = []
+            for _ in range(15):
+                opt.zero_grad(set_to_none=True)
+                loss = (fn(x, logits, routed).float() - target).pow(2).sum(-1).mean()
+                loss.backward()
+                opt.step()
+                losses.append(loss.detach())
+            return torch.stack(losses), [w.detach().clone() for w in m.weights()]
+
+        eager, w_eager = train(False)
+        compiled, w_compiled = train(True)
+        print("compiled training: loss %.4f -> %.4f" % (compiled[0], compiled[-1]))
+        self.assertLess(compiled[-1].item(), 0.9 * compiled[0].item())
+        self.assertTrue(torch.equal(eager, compiled), "%s vs %s" % (eager, compiled))
+        self.assert_same_bits(w_eager, w_compiled, ["w_gate", "w_up", "w_down", "s_gate",
+                                                    "s_up", "s_down"])
+
+    # -- memory ------------------------------------------------------------------
+
+    def test_memory_stats(self):
+        """mokd.memory_stats() next to torch.cuda.memory_stats(): a training
+        forward's context shows in contexts, context_bytes and gpu_bytes, and
+        goes once its outputs and graph are gone."""
+        T, H, E, K = 256, 256, 16, 4
+        m = self.layer(Is=64)
+        x, ids, tw, d_out = self.inputs(T, H, E, K, 95)
+        keys = {"gpu_bytes", "context_bytes", "contexts", "results", "arena_bytes", "arenas",
+                "layers", "gpu_quota_bytes", "host_quota_bytes", "daemon.gpu_bytes",
+                "daemon.context_bytes", "daemon.sessions"}
+        gc.collect()  # what earlier tests left is released by the next call, not during this one
+        before = self.mokd.memory_stats(session=self.session)
+        self.assertEqual(set(before), keys)
+        out = m(x, ids, tw)
+        during = self.mokd.memory_stats(session=self.session)
+        torch_side = torch.cuda.memory_stats()
+        print("mokd.memory_stats: %s; torch allocated %d" % (during,
+                                                            torch_side["allocated_bytes.all.current"]))
+        self.assertEqual(during["contexts"], before["contexts"] + 1)
+        grew = during["context_bytes"] - before["context_bytes"]
+        self.assertGreater(grew, 0)
+        self.assertGreaterEqual(during["gpu_bytes"] - before["gpu_bytes"], grew)
+        self.assertGreaterEqual(during["daemon.gpu_bytes"], during["gpu_bytes"])
+        self.assertGreaterEqual(during["layers"], 1)
+        out.backward(d_out)
+        del out
+        m.zero_grad(set_to_none=True)
+        x.grad = tw.grad = None
+        gc.collect()
+        after = self.mokd.memory_stats(session=self.session)
+        self.assertEqual(after["contexts"], before["contexts"])
+        self.assertEqual(after["context_bytes"], before["context_bytes"])
+        # the default session of the current device
+        mine = self.mokd.memory_stats()
+        self.assertEqual(set(mine), keys)
+        self.assertGreaterEqual(mine["daemon.sessions"], 2)
+        with self.assertRaisesRegex(ValueError, r"^device: mokd runs on CUDA devices, got cpu"):
+            self.mokd.memory_stats("cpu")
+        with self.assertRaisesRegex(TypeError, r"^session: expected a mokd\.nn\.Session"):
+            self.mokd.memory_stats(session="mokd")
 
     def test_training_matches_torch(self):
         import train_moe

@@ -4,7 +4,9 @@ A ctypes binding to libmok, in two flavours:
 
 - `mokd.MoELayer`, a torch.nn.Module (in `mokd.nn`; needs PyTorch and a
   daemon on the cuda backend): CUDA tensors in, zero-copy CUDA tensors out,
-  autograd included, ordered on the current stream.
+  autograd included, ordered on the current stream; it runs as the custom
+  ops mokd::moe_forward / mokd::moe_backward, so it compiles with
+  torch.compile. `mokd.memory_stats()` says what the daemon holds for it.
 
 - `mokd.Layer` with numpy: arenas are shared memory that both this process
   and the daemon map (cpu backend); arrays returned are zero-copy views of
@@ -38,7 +40,8 @@ import weakref
 
 import numpy as np
 
-__all__ = ["Client", "Arena", "Layer", "MoELayer", "MokError", "to_bf16", "from_bf16"]
+__all__ = ["Client", "Arena", "Layer", "MoELayer", "MokError", "memory_stats", "to_bf16",
+           "from_bf16"]
 
 BF16, F32, I32 = 1, 2, 3
 GRAD_BF16, GRAD_FP32_ACCUM = 0, 1
@@ -619,7 +622,7 @@ class Layer:
 
 def __getattr__(name):
     # the torch front end loads PyTorch only when asked for
-    if name == "MoELayer":
-        from .nn import MoELayer
-        return MoELayer
+    if name in ("MoELayer", "memory_stats"):
+        from . import nn
+        return getattr(nn, name)
     raise AttributeError("module 'mokd' has no attribute %r" % name)

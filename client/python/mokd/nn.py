@@ -6,12 +6,30 @@ the daemon, on its GPU (cuda backend), with autograd.
     out = moe(x, topk_ids, topk_weights)     # x: bf16 [T, H] on the GPU
     out.float().pow(2).mean().backward()     # fills x.grad, topk_weights.grad, moe.*.grad
 
+The layer runs as a pair of torch.library custom ops, mokd::moe_forward and
+mokd::moe_backward, with fake (meta) kernels and an autograd formula, so a
+model holding it compiles with torch.compile(fullgraph=True): the ops are
+opaque to the compiler. The module is named to the ops by an int id
+(MoELayer.op_id) in a registry of this process; the forward returns out and
+an int64 context tensor (CPU, one element), which autograd saves for the
+backward and whose storage holds the daemon context alive.
+
+Routing as the frameworks produce it: topk_ids int32 or int64 (int64 is
+converted to int32 on the GPU, an id that int32 cannot hold becoming an
+invalid one rather than wrapping), -1 meaning "no route" (DeepEP, Megatron:
+the pair adds nothing to out and gets d_topk_weights 0); topk_weights float32,
+or bf16 / float16 (widened to float32 exactly; its gradient comes back in
+its own dtype).
+
 How the tensors travel:
 - The parameters (bf16) are registered with the daemon once and read in place
   every step, so optimizer updates made in place are seen without a request;
   a parameter whose storage is replaced is registered again.
 - Inputs are passed in place too: their allocations (from PyTorch's caching
-  allocator) are imported once and found again on later steps.
+  allocator) are imported once and found again on later steps. A training
+  forward gives the daemon a copy of x, which its saved state reads at the
+  backward: the memory of x itself may be handed out again once the op
+  returns (Inductor reuses the buffers of a compiled graph so).
 - Outputs (out, d_x, d_topk_weights and the weight gradients) are zero-copy
   views of daemon arenas, exposed through __cuda_array_interface__; the
   daemon result behind them is released when the last view is gone.
@@ -29,21 +47,28 @@ How the tensors travel:
   recorded there before it starts, and the stream waits for the daemon's done
   event before anything queued after the call. Nothing waits on the host.
 
-Errors only the GPU can see (an expert id out of range, whose pairs are
-dropped) are reported when `check=True` (one host wait per step), or by
-`MoELayer.check()`.
+Errors only the GPU can see (an expert id outside [0, E) other than -1,
+whose pairs are dropped) are reported by `MoELayer.check()` as a MokError
+(EEXPERT); with `check=True` (one host wait per step) the ids are checked on
+the host before the step and a bad one raises ValueError naming it.
+
+`mokd.memory_stats()` says what the daemon holds for this process's session
+on a GPU, next to `torch.cuda.memory_stats()`.
 """
 
 import ctypes
+import itertools
 import threading
 import weakref
+from typing import List, Tuple
 
+import numpy as np
 import torch
 
 from . import (BF16, EPROTO, ENOTSUP, F32, I32, GRAD_BF16, _BwdResult, _FwdResult, _LayerDesc,
                _NW, _Tensor, _lib, Client, MokError)
 
-__all__ = ["MoELayer", "Session", "moe"]
+__all__ = ["MoELayer", "Session", "moe", "memory_stats"]
 
 _DT = {torch.bfloat16: BF16, torch.float32: F32, torch.int32: I32}
 _TYPESTR = {BF16: "<i2", F32: "<f4", I32: "<i4"}
@@ -221,22 +246,98 @@ class _SavedWeights:
         return self.alias
 
 
-class _MoEFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, layer, x, topk_ids, topk_weights, *weights):
-        want_ctx = any(ctx.needs_input_grad)
-        out, owner, keep = layer._run_forward(x, topk_ids, topk_weights, weights, want_ctx)
-        ctx.layer, ctx.owner, ctx.keep = layer, owner, keep
-        ctx.weights = _SavedWeights(layer._names, weights) if want_ctx else None
-        return out
+class _Saved:
+    """What a training forward keeps for its backward: the daemon context (its
+    owner), the inputs the daemon's saved state reads (x is a private copy)
+    and the weights. Held by the storage of the context tensor that
+    mokd::moe_forward returns, so it lives as long as autograd, eager or
+    compiled, keeps that tensor, whose value is its key in _contexts (unique in
+    the process: daemon context ids are unique per session only)."""
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, d_out):
-        weights = ctx.weights.now()
-        d_x, d_tw, grads = ctx.layer._run_backward(ctx.owner, d_out, weights)
-        ctx.owner = ctx.keep = ctx.weights = None
-        return (None, d_x, None, d_tw) + tuple(grads)
+    def __init__(self, owner, inputs, weights):
+        self.owner, self.inputs, self.weights = owner, inputs, weights
+        self.key = next(_context_keys)
+        self.cell = (ctypes.c_int64 * 1)(self.key)
+        self.__array_interface__ = {"data": (ctypes.addressof(self.cell), False),
+                                    "shape": (1,), "typestr": "<i8", "version": 3}
+
+    def tensor(self):
+        # numpy keeps self alive as the array's base; torch keeps the array
+        return torch.from_numpy(np.asarray(self))
+
+
+_contexts = weakref.WeakValueDictionary()  # _Saved.key -> _Saved, while its tensor lives
+_context_keys = itertools.count(1)
+_layers = weakref.WeakValueDictionary()    # MoELayer.op_id -> MoELayer
+_op_ids = itertools.count(1)
+
+
+def _layer_of(op_id):
+    m = _layers.get(int(op_id))
+    if m is None:
+        raise RuntimeError("mokd: no mokd.MoELayer with op_id %d lives in this process (the op "
+                           "names its layer by MoELayer.op_id)" % op_id)
+    return m
+
+
+@torch.library.custom_op("mokd::moe_forward", mutates_args=())
+def moe_forward(layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor, weights: List[torch.Tensor],
+                keep: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The MoE forward of MoELayer `layer` (its op_id): x bf16 [T, H], topk_ids
+    int32 or int64 [T, K] (-1: no route), topk_weights float32 [T, K], the
+    layer's weights. Returns out bf16 [T, H] and the context: int64 [1] on
+    the CPU, which names the forward's saved state to moe_backward (0 when
+    keep is False: an inference forward, which keeps nothing)."""
+    return _layer_of(layer)._run_forward(x, topk_ids, topk_weights, weights, keep)
+
+
+@moe_forward.register_fake
+def _moe_forward_fake(layer, x, topk_ids, topk_weights, weights, keep):
+    return torch.empty_like(x, memory_format=torch.contiguous_format), \
+        torch.empty(1, dtype=torch.int64, device="cpu")
+
+
+@torch.library.custom_op("mokd::moe_backward", mutates_args=())
+def moe_backward(layer: int, context: torch.Tensor, d_out: torch.Tensor) -> List[torch.Tensor]:
+    """The backward of a moe_forward: context is its context tensor, d_out
+    bf16 [T, H]. Returns [d_x bf16 [T, H], d_topk_weights float32 [T, K],
+    then the weight gradients, bf16, in the order of the weights]."""
+    m = _layer_of(layer)
+    if context.dtype != torch.int64 or context.numel() != 1 or context.device.type != "cpu":
+        raise TypeError("context: expected the int64 [1] CPU tensor that mokd::moe_forward "
+                        "returned, got %s %s on %s" % (context.dtype, tuple(context.shape),
+                                                       context.device))
+    saved = _contexts.get(int(context[0]))
+    if saved is None:
+        raise RuntimeError("context: the forward kept no state for a backward (it ran without "
+                           "anything requiring grad), or that state was released")
+    d_x, d_tw, grads = m._run_backward(saved.owner, d_out, saved.weights.now())
+    return [d_x, d_tw] + grads
+
+
+@moe_backward.register_fake
+def _moe_backward_fake(layer, context, d_out):
+    m = _layer_of(layer)
+    T = d_out.shape[0]
+    return [d_out.new_empty((T, m.hidden), dtype=torch.bfloat16),
+            d_out.new_empty((T, m.top_k), dtype=torch.float32)] + \
+        [d_out.new_empty(shp, dtype=torch.bfloat16) for shp in m.weight_shapes()]
+
+
+def _moe_setup_context(ctx, inputs, output):
+    ctx.layer = inputs[0]
+    ctx.save_for_backward(output[1])
+
+
+def _moe_backward_formula(ctx, d_out, d_context):
+    (context,) = ctx.saved_tensors
+    g = torch.ops.mokd.moe_backward(ctx.layer, context, d_out.to(torch.bfloat16).contiguous())
+    return None, g[0], None, g[1], list(g[2:]), None
+
+
+torch.library.register_autograd("mokd::moe_forward", _moe_backward_formula,
+                                setup_context=_moe_setup_context)
 
 
 class MoELayer(torch.nn.Module):
@@ -248,7 +349,9 @@ class MoELayer(torch.nn.Module):
     topk_weights [T, K] float) returns out [T, H] bf16. H, I and I_s must be
     multiples of 64 on the cuda backend. Float ids, integer activations and
     shapes that are not the layer's raise TypeError or ValueError naming the
-    argument; int64 ids must fit int32 (they are converted on the GPU).
+    argument. Ids may be int32 or int64 (converted on the GPU), -1 meaning no
+    route; topk_weights float32, bf16 or float16. op_id names the layer to
+    the mokd::moe_forward / moe_backward ops.
     """
 
     def __init__(self, hidden, intermediate, experts, top_k, shared_intermediate=0,
@@ -281,6 +384,8 @@ class MoELayer(torch.nn.Module):
         self.layer_id = lid.value
         self._registered = None
         self._last = None
+        self.op_id = next(_op_ids)
+        _layers[self.op_id] = self
 
     def weight_shapes(self):
         H, I, E, Is = self.hidden, self.intermediate, self.experts, self.shared_intermediate
@@ -299,7 +404,16 @@ class MoELayer(torch.nn.Module):
 
     def forward(self, x, topk_ids, topk_weights):
         _check_inputs(self.hidden, self.top_k, x, topk_ids, topk_weights)
-        return _MoEFunction.apply(self, x, topk_ids, topk_weights, *self.weights())
+        weights = self.weights()
+        keep = torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad)
+        for w in weights:
+            keep = keep or (torch.is_grad_enabled() and w.requires_grad)
+        # casts by value, in autograd: the gradients come back in the caller's dtypes
+        x = x.to(torch.bfloat16).contiguous()
+        topk_weights = topk_weights.to(torch.float32).contiguous()
+        out, _ = torch.ops.mokd.moe_forward(self.op_id, x, topk_ids.contiguous(), topk_weights,
+                                            weights, keep)
+        return out
 
     def check(self):
         """Waits for the latest step whose outputs are still alive and raises
@@ -324,11 +438,39 @@ class MoELayer(torch.nn.Module):
         self.session._check(_lib.mok_layer_set_weights(self.session._h(), self.layer_id, ts))
         self._registered = key
 
+    def _ids(self, topk_ids):
+        """int32 ids for the daemon, on the GPU. Another integer type is
+        widened to int64 and an id outside [-1, E) becomes E, which the daemon
+        flags, instead of wrapping into range. With check=True a bad id
+        raises ValueError here (a host wait)."""
+        ids = topk_ids.detach()
+        if self.check_each_step:
+            bad = (ids < -1) | (ids >= self.experts)
+            if bool(bad.any()):
+                t, k = (int(i) for i in bad.nonzero()[0])
+                raise ValueError("topk_ids: id %d (token %d, k %d) is outside [0, %d) "
+                                 "(-1: no route)" % (int(ids[t, k]), t, k, self.experts))
+        if ids.dtype == torch.int32:
+            return ids.contiguous()
+        ids = ids.to(torch.int64)
+        ok = (ids >= -1) & (ids < self.experts)
+        return ids.masked_fill(~ok, self.experts).to(torch.int32).contiguous()
+
     def _run_forward(self, x, topk_ids, topk_weights, weights, want_ctx):
+        """The daemon's forward: (out, context tensor)."""
         s = self.session
-        x = x.detach().to(torch.bfloat16).contiguous()
-        ids = topk_ids.detach().to(torch.int32).contiguous()
-        tw = topk_weights.detach().to(torch.float32).contiguous()
+        for name, t, dt in (("x", x, torch.bfloat16), ("topk_weights", topk_weights,
+                                                       torch.float32)):
+            if t.dtype != dt:
+                raise TypeError("%s: mokd::moe_forward takes %s, got %s (MoELayer converts)"
+                                % (name, dt, t.dtype))
+        if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
+            raise TypeError("topk_ids: expected integer expert ids, got %s" % topk_ids.dtype)
+        x = x.detach().contiguous()
+        if want_ctx:
+            x = x.clone()  # the daemon's saved state reads it at the backward
+        ids = self._ids(topk_ids)
+        tw = topk_weights.detach().contiguous()
         with s.lock:
             s._begin()
             self._register(weights)
@@ -342,15 +484,22 @@ class MoELayer(torch.nn.Module):
         self._last = weakref.ref(owner)  # check() must not keep outputs alive
         if self.check_each_step:
             s.status(owner)
+        if not want_ctx:
+            return out, torch.zeros(1, dtype=torch.int64)
         # the daemon's saved state points into x (and reads the routing); keep
         # them alive until the backward
-        return out, owner, (x, ids, tw) if want_ctx else None
+        saved = _Saved(owner, (x, ids, tw), _SavedWeights(self._names, weights))
+        _contexts[saved.key] = saved
+        return out, saved.tensor()
 
     def _run_backward(self, owner, d_out, weights=None):
         """weights: where the weights are now, when they moved since the
         forward; None: where the forward read them."""
         s = self.session
-        d_out = d_out.to(torch.bfloat16).contiguous()
+        if d_out.dim() != 2 or d_out.shape[1] != self.hidden:
+            raise ValueError("d_out: expected shape [T, H] = [T, %d], got %s"
+                             % (self.hidden, tuple(d_out.shape)))
+        d_out = d_out.detach().to(torch.bfloat16).contiguous()
         with s.lock:
             s._begin()
             res = _BwdResult()
@@ -375,3 +524,46 @@ class MoELayer(torch.nn.Module):
 def moe(layer, x, topk_ids, topk_weights):
     """Functional form: layer(x, topk_ids, topk_weights)."""
     return layer(x, topk_ids, topk_weights)
+
+
+_STATS_KEYS = (
+    # key, what it counts; the daemon's Stats for this session
+    ("gpu_bytes", "GPU memory the daemon allocated for this session (output arenas, saved "
+     "contexts); not in torch.cuda.memory_allocated()"),
+    ("context_bytes", "bytes of saved forward state awaiting a backward or a release"),
+    ("contexts", "forward contexts held"),
+    ("results", "backward results held (their outputs still viewed)"),
+    ("arena_bytes", "bytes of the session's arenas, PyTorch allocations it imported included"),
+    ("arenas", "arenas of the session (imported ones included)"),
+    ("layers", "layers created"),
+)
+
+
+def memory_stats(device=None, session=None):
+    """What mokd holds for this process on a GPU, as a dict next to
+    torch.cuda.memory_stats(device): the keys of _STATS_KEYS for the session
+    (the one MoELayer uses by default for that device, or `session`), plus
+    "gpu_quota_bytes" and "host_quota_bytes" (0: none) and, for the whole
+    daemon, "daemon.gpu_bytes", "daemon.context_bytes" and "daemon.sessions".
+    Counts released outputs first, as the next layer call would."""
+    if session is None:
+        if device is None:
+            device = torch.cuda.current_device()
+        dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        if dev.type != "cuda":
+            raise ValueError("device: mokd runs on CUDA devices, got %s" % dev)
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        session = _session(None, dev)
+    elif not isinstance(session, Session):
+        raise TypeError("session: expected a mokd.nn.Session, got %s" % type(session).__name__)
+    with session.lock:
+        session._begin()
+        st = session.client.stats()
+        info = session.client.info()
+    out = {k: st["session"][k] for k, _ in _STATS_KEYS}
+    out["gpu_quota_bytes"] = info["session_gpu_quota_bytes"]
+    out["host_quota_bytes"] = info["session_quota_bytes"]
+    for k in ("gpu_bytes", "context_bytes", "sessions"):
+        out["daemon." + k] = st["daemon"][k]
+    return out
