@@ -235,11 +235,17 @@ extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
     return mokk_fail(err, MOK_EDEVICE, "CUDA device %d does not exist (%d visible)", device, n);
   /* a tuning knob for measuring the tile shapes against each other */
   const char *tiles = getenv("MOKD_GEMM_TILES");
-  if (tiles != NULL && strcmp(tiles, "auto") != 0 && strcmp(tiles, "wide") != 0)
-    return mokk_fail(err, MOK_EINVAL, "MOKD_GEMM_TILES: \"%s\" is not auto or wide", tiles);
+  int tile_choice = MOKK_TILES_AUTO;
+  if (tiles != NULL && strcmp(tiles, "wide") == 0)
+    tile_choice = MOKK_TILES_WIDE;
+  else if (tiles != NULL && strcmp(tiles, "tall") == 0)
+    tile_choice = MOKK_TILES_TALL;
+  else if (tiles != NULL && strcmp(tiles, "auto") != 0)
+    return mokk_fail(err, MOK_EINVAL, "MOKD_GEMM_TILES: \"%s\" is not auto, wide or tall",
+                     tiles);
   if ((cb = (cuda_backend *)calloc(1, sizeof *cb)) == NULL)
     return mokk_fail(err, MOK_ENOMEM, "out of memory");
-  cb->wide = tiles != NULL && strcmp(tiles, "wide") == 0;
+  cb->tiles = tile_choice;
   cb->base.iface = &cuda_iface;
   cb->base.device = device;
   cb->device = device;

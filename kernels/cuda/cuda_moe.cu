@@ -54,23 +54,29 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
       return cuda_fail(err, e, what);
     cb->arch = 10 * major + minor;
   }
-  /* Hopper: grouped NT/NN GEMMs on 256 x 128 tiles, so one block reads an
-   * expert's weight slab once for up to 256 of its rows (128-row tiles left
-   * the reuse to the L2, which missed: 2.6x the weights came from DRAM);
-   * dense ones on 128 x 256 tiles; weight gradients (k = an expert's rows) on
-   * 128 x 256 tiles, or on ping-pong tiles, which hide one warpgroup's stores
-   * behind the other's MMAs, from 1024 rows per expert on (bench-gemm).
-   * MOKD_GEMM_TILES=wide keeps the earlier choice (128 x 256, ping-pong
-   * weight gradients) to measure one against the other. */
+  /* Hopper. Grouped NT/NN GEMMs whose expert weight slab is too large for
+   * the L2 to serve twice (>= 32 MiB) and whose experts have more than 128
+   * rows on average take 256 x 128 tiles: one block reads the slab once for
+   * up to 256 rows (dsv3 gate/up: 10.19 -> 8.49 ms, d_x 9.43 -> 8.53 ms).
+   * Smaller slabs come back from the L2 anyway, and 128-row experts leave a
+   * tall tile's second warpgroup idle, so the rest take 128 x 256 tiles
+   * (mid, qwen3, mok and dsv3's d_h were slower on tall ones). Weight
+   * gradients (k = an expert's rows) take 128 x 256 tiles, or ping-pong
+   * tiles, which hide one warpgroup's stores behind the other's MMAs, from
+   * 1024 rows per expert on (bench-gemm). MOKD_GEMM_TILES=wide or tall
+   * forces one choice, to measure them against each other. */
   if (cb->arch == 90) {
     int grid = grid_for(cb, gemm_tiles(a, LAYOUT), 1);
+    int64_t rows_per_group = a->count != NULL ? a_rows / a->groups : a->K;
     if constexpr (LAYOUT == L_TN) {
-      int64_t rows_per_group = a->count != NULL ? a_rows / a->groups : a->K;
-      if (rows_per_group >= 1024 || cb->wide)
+      if (rows_per_group >= 1024 || cb->tiles == MOKK_TILES_WIDE)
         return sm90::gemm<LAYOUT, EPI, 128, true>(a, a_rows, grid, cb->stream, err);
       return sm90::gemm<LAYOUT, EPI, 256>(a, a_rows, grid, cb->stream, err);
     } else {
-      if (a->count != NULL && !cb->wide)
+      bool tall = a->count != NULL && rows_per_group > 128 && a->K * a->N * 2 >= (32ll << 20);
+      if (cb->tiles != MOKK_TILES_AUTO)
+        tall = a->count != NULL && cb->tiles == MOKK_TILES_TALL;
+      if (tall)
         return sm90::gemm<LAYOUT, EPI, 128, false, 256>(a, a_rows, grid, cb->stream, err);
       return sm90::gemm<LAYOUT, EPI, 256>(a, a_rows, grid, cb->stream, err);
     }

@@ -14,11 +14,13 @@
 
 typedef struct cuda_buffer cuda_buffer;
 
+enum { MOKK_TILES_AUTO, MOKK_TILES_WIDE, MOKK_TILES_TALL };
+
 typedef struct cuda_backend {
   mokk_backend base;
   int device, sms, max_blocks;
   int arch;             /* compute capability as 10 major + minor; 0 until asked */
-  int wide;             /* MOKD_GEMM_TILES=wide: 128 x 256 and ping-pong tiles only */
+  int tiles;            /* MOKK_TILES_*: MOKD_GEMM_TILES, auto unless measuring */
   cudaStream_t stream;
   int *status;          /* device: bit 0 = an expert id out of range */
   cuda_buffer *retired; /* released, waiting for their fence (loop thread only) */
