@@ -255,7 +255,8 @@ static void group_work(mokd_work *w)
 }
 
 /* The state of a group forward, shared by the contexts of the ranks that
- * asked for one; each is charged its 1/P share. */
+ * asked for one; each is charged its 1/P share. group_done holds the first
+ * reference while it hands the state out. */
 static mokd_gctx *gctx_new(mokd_step *j)
 {
   mokd_gctx *g = calloc(1, sizeof *g);
@@ -265,11 +266,38 @@ static mokd_gctx *gctx_new(mokd_step *j)
   g->backend = j->backend;
   g->P = j->P;
   g->group = j->group;
+  g->refs = 1;
   j->ctx = NULL;
   return g;
 }
 
-/* On the loop thread: every rank's reply, from rank 0's step. */
+/* Rank j's part of a group step's end, before any reply leaves: its
+ * context takes its reference to g and is charged its share. The outcome
+ * goes to j->rc and j->err. */
+static void group_attach(mokd_step *j, const mokd_step *j0, mokd_gctx *g, int rc,
+                         const char *err)
+{
+  mokd_session *s = j->sess;
+
+  s->busy = NULL;
+  j->rc = rc;
+  snprintf(j->err, sizeof j->err, "%s", err);
+  j->work.t_queued = j0->work.t_queued;
+  j->work.t_start = j0->work.t_start, j->work.t_end = j0->work.t_end;
+  if (rc != 0 || g == NULL || !j->want_ctx || s->closing)
+    return;
+  j->rc = mokd_result_charge(s, j->res, (mokk_ctx_bytes(g->backend, g->ctx) +
+                                         (uint64_t)g->P - 1) / (uint64_t)g->P, j->err);
+  if (j->rc == 0) {
+    j->res->gctx = g;
+    g->refs++;
+  }
+}
+
+/* On the loop thread: every rank's reply, from rank 0's step. Every rank's
+ * context holds the shared state before the first reply leaves: a reply
+ * runs that session's next requests, which may release its context or name
+ * it in a Backward. */
 static void group_done(mokd_work *w)
 {
   mokd_step *j0 = (mokd_step *)w;
@@ -285,48 +313,35 @@ static void group_done(mokd_work *w)
   }
   if (j0->gctx != NULL)
     gctx_unref(j0->gctx);
+  for (int r = 0; r < j0->P; r++)
+    group_attach(j0->ranks[r], j0, g, rc, err);
+  if (g != NULL && g->refs - 1 < g->P)
+    g->dropped = 1; /* a rank holds no context of it: no group backward can run */
   for (int r = j0->P - 1; r >= 0; r--) { /* rank 0's step, which holds the rest, last */
     mokd_step *j = j0->ranks[r];
     mokd_session *s = j->sess;
-    mokd_result *res = j->res;
-    int rrc = rc;
-    char rerr[MOK_ERRLEN];
 
-    snprintf(rerr, sizeof rerr, "%s", err);
-    s->busy = NULL;
-    j->work.t_queued = j0->work.t_queued;
-    j->work.t_start = j0->work.t_start, j->work.t_end = j0->work.t_end;
-    if (rrc == 0 && g != NULL && j->want_ctx && !s->closing) {
-      res->gctx = g;
-      g->refs++;
-      rrc = mokd_result_charge(s, res, (mokk_ctx_bytes(g->backend, g->ctx) + (uint64_t)g->P - 1) /
-                                            (uint64_t)g->P, rerr);
-    }
     if (j->backward)
       s->usage.backwards++, srv->usage.backwards++;
     else
       s->usage.forwards++, srv->usage.forwards++;
     if (s->closing) {
-      mokd_result_free(s, res);
+      mokd_result_free(s, j->res);
       step_free(j);
       mokd_session_maybe_destroy(s);
       continue;
     }
-    if (rrc != 0) {
-      mokd_reply_error(s, j->req_id, rrc, rerr);
-      mokd_result_free(s, res);
+    if (j->rc != 0) {
+      mokd_reply_error(s, j->req_id, j->rc, j->err);
+      mokd_result_free(s, j->res);
     } else {
       send_step_reply(s, j);
     }
     step_free(j);
     mokd_session_pump(s);
   }
-  if (g != NULL && g->refs == 0) { /* every rank asked for inference, or is gone */
-    mokk_ctx_free(g->backend, g->ctx);
-    free(g);
-  } else if (g != NULL && g->refs < g->P) {
-    g->dropped = 1; /* a rank holds no context of it: no group backward can run */
-  }
+  if (g != NULL)
+    gctx_unref(g); /* group_done's own: the last one if no rank kept a context */
   mokd_server_maybe_stop(srv);
 }
 
