@@ -243,10 +243,11 @@ static void group_work(mokd_work *w)
       br[r] = j->ranks[r]->br;
     j->rc = mokk_backward(j->backend, j->gctx->ctx, j->mode, br, j->err);
   } else if (!j->backward && (fr = malloc((size_t)j->P * sizeof *fr)) != NULL) {
-    int keep = 0;
     for (int r = 0; r < j->P; r++)
-      fr[r] = j->ranks[r]->fr, keep |= j->ranks[r]->want_ctx;
-    j->rc = mokk_forward(j->backend, &j->shape, j->T, fr, keep ? &j->ctx : NULL, j->err);
+      fr[r] = j->ranks[r]->fr;
+    /* group_match made every rank ask what rank 0 asks */
+    j->rc = mokk_forward(j->backend, &j->shape, j->T, fr, j->want_ctx ? &j->ctx : NULL,
+                         j->err);
   } else {
     j->rc = mokk_fail(j->err, MOK_ENOMEM, "out of memory for a step of %d EP ranks", j->P);
   }
@@ -374,8 +375,9 @@ void mokd_step_fail(mokd_step *j, int code, const char *msg)
 }
 
 /* A group step must match the ones parked before it: the same kind, the
- * same T, and for a backward the same forward. On a mismatch every rank's
- * step fails. */
+ * same T, for a forward the same answer to inference (a context is kept
+ * for every rank or for none: each rank pays its share), and for a
+ * backward the same forward. On a mismatch every rank's step fails. */
 static int group_match(const mokd_layer *l, const mokd_step *j, char *err)
 {
   const mokd_step *f = mokd_group_first(l);
@@ -392,6 +394,11 @@ static int group_match(const mokd_layer *l, const mokd_step *j, char *err)
     rc = mokk_fail(err, MOK_ESHAPE, "EP rank %d sent T = %lld tokens, rank %d sent %lld; "
                    "every rank of a group step needs the same T", l->rank, (long long)j->T,
                    f->rank, (long long)f->T);
+  else if (!j->backward && f->want_ctx != j->want_ctx)
+    rc = mokk_fail(err, MOK_EGROUP, "EP rank %d sent %s Forward, rank %d %s one; the ranks "
+                   "of a group Forward must all ask for inference, or none", l->rank,
+                   j->want_ctx ? "a training" : "an inference", f->rank,
+                   f->want_ctx ? "a training" : "an inference");
   else if (f->gctx != j->gctx)
     rc = mokk_fail(err, MOK_ECONTEXT, "EP rank %d named the context of another forward than "
                    "rank %d; every rank's Backward must name its context of the same group "

@@ -3,11 +3,14 @@
  * with all experts (DESIGN §2.3), and a group that goes wrong (a rank killed
  * mid-step, a rank that never comes, a joiner that disagrees) answers the
  * others with a clear error at once and leaves nothing behind. */
+#include <poll.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/time.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -722,6 +725,210 @@ START_TEST(ep_backward_needs_every_context)
 }
 END_TEST
 
+/* ---- ranks over raw frames -------------------------------------------------- */
+
+/* A rank of a group of small layers (no shared expert, P = 2) over raw
+ * frames: to send requests back to back, or ones libmok would not send.
+ * Its arena is all zeros: the weights at 0, x and d_out at 16384, ids at
+ * 20480, topk_weights at 24576 (all ids 0: every token on expert 0). */
+typedef struct raw_rank {
+  int fd;
+  uint64_t arena, layer, id; /* id: of the last request sent */
+} raw_rank;
+
+static void rank_send(raw_rank *k, Mokd__Request *q, int pass_fd)
+{
+  q->id = ++k->id;
+  raw_request(k->fd, q, pass_fd);
+}
+
+static void read_exact(int fd, void *buf, size_t n)
+{
+  for (size_t at = 0; at < n;) {
+    struct pollfd pf = {fd, POLLIN, 0};
+    ck_assert_msg(poll(&pf, 1, 5000) == 1, "no reply within 5 s (the group timeout is 60 s)");
+    ssize_t got = recv(fd, (char *)buf + at, n - at, 0);
+    ck_assert_msg(got > 0, "the daemon closed the connection");
+    at += (size_t)got;
+  }
+}
+
+/* One reply, read exactly (length, then frame), so that replies that came
+ * together are read one by one; an fd riding on it is dropped. */
+static Mokd__Response *rank_reply(raw_rank *k)
+{
+  uint8_t hdr[4], *buf;
+  uint32_t n;
+  Mokd__Response *r;
+
+  read_exact(k->fd, hdr, 4);
+  n = (uint32_t)hdr[0] | (uint32_t)hdr[1] << 8 | (uint32_t)hdr[2] << 16 | (uint32_t)hdr[3] << 24;
+  buf = malloc(n);
+  ck_assert_ptr_nonnull(buf);
+  read_exact(k->fd, buf, n);
+  r = mokd__response__unpack(NULL, n, buf);
+  free(buf);
+  ck_assert_ptr_nonnull(r);
+  return r;
+}
+
+static Mokd__Response *rank_ok(raw_rank *k, const char *what)
+{
+  Mokd__Response *r = rank_reply(k);
+  ck_assert_msg(r->status == 0, "%s: %s: %s", what, mok_err_name(r->status), r->message);
+  return r;
+}
+
+static void rank_expect(raw_rank *k, int code, const char *needle)
+{
+  Mokd__Response *r = rank_reply(k);
+  ck_assert_msg(r->status == code && strstr(r->message, needle) != NULL,
+                "%s: \"%s\"; want %s with \"%s\"", mok_err_name(r->status), r->message,
+                mok_err_name(code), needle);
+  mokd__response__free_unpacked(r, NULL);
+}
+
+/* Connects, makes the arena and sends CreateLayer for rank r of group;
+ * rank_joined reads the reply once every rank has joined. */
+static void rank_join(raw_rank *k, uint64_t group, int r)
+{
+  Mokd__Request q = MOKD__REQUEST__INIT;
+  Mokd__CreateArena ca = MOKD__CREATE_ARENA__INIT;
+  Mokd__CreateLayer cl = MOKD__CREATE_LAYER__INIT;
+  Mokd__EpGroup ep = MOKD__EP_GROUP__INIT;
+  Mokd__Response *rep;
+
+  k->fd = raw_connect();
+  hello(k->fd);
+  k->id = 1;
+  ca.bytes = 1 << 16;
+  q.body_case = MOKD__REQUEST__BODY_CREATE_ARENA, q.create_arena = &ca;
+  rank_send(k, &q, -1);
+  rep = rank_ok(k, "CreateArena");
+  k->arena = rep->arena_created->arena;
+  mokd__response__free_unpacked(rep, NULL);
+  cl.hidden = 32, cl.intermediate = 16, cl.experts = 8, cl.top_k = 2;
+  ep.id = group, ep.size = 2, ep.rank = (uint32_t)r;
+  cl.ep = &ep;
+  q.body_case = MOKD__REQUEST__BODY_CREATE_LAYER, q.create_layer = &cl;
+  rank_send(k, &q, -1);
+}
+
+static Mokd__TensorRef rank_ref(const raw_rank *k, uint64_t off, Mokd__DType dt, int64_t *shape,
+                                int nd)
+{
+  Mokd__TensorRef t = MOKD__TENSOR_REF__INIT;
+  t.arena = k->arena, t.offset = off, t.dtype = dt, t.n_shape = (size_t)nd, t.shape = shape;
+  return t;
+}
+
+static void rank_joined(raw_rank *k)
+{
+  Mokd__Request q = MOKD__REQUEST__INIT;
+  Mokd__SetWeights sw = MOKD__SET_WEIGHTS__INIT;
+  Mokd__Response *rep = rank_ok(k, "CreateLayer");
+  int64_t gu[3] = {4, 16, 32}, dn[3] = {4, 32, 16};
+  Mokd__TensorRef wg = rank_ref(k, 0, MOKD__DTYPE__DTYPE_BF16, gu, 3);
+  Mokd__TensorRef wd = rank_ref(k, 4096, MOKD__DTYPE__DTYPE_BF16, dn, 3);
+
+  k->layer = rep->layer_created->layer;
+  mokd__response__free_unpacked(rep, NULL);
+  sw.layer = k->layer, sw.w_gate = &wg, sw.w_up = &wg, sw.w_down = &wd;
+  q.body_case = MOKD__REQUEST__BODY_SET_WEIGHTS, q.set_weights = &sw;
+  rank_send(k, &q, -1);
+  mokd__response__free_unpacked(rank_ok(k, "SetWeights"), NULL);
+}
+
+/* Sends a Forward of T tokens of layer (0: the rank's) with pass_fd on it
+ * (-1: none). */
+static void rank_forward(raw_rank *k, int64_t T, int inference, uint64_t layer, int pass_fd)
+{
+  Mokd__Request q = MOKD__REQUEST__INIT;
+  Mokd__Forward f = MOKD__FORWARD__INIT;
+  int64_t sx[2] = {T, 32}, sk[2] = {T, 2};
+  Mokd__TensorRef x = rank_ref(k, 16384, MOKD__DTYPE__DTYPE_BF16, sx, 2);
+  Mokd__TensorRef ids = rank_ref(k, 20480, MOKD__DTYPE__DTYPE_I32, sk, 2);
+  Mokd__TensorRef tw = rank_ref(k, 24576, MOKD__DTYPE__DTYPE_F32, sk, 2);
+
+  f.layer = layer != 0 ? layer : k->layer;
+  f.x = &x, f.topk_ids = &ids, f.topk_weights = &tw, f.inference = inference;
+  q.body_case = MOKD__REQUEST__BODY_FORWARD, q.forward = &f;
+  rank_send(k, &q, pass_fd);
+}
+
+/* The context of a forward that succeeded. */
+static uint64_t rank_context(raw_rank *k)
+{
+  Mokd__Response *rep = rank_ok(k, "Forward");
+  uint64_t c = rep->forward_done->context;
+  mokd__response__free_unpacked(rep, NULL);
+  return c;
+}
+
+static void rank_backward(raw_rank *k, uint64_t context, int64_t T)
+{
+  Mokd__Request q = MOKD__REQUEST__INIT;
+  Mokd__Backward b = MOKD__BACKWARD__INIT;
+  int64_t sx[2] = {T, 32};
+  Mokd__TensorRef d = rank_ref(k, 16384, MOKD__DTYPE__DTYPE_BF16, sx, 2);
+
+  b.context = context, b.d_out = &d;
+  q.body_case = MOKD__REQUEST__BODY_BACKWARD, q.backward = &b;
+  rank_send(k, &q, -1);
+}
+
+static void ranks_join(raw_rank *k, uint64_t group)
+{
+  rank_join(&k[0], group, 0);
+  rank_join(&k[1], group, 1);
+  rank_joined(&k[0]);
+  rank_joined(&k[1]);
+}
+
+/* Both ranks run a forward and a backward: the group stands. */
+static void ranks_step(raw_rank *k)
+{
+  uint64_t c[2];
+  for (int r = 0; r < 2; r++)
+    rank_forward(&k[r], 4, 0, 0, -1);
+  for (int r = 0; r < 2; r++)
+    c[r] = rank_context(&k[r]);
+  for (int r = 0; r < 2; r++)
+    rank_backward(&k[r], c[r], 4);
+  for (int r = 0; r < 2; r++)
+    mokd__response__free_unpacked(rank_ok(&k[r], "Backward"), NULL);
+}
+
+static void ranks_close(raw_rank *k)
+{
+  mok_client *cl;
+  mok_stats st;
+
+  close(k[0].fd);
+  close(k[1].fd);
+  cl = connect_ok();
+  wait_baseline(cl, &st);
+  mok_close(cl);
+}
+
+/* A group forward keeps a context for every rank or for none: an
+ * inference rank would hold none of the state the others keep (and pay
+ * nothing for it), so the ranks must agree; the group stands. */
+START_TEST(ep_inference_ranks_must_agree)
+{
+  raw_rank k[2];
+
+  ranks_join(k, 20);
+  rank_forward(&k[0], 4, 1, 0, -1);
+  rank_forward(&k[1], 4, 0, 0, -1);
+  for (int r = 0; r < 2; r++)
+    rank_expect(&k[r], MOK_EGROUP, "the ranks of a group Forward must all ask for inference, "
+                                   "or none");
+  ranks_step(k);
+  ranks_close(k);
+}
+END_TEST
+
 Suite *daemon_ep_suite(void)
 {
   Suite *s = suite_create("daemon_ep");
@@ -742,6 +949,7 @@ Suite *daemon_ep_suite(void)
   tcase_add_test(tc, ep_join_mismatches);
   tcase_add_test(tc, ep_step_mismatch_fails_all);
   tcase_add_test(tc, ep_backward_needs_every_context);
+  tcase_add_test(tc, ep_inference_ranks_must_agree);
   suite_add_tcase(s, tc);
   return s;
 }
