@@ -429,7 +429,10 @@ static void refuse_group_step(mokd_layer *l, const char *what, const char *why)
   mokd_group_fail_step(l, MOK_EGROUP, msg);
 }
 
-static int forward_step(mokd_session *s, const Mokd__Request *q, mokd_layer *l, char *err)
+/* *told: the step was refused by group_match, which failed the group's
+ * step for every rank already. */
+static int forward_step(mokd_session *s, const Mokd__Request *q, mokd_layer *l, int *told,
+                        char *err)
 {
   const Mokd__Forward *f = q->forward;
   mokd_arena *warenas[MOKK_NWEIGHTS];
@@ -505,8 +508,10 @@ static int forward_step(mokd_session *s, const Mokd__Request *q, mokd_layer *l, 
   if (l->shape.P > 1) {
     j->rank = l->rank;
     j->group = mokd_group_serial(l);
-    if ((rc = group_match(l, j, err)))
+    if ((rc = group_match(l, j, err))) {
+      *told = 1;
       goto fail;
+    }
     mokd_group_park(l, j);
     return 0;
   }
@@ -523,10 +528,11 @@ int mokd_h_forward(mokd_session *s, const Mokd__Request *q, const int *fds, int 
                    char *err)
 {
   mokd_layer *l = mokd_layer_find(s, q->forward->layer);
-  int rc = forward_step(s, q, l, err);
+  int told = 0;
+  int rc = forward_step(s, q, l, &told, err);
 
   (void)fds, (void)nfds;
-  if (rc != 0)
+  if (rc != 0 && !told)
     refuse_group_step(l, "Forward", err);
   return rc;
 }
@@ -572,7 +578,9 @@ static int backward_weights(mokd_session *s, const mokk_shape *sh, const Mokd__B
   return 0;
 }
 
-static int backward_step(mokd_session *s, const Mokd__Request *q, mokd_result *c, char *err)
+/* *told: as forward_step's. */
+static int backward_step(mokd_session *s, const Mokd__Request *q, mokd_result *c, int *told,
+                         char *err)
 {
   const Mokd__Backward *b = q->backward;
   mokd_result *r;
@@ -668,8 +676,10 @@ static int backward_step(mokd_session *s, const Mokd__Request *q, mokd_result *c
     j->gctx = c->gctx;
     j->rank = l->rank;
     j->group = c->gctx->group;
-    if ((rc = group_match(l, j, err)))
+    if ((rc = group_match(l, j, err))) {
+      *told = 1;
       goto fail;
+    }
     mokd_group_park(l, j);
     return 0;
   }
@@ -686,10 +696,11 @@ int mokd_h_backward(mokd_session *s, const Mokd__Request *q, const int *fds, int
                     char *err)
 {
   mokd_result *c = mokd_result_find(s, q->backward->context);
-  int rc = backward_step(s, q, c, err);
+  int told = 0;
+  int rc = backward_step(s, q, c, &told, err);
 
   (void)fds, (void)nfds;
-  if (rc != 0 && c != NULL && c->gctx != NULL)
+  if (rc != 0 && !told && c != NULL && c->gctx != NULL)
     refuse_group_step(mokd_layer_find(s, c->layer), "Backward", err);
   return rc;
 }

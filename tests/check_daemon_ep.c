@@ -929,6 +929,30 @@ START_TEST(ep_inference_ranks_must_agree)
 }
 END_TEST
 
+/* A step that does not match fails the parked ones, which runs those
+ * ranks' next requests: a step they sent right behind parks, and waits for
+ * the mismatching rank's next one, which it then runs with. */
+START_TEST(ep_mismatch_spares_the_next_step)
+{
+  raw_rank k[2];
+  mok_client *cl = connect_ok();
+
+  ranks_join(k, 23);
+  rank_forward(&k[1], 4, 0, 0, -1);
+  rank_forward(&k[1], 4, 0, 0, -1); /* behind it, before any reply */
+  wait_contexts(cl, 1);
+  rank_forward(&k[0], 3, 0, 0, -1);
+  rank_expect(&k[0], MOK_ESHAPE, "EP rank 0 sent T = 3 tokens, rank 1 sent 4");
+  rank_expect(&k[1], MOK_ESHAPE, "EP rank 0 sent T = 3 tokens, rank 1 sent 4");
+  wait_contexts(cl, 1); /* rank 1's second forward waits in the group */
+  rank_forward(&k[0], 4, 0, 0, -1);
+  rank_context(&k[0]);
+  rank_context(&k[1]);
+  mok_close(cl);
+  ranks_close(k);
+}
+END_TEST
+
 Suite *daemon_ep_suite(void)
 {
   Suite *s = suite_create("daemon_ep");
@@ -950,6 +974,7 @@ Suite *daemon_ep_suite(void)
   tcase_add_test(tc, ep_step_mismatch_fails_all);
   tcase_add_test(tc, ep_backward_needs_every_context);
   tcase_add_test(tc, ep_inference_ranks_must_agree);
+  tcase_add_test(tc, ep_mismatch_spares_the_next_step);
   suite_add_tcase(s, tc);
   return s;
 }
