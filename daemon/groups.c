@@ -4,6 +4,9 @@
  * its request, as one step over the P ranks (steps.c). A rank that leaves,
  * or one that is group_timeout_ms late, tears the group down: whoever waits
  * gets the error at once, and every member's layer says why from then on.
+ * A step that cannot run (the ranks disagree, a rank's request is refused,
+ * a rank releases its context of the forward a Backward is for) fails for
+ * every rank at once, and the group stands for the next one.
  * Group ids are per uid: sessions of different users never meet. */
 #include <stdarg.h>
 #include <stdio.h>

@@ -79,9 +79,20 @@ static void gctx_unref(mokd_gctx *g)
   free(g);
 }
 
-void mokd_gctx_drop(mokd_gctx *g)
+void mokd_gctx_drop(mokd_session *s, const mokd_result *c)
 {
+  mokd_gctx *g = c->gctx;
+  mokd_layer *l = mokd_layer_find(s, c->layer);
+  const mokd_step *f = l != NULL ? mokd_group_first(l) : NULL;
+
   g->dropped = 1;
+  if (f != NULL && f->backward && f->gctx == g) { /* the others wait for this rank in vain */
+    char msg[MOK_ERRLEN];
+    snprintf(msg, sizeof msg, "EP rank %d released its context %llu of the forward this "
+             "Backward names; a group's Backward needs every rank's", l->rank,
+             (unsigned long long)c->id);
+    mokd_group_fail_step(l, MOK_ECONTEXT, msg);
+  }
   gctx_unref(g);
 }
 
@@ -429,8 +440,33 @@ static void refuse_group_step(mokd_layer *l, const char *what, const char *why)
   mokd_group_fail_step(l, MOK_EGROUP, msg);
 }
 
-/* *told: the step was refused by group_match, which failed the group's
- * step for every rank already. */
+void mokd_steps_refused(mokd_session *s, const Mokd__Request *q, const char *why)
+{
+  const char *what;
+  mokd_layer *l = NULL;
+
+  if (q == NULL)
+    return;
+  if (q->body_case == MOKD__REQUEST__BODY_FORWARD && q->forward != NULL) {
+    what = "Forward";
+    l = mokd_layer_find(s, q->forward->layer);
+  } else if (q->body_case == MOKD__REQUEST__BODY_BACKWARD && q->backward != NULL) {
+    mokd_result *c = mokd_result_find(s, q->backward->context);
+    what = "Backward";
+    if (c != NULL && (c->gctx == NULL || (l = mokd_layer_find(s, c->layer)) == NULL))
+      return; /* not of a group, or of one torn down with the layer */
+  } else {
+    return;
+  }
+  if (l != NULL) {
+    refuse_group_step(l, what, why);
+    return;
+  }
+  /* it names nothing of this session: whichever group waits for this rank */
+  for (l = s->layers; l != NULL; l = l->next)
+    refuse_group_step(l, what, why);
+}
+
 static int forward_step(mokd_session *s, const Mokd__Request *q, mokd_layer *l, int *told,
                         char *err)
 {
@@ -533,7 +569,7 @@ int mokd_h_forward(mokd_session *s, const Mokd__Request *q, const int *fds, int 
 
   (void)fds, (void)nfds;
   if (rc != 0 && !told)
-    refuse_group_step(l, "Forward", err);
+    mokd_steps_refused(s, q, err);
   return rc;
 }
 
@@ -700,7 +736,7 @@ int mokd_h_backward(mokd_session *s, const Mokd__Request *q, const int *fds, int
   int rc = backward_step(s, q, c, &told, err);
 
   (void)fds, (void)nfds;
-  if (rc != 0 && !told && c != NULL && c->gctx != NULL)
-    refuse_group_step(mokd_layer_find(s, c->layer), "Backward", err);
+  if (rc != 0 && !told)
+    mokd_steps_refused(s, q, err);
   return rc;
 }

@@ -877,6 +877,16 @@ static void rank_backward(raw_rank *k, uint64_t context, int64_t T)
   rank_send(k, &q, -1);
 }
 
+static void rank_release(raw_rank *k, uint64_t id)
+{
+  Mokd__Request q = MOKD__REQUEST__INIT;
+  Mokd__Release rl = MOKD__RELEASE__INIT;
+
+  rl.n_ids = 1, rl.ids = &id;
+  q.body_case = MOKD__REQUEST__BODY_RELEASE, q.release = &rl;
+  rank_send(k, &q, -1);
+}
+
 static void ranks_join(raw_rank *k, uint64_t group)
 {
   rank_join(&k[0], group, 0);
@@ -909,6 +919,29 @@ static void ranks_close(raw_rank *k)
   cl = connect_ok();
   wait_baseline(cl, &st);
   mok_close(cl);
+}
+
+static double now_ms(void)
+{
+  struct timeval tv;
+  gettimeofday(&tv, NULL);
+  return tv.tv_sec * 1e3 + tv.tv_usec / 1e3;
+}
+
+/* Polls until the daemon holds n backward results: the backwards parked in
+ * a group. */
+static void wait_results(uint64_t n)
+{
+  mok_client *cl = connect_ok();
+  mok_stats st;
+  for (int i = 0; i < 1000; i++) {
+    ck_assert_int_eq(mok_stats_get(cl, &st), 0);
+    if (st.daemon.results == n)
+      break;
+    usleep(5000);
+  }
+  mok_close(cl);
+  ck_assert_uint_eq(st.daemon.results, n);
 }
 
 /* A group forward keeps a context for every rank or for none: an
@@ -953,6 +986,79 @@ START_TEST(ep_mismatch_spares_the_next_step)
 }
 END_TEST
 
+/* A rank whose Forward or Backward is refused, by its handler or before
+ * it runs, fails the step the others wait in at once (group_timeout_ms is
+ * 60 s here), with why; the group stands for the next step. */
+START_TEST(ep_refused_rank_ends_the_wait)
+{
+  raw_rank k[2];
+  mok_client *cl = connect_ok();
+  uint64_t c[2];
+  double t0;
+
+  ranks_join(k, 21);
+  /* a layer this session does not have */
+  rank_forward(&k[0], 4, 0, 0, -1);
+  wait_contexts(cl, 1);
+  t0 = now_ms();
+  rank_forward(&k[1], 4, 0, 424242, -1);
+  rank_expect(&k[1], MOK_ENOENT, "layer 424242 does not exist in this session");
+  rank_expect(&k[0], MOK_EGROUP, "EP rank 1's Forward was refused: layer 424242 does not "
+                                 "exist in this session");
+  ck_assert_double_lt(now_ms() - t0, 2000);
+  /* an fd on a Forward: refused before the handler runs */
+  rank_forward(&k[0], 4, 0, 0, -1);
+  wait_contexts(cl, 1);
+  rank_forward(&k[1], 4, 0, 0, k[1].fd);
+  rank_expect(&k[1], MOK_EINVAL, "a file descriptor came with a request that takes none");
+  rank_expect(&k[0], MOK_EGROUP, "EP rank 1's Forward was refused: a file descriptor came");
+  /* a Backward that names a context this rank does not hold */
+  for (int r = 0; r < 2; r++)
+    rank_forward(&k[r], 4, 0, 0, -1);
+  for (int r = 0; r < 2; r++)
+    c[r] = rank_context(&k[r]);
+  rank_backward(&k[0], c[0], 4);
+  wait_results(1);
+  t0 = now_ms();
+  rank_backward(&k[1], 999999, 4);
+  rank_expect(&k[1], MOK_ECONTEXT, "context 999999 is unknown");
+  rank_expect(&k[0], MOK_EGROUP, "EP rank 1's Backward was refused: context 999999 is unknown");
+  ck_assert_double_lt(now_ms() - t0, 2000);
+  for (int r = 0; r < 2; r++)
+    rank_backward(&k[r], c[r], 4);
+  for (int r = 0; r < 2; r++)
+    mokd__response__free_unpacked(rank_ok(&k[r], "Backward"), NULL);
+  ranks_step(k);
+  mok_close(cl);
+  ranks_close(k);
+}
+END_TEST
+
+/* A rank that releases its context of a forward whose group Backward the
+ * others wait in ends their wait at once; the group stands. */
+START_TEST(ep_release_ends_a_backward_wait)
+{
+  raw_rank k[2];
+  uint64_t c[2];
+  double t0;
+
+  ranks_join(k, 22);
+  for (int r = 0; r < 2; r++)
+    rank_forward(&k[r], 4, 0, 0, -1);
+  for (int r = 0; r < 2; r++)
+    c[r] = rank_context(&k[r]);
+  rank_backward(&k[0], c[0], 4);
+  wait_results(1);
+  t0 = now_ms();
+  rank_release(&k[1], c[1]);
+  mokd__response__free_unpacked(rank_ok(&k[1], "Release"), NULL);
+  rank_expect(&k[0], MOK_ECONTEXT, "EP rank 1 released its context");
+  ck_assert_double_lt(now_ms() - t0, 2000);
+  ranks_step(k);
+  ranks_close(k);
+}
+END_TEST
+
 Suite *daemon_ep_suite(void)
 {
   Suite *s = suite_create("daemon_ep");
@@ -975,6 +1081,8 @@ Suite *daemon_ep_suite(void)
   tcase_add_test(tc, ep_backward_needs_every_context);
   tcase_add_test(tc, ep_inference_ranks_must_agree);
   tcase_add_test(tc, ep_mismatch_spares_the_next_step);
+  tcase_add_test(tc, ep_refused_rank_ends_the_wait);
+  tcase_add_test(tc, ep_release_ends_a_backward_wait);
   suite_add_tcase(s, tc);
   return s;
 }
