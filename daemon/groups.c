@@ -172,6 +172,10 @@ int mokd_group_usable(const mokd_layer *l, char *err)
   if (l->shape.P > 1 && l->group == NULL)
     return mokk_fail(err, MOK_EGROUP, "the EP group of this layer was torn down; destroy "
                      "this layer and create it again (a new group)");
+  if (l->group != NULL && !l->group->formed)
+    return mokk_fail(err, MOK_EGROUP, "EP group %llu has not formed yet (%d of %d ranks "
+                     "joined)", (unsigned long long)l->group->id, l->group->joined,
+                     l->group->P);
   return 0;
 }
 
