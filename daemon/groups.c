@@ -93,7 +93,7 @@ static int same_layer(const mokd_group *g, const mokd_layer *l, char *err)
   const mokk_shape *a = &g->shape, *b = &l->shape;
 
   if (a->H == b->H && a->I == b->I && a->E == b->E && a->K == b->K && a->I_s == b->I_s &&
-      memcmp(&a->swiglu_limit, &b->swiglu_limit, sizeof a->swiglu_limit) == 0 &&
+      a->swiglu_limit == b->swiglu_limit &&
       g->mode == l->mode)
     return 0;
   return mokk_fail(err, MOK_ESHAPE, "EP group %llu has H=%lld I=%lld E=%lld K=%lld I_s=%lld "
