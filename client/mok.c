@@ -435,8 +435,6 @@ int mok_connect_device(const char *path, const char *client_name, int device,
 int mok_connect_uuid(const char *path, const char *client_name, const char *gpu_uuid,
                      mok_client **out)
 {
-  if (gpu_uuid == NULL)
-    return out != NULL ? connect_on(path, client_name, -1, NULL, out) : MOK_ENULL;
   return connect_on(path, client_name, -1, gpu_uuid, out);
 }
 
