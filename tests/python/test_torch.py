@@ -323,6 +323,7 @@ class TorchLayerTest(unittest.TestCase):
                 nbytes = [w.untyped_storage().nbytes() for w in m.weights()]
                 for w in m.weights():
                     w.untyped_storage().resize_(0)
+                self.assertTrue(all(w.untyped_storage().nbytes() == 0 for w in m.weights()))
                 # what the freed memory is handed to now: the daemon must not read it
                 junk = [torch.full_like(k, 3.0) for k in keep]
                 for w, n, k in zip(m.weights(), nbytes, keep):
@@ -333,6 +334,10 @@ class TorchLayerTest(unittest.TestCase):
                 for w in m.weights():
                     w.data = w.data.clone()
             moved = sum(w.data_ptr() != p for w, p in zip(m.weights(), old_ptrs))
+            if how == "resize":
+                self.assertGreater(moved, 0, "no weight came back elsewhere")
+            else:
+                self.assertEqual(moved, len(old_ptrs))
             out.backward(d_out)
             self.assert_same_bits(want, self.grads_of(m, x, tw), names)
             print("%s: %d of %d weights moved; gradients bitwise equal"
@@ -450,6 +455,7 @@ pairs += [("d_" + n, getattr(ref, n).grad, getattr(m, n).grad) for n in ref._nam
 for name, a, b in pairs:
     assert b is not None, name
     assert torch.equal(bits(a), bits(b)), name
+assert any(moved), "no backward named moved weights: %s" % moved
 print("fsdp2: backwards that named moved weights: %s; gradients bitwise equal" % moved)
 dist.destroy_process_group()
 """
