@@ -538,6 +538,8 @@ for H, I in ((256, 128), (1024, 2048)):   # weights of 1 MiB, then of 64 MiB eac
         print(r.stdout, r.stderr)
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertEqual(r.stdout.count(" ran: ") + r.stdout.count(" refused: "), 2, r.stdout)
+        # weights of 1 MiB lie in one allocation: only the large case may be refused
+        self.assertIn("H=256 I=128 ran: ", r.stdout)
 
     # -- routing as frameworks produce it ---------------------------------------
 
