@@ -86,9 +86,11 @@ static int64_t local_elems(const moe_case *c, int w, int P)
 }
 
 /* One rank's process: its tokens and experts into an arena of its own, the
- * group layer, forward and backward; results into o. Returns the exit code. */
+ * group layer, forward and backward; results into o. moved: between the
+ * two the weights move (copied elsewhere, the old place overwritten) and
+ * the backward names where they are now. Returns the exit code. */
 static int rank_main(const moe_case *c, int P, int r, uint64_t group, mok_grad_mode mode,
-                     ep_out *o)
+                     int moved, ep_out *o)
 {
   report *rep = rep_of(o, r);
   int64_t Tl = c->T / P, H = c->s.H, K = c->s.K, t0 = r * Tl;
@@ -100,6 +102,7 @@ static int rank_main(const moe_case *c, int P, int r, uint64_t group, mok_grad_m
   mok_client *cl;
   mok_arena_info a;
   mok_tensor x, ids, tw, dout, w[MOK_NWEIGHTS] = {{0}}, g[MOK_NWEIGHTS] = {{0}};
+  mok_tensor w2[MOK_NWEIGHTS] = {{0}};
   mok_forward_result f;
   mok_backward_result b;
   uint64_t layer, at = 0;
@@ -128,9 +131,9 @@ static int rank_main(const moe_case *c, int P, int r, uint64_t group, mok_grad_m
   PLACE(dout, MOK_DTYPE_BF16, 2, Tl, H);
   PLACE(ids, MOK_DTYPE_I32, 2, Tl, K);
   PLACE(tw, MOK_DTYPE_F32, 2, Tl, K);
-  for (int i = 0; i < 2; i++) {
-    mok_tensor *t = i ? g : w;
-    mok_dtype dt = i ? MOK_DTYPE_F32 : MOK_DTYPE_BF16;
+  for (int i = 0; i < 3; i++) {
+    mok_tensor *t = i == 0 ? w : i == 1 ? g : w2;
+    mok_dtype dt = i == 1 ? MOK_DTYPE_F32 : MOK_DTYPE_BF16;
     int64_t El = c->s.E / P, I = c->s.I, Is = c->s.I_s;
     PLACE(t[MOK_W_GATE], dt, 3, El, I, H);
     PLACE(t[MOK_W_UP], dt, 3, El, I, H);
@@ -160,8 +163,13 @@ static int rank_main(const moe_case *c, int P, int r, uint64_t group, mok_grad_m
   CHECK(mok_forward(cl, layer, &x, &ids, &tw, 0, &f));
   rep->step = 2;
   memcpy(o->out + t0 * H, f.out_ptr, (size_t)(Tl * H) * 2);
-  CHECK(mok_backward(cl, f.context, &dout, mode == MOK_GRAD_FP32_ACCUM ? g : NULL,
-                     mode == MOK_GRAD_FP32_ACCUM ? nw : 0, &b));
+  for (int i = 0; moved && i < nw; i++) {
+    size_t n = (size_t)local_elems(c, i, P) * 2;
+    memcpy(mok_tensor_ptr(cl, &w2[i]), mok_tensor_ptr(cl, &w[i]), n);
+    memset(mok_tensor_ptr(cl, &w[i]), 0x7f, n); /* the old place now holds something else */
+  }
+  CHECK(mok_backward_weights(cl, f.context, &dout, mode == MOK_GRAD_FP32_ACCUM ? g : NULL,
+                             mode == MOK_GRAD_FP32_ACCUM ? nw : 0, moved ? w2 : NULL, &b));
   rep->step = 3;
   memcpy(o->d_x + t0 * H, b.d_x_ptr, (size_t)(Tl * H) * 2);
   memcpy(o->d_tw + t0 * K, b.d_topk_weights_ptr, (size_t)(Tl * K) * 4);
@@ -182,7 +190,8 @@ static int rank_main(const moe_case *c, int P, int r, uint64_t group, mok_grad_m
 }
 
 /* P rank processes of one group; each must exit 0. */
-static void run_group(const moe_case *c, int P, uint64_t group, mok_grad_mode mode, ep_out *o)
+static void run_group(const moe_case *c, int P, uint64_t group, mok_grad_mode mode, int moved,
+                      ep_out *o)
 {
   pid_t kids[8];
 
@@ -191,7 +200,7 @@ static void run_group(const moe_case *c, int P, uint64_t group, mok_grad_mode mo
     kids[r] = fork();
     ck_assert_int_ge(kids[r], 0);
     if (kids[r] == 0)
-      _exit(rank_main(c, P, r, group, mode, o));
+      _exit(rank_main(c, P, r, group, mode, moved, o));
   }
   for (int r = 0; r < P; r++) {
     int st;
@@ -219,8 +228,10 @@ static void wait_baseline(mok_client *c, mok_stats *st)
   ck_assert_uint_eq(st->daemon.results, 0);
 }
 
+/* P = 2, 4, 8 against P = 1, up to P = maxP; moved: the ranks' backwards
+ * name their weights where they moved to (rank_main). */
 static void ep_bitwise(mokk_shape s, int64_t T, route_kind route, mok_grad_mode mode,
-                       uint64_t seed)
+                       uint64_t seed, int maxP, int moved)
 {
   moe_case c;
   ep_out base, o;
@@ -229,9 +240,9 @@ static void ep_bitwise(mokk_shape s, int64_t T, route_kind route, mok_grad_mode 
   mok_stats st;
 
   case_make(&c, &s, T, seed, route);
-  run_group(&c, 1, 0, mode, &base);
-  for (int P = 2; P <= 8; P *= 2) {
-    run_group(&c, P, 100 + (uint64_t)P, mode, &o);
+  run_group(&c, 1, 0, mode, 0, &base);
+  for (int P = 2; P <= maxP; P *= 2) {
+    run_group(&c, P, 100 + (uint64_t)P, mode, moved, &o);
     ck_assert_msg(memcmp(o.out, base.out, (size_t)(T * s.H) * 2) == 0, "P=%d: out", P);
     ck_assert_msg(memcmp(o.d_x, base.d_x, (size_t)(T * s.H) * 2) == 0, "P=%d: d_x", P);
     ck_assert_msg(memcmp(o.d_tw, base.d_tw, (size_t)(T * s.K) * 4) == 0,
@@ -259,7 +270,7 @@ START_TEST(ep_bitwise_bf16)
 {
   ep_bitwise((mokk_shape){.H = 48, .I = 32, .E = 16, .K = 4, .I_s = 24, .P = 1,
                           .swiglu_limit = 0.7f},
-             64, ROUTE_RANDOM, MOK_GRAD_BF16, 51);
+             64, ROUTE_RANDOM, MOK_GRAD_BF16, 51, 8, 0);
 }
 END_TEST
 
@@ -267,16 +278,29 @@ START_TEST(ep_bitwise_fp32_odd_tokens)
 {
   /* 13 tokens a rank at P = 8: gradient chunks straddle ranks */
   ep_bitwise((mokk_shape){.H = 40, .I = 24, .E = 8, .K = 2, .I_s = 16, .P = 1}, 8 * 13,
-             ROUTE_RANDOM, MOK_GRAD_FP32_ACCUM, 52);
+             ROUTE_RANDOM, MOK_GRAD_FP32_ACCUM, 52, 8, 0);
 }
 END_TEST
 
 START_TEST(ep_bitwise_empty_and_hot_experts)
 {
   ep_bitwise((mokk_shape){.H = 32, .I = 16, .E = 16, .K = 2, .P = 1}, 8 * 5, ROUTE_HALF,
-             MOK_GRAD_BF16, 53);
+             MOK_GRAD_BF16, 53, 8, 0);
   ep_bitwise((mokk_shape){.H = 32, .I = 16, .E = 8, .K = 1, .I_s = 8, .P = 1}, 8 * 3,
-             ROUTE_SAME, MOK_GRAD_FP32_ACCUM, 54);
+             ROUTE_SAME, MOK_GRAD_FP32_ACCUM, 54, 8, 0);
+}
+END_TEST
+
+/* A group Backward whose ranks name weights that moved since the forward
+ * (Backward.weights, as FSDP regathers them) reads them there: the bits of
+ * P = 1 with weights that never moved. */
+START_TEST(ep_bitwise_moved_weights)
+{
+  ep_bitwise((mokk_shape){.H = 48, .I = 32, .E = 16, .K = 4, .I_s = 24, .P = 1,
+                          .swiglu_limit = 0.7f},
+             64, ROUTE_RANDOM, MOK_GRAD_BF16, 55, 2, 1);
+  ep_bitwise((mokk_shape){.H = 40, .I = 24, .E = 8, .K = 2, .I_s = 16, .P = 1}, 2 * 13,
+             ROUTE_RANDOM, MOK_GRAD_FP32_ACCUM, 56, 2, 1);
 }
 END_TEST
 
@@ -304,7 +328,7 @@ static pid_t spawn_rank(const moe_case *c, int P, int r, uint64_t group, int idl
     pause();
     _exit(0);
   }
-  _exit(rank_main(c, P, r, group, MOK_GRAD_BF16, o));
+  _exit(rank_main(c, P, r, group, MOK_GRAD_BF16, 0, o));
 }
 
 static int wait_exit(pid_t pid)
@@ -362,7 +386,7 @@ START_TEST(ep_rank_killed_mid_step)
   ck_assert_uint_eq(st.daemon.forwards, 0);
   /* and a new group of the same id forms and runs */
   ep_out_unmap(&o);
-  run_group(&c, 2, 7, MOK_GRAD_BF16, &o);
+  run_group(&c, 2, 7, MOK_GRAD_BF16, 0, &o);
   ep_out_unmap(&o);
   case_free(&c);
   wait_baseline(cl, &st);
@@ -1068,6 +1092,7 @@ Suite *daemon_ep_suite(void)
   tcase_add_test(tc, ep_bitwise_bf16);
   tcase_add_test(tc, ep_bitwise_fp32_odd_tokens);
   tcase_add_test(tc, ep_bitwise_empty_and_hot_experts);
+  tcase_add_test(tc, ep_bitwise_moved_weights);
   suite_add_tcase(s, tc);
   tc = tcase_create("faults");
   tcase_add_checked_fixture(tc, setup, teardown);
