@@ -435,8 +435,6 @@ int mok_connect_device(const char *path, const char *client_name, int device,
 int mok_connect_uuid(const char *path, const char *client_name, const char *gpu_uuid,
                      mok_client **out)
 {
-  if (gpu_uuid == NULL)
-    return out != NULL ? connect_on(path, client_name, -1, NULL, out) : MOK_ENULL;
   return connect_on(path, client_name, -1, gpu_uuid, out);
 }
 
@@ -745,9 +743,9 @@ int mok_arena_import_cuda(mok_client *c, const void *ptr, size_t bytes, uint64_t
   }
   if ((uintptr_t)ptr + bytes > al.base + al.bytes && !al.legacy_ipc &&
       mok_cuda_alloc_info((const void *)(al.base + al.bytes), &next, why, sizeof why) == 0)
-    return fail(c, MOK_ENOTSUP, "%zu bytes at %p span several cuMem allocations (the first "
-                "ends after %zu bytes), as PyTorch's expandable_segments allocator maps large "
-                "tensors; mokd imports one allocation per tensor: run without "
+    return fail(c, MOK_ENOTSUP, "%zu bytes at %p span several cuMem allocations (as "
+                "PyTorch's expandable_segments does; the first ends after %zu bytes); mokd "
+                "imports one allocation per tensor: with PyTorch, run without "
                 "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", bytes, ptr,
                 (size_t)(al.base + al.bytes - (uintptr_t)ptr));
   if ((uintptr_t)ptr + bytes > al.base + al.bytes)

@@ -75,7 +75,9 @@ static int bad_fds(const mokd_pending *p, char *err)
                    p->nfds + p->extra_fds);
 }
 
-static int handle(mokd_session *s, const mokd_pending *p, char *err)
+/* What refuses a request before its handler runs: 0 and its route, or a
+ * MOK_* code and why. */
+static int admit(mokd_session *s, const mokd_pending *p, const route **out, char *err)
 {
   const Mokd__Request *q = p->req;
   const route *r;
@@ -103,7 +105,20 @@ static int handle(mokd_session *s, const mokd_pending *p, char *err)
   if (p->nfds < mokd_dispatch_fds(q))
     return mokk_fail(err, MOK_EINVAL, "%s needs exactly one fd (SCM_RIGHTS) on its own frame",
                      r->name);
-  return r->handler(s, q, p->fds, p->nfds, err);
+  *out = r;
+  return 0;
+}
+
+static int handle(mokd_session *s, const mokd_pending *p, char *err)
+{
+  const route *r = NULL;
+  int rc = admit(s, p, &r, err);
+
+  if (rc != 0) {
+    mokd_steps_refused(s, p->req, err); /* a step the rank's EP group waits for */
+    return rc;
+  }
+  return r->handler(s, p->req, p->fds, p->nfds, err);
 }
 
 void mokd_session_pump(mokd_session *s)

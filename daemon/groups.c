@@ -4,6 +4,9 @@
  * its request, as one step over the P ranks (steps.c). A rank that leaves,
  * or one that is group_timeout_ms late, tears the group down: whoever waits
  * gets the error at once, and every member's layer says why from then on.
+ * A step that cannot run (the ranks disagree, a rank's request is refused,
+ * a rank releases its context of the forward a Backward is for) fails for
+ * every rank at once, and the group stands for the next one.
  * Group ids are per uid: sessions of different users never meet. */
 #include <stdarg.h>
 #include <stdio.h>
@@ -90,7 +93,7 @@ static int same_layer(const mokd_group *g, const mokd_layer *l, char *err)
   const mokk_shape *a = &g->shape, *b = &l->shape;
 
   if (a->H == b->H && a->I == b->I && a->E == b->E && a->K == b->K && a->I_s == b->I_s &&
-      memcmp(&a->swiglu_limit, &b->swiglu_limit, sizeof a->swiglu_limit) == 0 &&
+      a->swiglu_limit == b->swiglu_limit &&
       g->mode == l->mode)
     return 0;
   return mokk_fail(err, MOK_ESHAPE, "EP group %llu has H=%lld I=%lld E=%lld K=%lld I_s=%lld "
@@ -169,6 +172,10 @@ int mokd_group_usable(const mokd_layer *l, char *err)
   if (l->shape.P > 1 && l->group == NULL)
     return mokk_fail(err, MOK_EGROUP, "the EP group of this layer was torn down; destroy "
                      "this layer and create it again (a new group)");
+  if (l->group != NULL && !l->group->formed)
+    return mokk_fail(err, MOK_EGROUP, "EP group %llu has not formed yet (%d of %d ranks "
+                     "joined)", (unsigned long long)l->group->id, l->group->joined,
+                     l->group->P);
   return 0;
 }
 

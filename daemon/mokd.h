@@ -305,9 +305,14 @@ void mokd_step_fail(mokd_step *j, int code, const char *msg);
 /* Runs the group step of steps[0..P) (rank order) on the executor; the
  * array becomes the step's. */
 void mokd_steps_run_group(mokd_step **steps, int P);
-/* A rank's context lets go of the group forward's state: no backward can
- * run on it any more; the last one frees it. */
-void mokd_gctx_drop(mokd_gctx *g);
+/* A rank's context c lets go of the group forward's state: no backward can
+ * run on it any more (one parked on it fails now); the last one frees it. */
+void mokd_gctx_drop(mokd_session *s, const mokd_result *c);
+/* A Forward or Backward q of s was refused, before or in its handler: the
+ * step parked in the group it was for fails now (the group stands). When q
+ * names no layer or context of s, every group of s with a parked step is
+ * taken to be that group. */
+void mokd_steps_refused(mokd_session *s, const Mokd__Request *q, const char *why);
 
 /* results.c: contexts and results (each function says what it does there) */
 mokd_result *mokd_result_find(mokd_session *s, uint64_t id);

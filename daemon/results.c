@@ -63,7 +63,7 @@ void mokd_result_free(mokd_session *s, mokd_result *r)
   if (r->ctx != NULL)
     mokk_ctx_free(s->backend, r->ctx);
   if (r->gctx != NULL)
-    mokd_gctx_drop(r->gctx);
+    mokd_gctx_drop(s, r);
   for (int i = 0; i < r->npinned; i++)
     r->pinned[i]->users--;
   mokd_result_charge(s, r, 0, NULL);

@@ -21,15 +21,27 @@ static mokd_gpu *gpu_by_uuid(mokd_server *srv, const uint8_t *uuid)
   return i >= 0 ? &srv->gpus[i] : NULL;
 }
 
-/* "GPU-... (device 0), ..." for messages, as much as fits. */
+/* One GPU in list_gpus: ", GPU-... (device 15)". */
+#define GPU_ITEM_LEN (MOKW_UUID_STRLEN + 20)
+/* The list in an error message: two GPUs and "and N more" (the message,
+ * UUID asked for included, holds MOK_ERRLEN bytes). */
+#define GPU_LIST_LEN (2 * GPU_ITEM_LEN + 16)
+
+/* "GPU-... (device 0), ..." for messages; what does not fit in n bytes is
+ * counted: "and N more". */
 static void list_gpus(const mokd_server *srv, char *list, size_t n)
 {
   char u[MOKW_UUID_STRLEN];
+  size_t at = 0;
   list[0] = 0;
-  for (int i = 0; i < srv->ngpus; i++) {
+  for (int i = 0; i < srv->ngpus && at < n; i++) {
+    if (i > 0 && n - at < GPU_ITEM_LEN + 16) {
+      snprintf(list + at, n - at, " and %d more", srv->ngpus - i);
+      return;
+    }
     mokw_uuid_format(srv->gpus[i].uuid, u);
-    snprintf(list + strlen(list), n - strlen(list), "%s%s (device %d)", i ? ", " : "", u,
-             srv->gpus[i].ordinal);
+    at += (size_t)snprintf(list + at, n - at, "%s%s (device %d)", i ? ", " : "", u,
+                           srv->gpus[i].ordinal);
   }
 }
 
@@ -38,7 +50,7 @@ static int place(mokd_session *s, int device, const uint8_t *uuid, char *err)
 {
   mokd_server *srv = s->srv;
   mokd_gpu *g = NULL;
-  char u[MOKW_UUID_STRLEN], list[160];
+  char u[MOKW_UUID_STRLEN], list[GPU_LIST_LEN];
 
   if (uuid != NULL)
     mokw_uuid_format(uuid, u);

@@ -79,9 +79,20 @@ static void gctx_unref(mokd_gctx *g)
   free(g);
 }
 
-void mokd_gctx_drop(mokd_gctx *g)
+void mokd_gctx_drop(mokd_session *s, const mokd_result *c)
 {
+  mokd_gctx *g = c->gctx;
+  mokd_layer *l = mokd_layer_find(s, c->layer);
+  const mokd_step *f = l != NULL ? mokd_group_first(l) : NULL;
+
   g->dropped = 1;
+  if (f != NULL && f->backward && f->gctx == g) { /* the others wait for this rank in vain */
+    char msg[MOK_ERRLEN];
+    snprintf(msg, sizeof msg, "EP rank %d released its context %llu of the forward this "
+             "Backward names; a group's Backward needs every rank's", l->rank,
+             (unsigned long long)c->id);
+    mokd_group_fail_step(l, MOK_ECONTEXT, msg);
+  }
   gctx_unref(g);
 }
 
@@ -243,10 +254,11 @@ static void group_work(mokd_work *w)
       br[r] = j->ranks[r]->br;
     j->rc = mokk_backward(j->backend, j->gctx->ctx, j->mode, br, j->err);
   } else if (!j->backward && (fr = malloc((size_t)j->P * sizeof *fr)) != NULL) {
-    int keep = 0;
     for (int r = 0; r < j->P; r++)
-      fr[r] = j->ranks[r]->fr, keep |= j->ranks[r]->want_ctx;
-    j->rc = mokk_forward(j->backend, &j->shape, j->T, fr, keep ? &j->ctx : NULL, j->err);
+      fr[r] = j->ranks[r]->fr;
+    /* group_match made every rank ask what rank 0 asks */
+    j->rc = mokk_forward(j->backend, &j->shape, j->T, fr, j->want_ctx ? &j->ctx : NULL,
+                         j->err);
   } else {
     j->rc = mokk_fail(j->err, MOK_ENOMEM, "out of memory for a step of %d EP ranks", j->P);
   }
@@ -255,7 +267,8 @@ static void group_work(mokd_work *w)
 }
 
 /* The state of a group forward, shared by the contexts of the ranks that
- * asked for one; each is charged its 1/P share. */
+ * asked for one; each is charged its 1/P share. group_done holds the first
+ * reference while it hands the state out. */
 static mokd_gctx *gctx_new(mokd_step *j)
 {
   mokd_gctx *g = calloc(1, sizeof *g);
@@ -265,11 +278,38 @@ static mokd_gctx *gctx_new(mokd_step *j)
   g->backend = j->backend;
   g->P = j->P;
   g->group = j->group;
+  g->refs = 1;
   j->ctx = NULL;
   return g;
 }
 
-/* On the loop thread: every rank's reply, from rank 0's step. */
+/* Rank j's part of a group step's end, before any reply leaves: its
+ * context takes its reference to g and is charged its share. The outcome
+ * goes to j->rc and j->err. */
+static void group_attach(mokd_step *j, const mokd_step *j0, mokd_gctx *g, int rc,
+                         const char *err)
+{
+  mokd_session *s = j->sess;
+
+  s->busy = NULL;
+  j->rc = rc;
+  snprintf(j->err, sizeof j->err, "%s", err);
+  j->work.t_queued = j0->work.t_queued;
+  j->work.t_start = j0->work.t_start, j->work.t_end = j0->work.t_end;
+  if (rc != 0 || g == NULL || !j->want_ctx || s->closing)
+    return;
+  j->rc = mokd_result_charge(s, j->res, (mokk_ctx_bytes(g->backend, g->ctx) +
+                                         (uint64_t)g->P - 1) / (uint64_t)g->P, j->err);
+  if (j->rc == 0) {
+    j->res->gctx = g;
+    g->refs++;
+  }
+}
+
+/* On the loop thread: every rank's reply, from rank 0's step. Every rank's
+ * context holds the shared state before the first reply leaves: a reply
+ * runs that session's next requests, which may release its context or name
+ * it in a Backward. */
 static void group_done(mokd_work *w)
 {
   mokd_step *j0 = (mokd_step *)w;
@@ -285,48 +325,35 @@ static void group_done(mokd_work *w)
   }
   if (j0->gctx != NULL)
     gctx_unref(j0->gctx);
+  for (int r = 0; r < j0->P; r++)
+    group_attach(j0->ranks[r], j0, g, rc, err);
+  if (g != NULL && g->refs - 1 < g->P)
+    g->dropped = 1; /* a rank holds no context of it: no group backward can run */
   for (int r = j0->P - 1; r >= 0; r--) { /* rank 0's step, which holds the rest, last */
     mokd_step *j = j0->ranks[r];
     mokd_session *s = j->sess;
-    mokd_result *res = j->res;
-    int rrc = rc;
-    char rerr[MOK_ERRLEN];
 
-    snprintf(rerr, sizeof rerr, "%s", err);
-    s->busy = NULL;
-    j->work.t_queued = j0->work.t_queued;
-    j->work.t_start = j0->work.t_start, j->work.t_end = j0->work.t_end;
-    if (rrc == 0 && g != NULL && j->want_ctx && !s->closing) {
-      res->gctx = g;
-      g->refs++;
-      rrc = mokd_result_charge(s, res, (mokk_ctx_bytes(g->backend, g->ctx) + (uint64_t)g->P - 1) /
-                                            (uint64_t)g->P, rerr);
-    }
     if (j->backward)
       s->usage.backwards++, srv->usage.backwards++;
     else
       s->usage.forwards++, srv->usage.forwards++;
     if (s->closing) {
-      mokd_result_free(s, res);
+      mokd_result_free(s, j->res);
       step_free(j);
       mokd_session_maybe_destroy(s);
       continue;
     }
-    if (rrc != 0) {
-      mokd_reply_error(s, j->req_id, rrc, rerr);
-      mokd_result_free(s, res);
+    if (j->rc != 0) {
+      mokd_reply_error(s, j->req_id, j->rc, j->err);
+      mokd_result_free(s, j->res);
     } else {
       send_step_reply(s, j);
     }
     step_free(j);
     mokd_session_pump(s);
   }
-  if (g != NULL && g->refs == 0) { /* every rank asked for inference, or is gone */
-    mokk_ctx_free(g->backend, g->ctx);
-    free(g);
-  } else if (g != NULL && g->refs < g->P) {
-    g->dropped = 1; /* a rank holds no context of it: no group backward can run */
-  }
+  if (g != NULL)
+    gctx_unref(g); /* group_done's own: the last one if no rank kept a context */
   mokd_server_maybe_stop(srv);
 }
 
@@ -359,8 +386,9 @@ void mokd_step_fail(mokd_step *j, int code, const char *msg)
 }
 
 /* A group step must match the ones parked before it: the same kind, the
- * same T, and for a backward the same forward. On a mismatch every rank's
- * step fails. */
+ * same T, for a forward the same answer to inference (a context is kept
+ * for every rank or for none: each rank pays its share), and for a
+ * backward the same forward. On a mismatch every rank's step fails. */
 static int group_match(const mokd_layer *l, const mokd_step *j, char *err)
 {
   const mokd_step *f = mokd_group_first(l);
@@ -377,6 +405,11 @@ static int group_match(const mokd_layer *l, const mokd_step *j, char *err)
     rc = mokk_fail(err, MOK_ESHAPE, "EP rank %d sent T = %lld tokens, rank %d sent %lld; "
                    "every rank of a group step needs the same T", l->rank, (long long)j->T,
                    f->rank, (long long)f->T);
+  else if (!j->backward && f->want_ctx != j->want_ctx)
+    rc = mokk_fail(err, MOK_EGROUP, "EP rank %d sent %s Forward, rank %d %s one; the ranks "
+                   "of a group Forward must all ask for inference, or none", l->rank,
+                   j->want_ctx ? "a training" : "an inference", f->rank,
+                   f->want_ctx ? "a training" : "an inference");
   else if (f->gctx != j->gctx)
     rc = mokk_fail(err, MOK_ECONTEXT, "EP rank %d named the context of another forward than "
                    "rank %d; every rank's Backward must name its context of the same group "
@@ -407,7 +440,35 @@ static void refuse_group_step(mokd_layer *l, const char *what, const char *why)
   mokd_group_fail_step(l, MOK_EGROUP, msg);
 }
 
-static int forward_step(mokd_session *s, const Mokd__Request *q, mokd_layer *l, char *err)
+void mokd_steps_refused(mokd_session *s, const Mokd__Request *q, const char *why)
+{
+  const char *what;
+  mokd_layer *l = NULL;
+
+  if (q == NULL)
+    return;
+  if (q->body_case == MOKD__REQUEST__BODY_FORWARD && q->forward != NULL) {
+    what = "Forward";
+    l = mokd_layer_find(s, q->forward->layer);
+  } else if (q->body_case == MOKD__REQUEST__BODY_BACKWARD && q->backward != NULL) {
+    mokd_result *c = mokd_result_find(s, q->backward->context);
+    what = "Backward";
+    if (c != NULL && (c->gctx == NULL || (l = mokd_layer_find(s, c->layer)) == NULL))
+      return; /* not of a group, or of one torn down with the layer */
+  } else {
+    return;
+  }
+  if (l != NULL) {
+    refuse_group_step(l, what, why);
+    return;
+  }
+  /* it names nothing of this session: whichever group waits for this rank */
+  for (l = s->layers; l != NULL; l = l->next)
+    refuse_group_step(l, what, why);
+}
+
+static int forward_step(mokd_session *s, const Mokd__Request *q, mokd_layer *l, int *told,
+                        char *err)
 {
   const Mokd__Forward *f = q->forward;
   mokd_arena *warenas[MOKK_NWEIGHTS];
@@ -483,8 +544,10 @@ static int forward_step(mokd_session *s, const Mokd__Request *q, mokd_layer *l, 
   if (l->shape.P > 1) {
     j->rank = l->rank;
     j->group = mokd_group_serial(l);
-    if ((rc = group_match(l, j, err)))
+    if ((rc = group_match(l, j, err))) {
+      *told = 1;
       goto fail;
+    }
     mokd_group_park(l, j);
     return 0;
   }
@@ -501,11 +564,12 @@ int mokd_h_forward(mokd_session *s, const Mokd__Request *q, const int *fds, int 
                    char *err)
 {
   mokd_layer *l = mokd_layer_find(s, q->forward->layer);
-  int rc = forward_step(s, q, l, err);
+  int told = 0;
+  int rc = forward_step(s, q, l, &told, err);
 
   (void)fds, (void)nfds;
-  if (rc != 0)
-    refuse_group_step(l, "Forward", err);
+  if (rc != 0 && !told)
+    mokd_steps_refused(s, q, err);
   return rc;
 }
 
@@ -550,7 +614,9 @@ static int backward_weights(mokd_session *s, const mokk_shape *sh, const Mokd__B
   return 0;
 }
 
-static int backward_step(mokd_session *s, const Mokd__Request *q, mokd_result *c, char *err)
+/* *told: as forward_step's. */
+static int backward_step(mokd_session *s, const Mokd__Request *q, mokd_result *c, int *told,
+                         char *err)
 {
   const Mokd__Backward *b = q->backward;
   mokd_result *r;
@@ -646,8 +712,10 @@ static int backward_step(mokd_session *s, const Mokd__Request *q, mokd_result *c
     j->gctx = c->gctx;
     j->rank = l->rank;
     j->group = c->gctx->group;
-    if ((rc = group_match(l, j, err)))
+    if ((rc = group_match(l, j, err))) {
+      *told = 1;
       goto fail;
+    }
     mokd_group_park(l, j);
     return 0;
   }
@@ -664,10 +732,11 @@ int mokd_h_backward(mokd_session *s, const Mokd__Request *q, const int *fds, int
                     char *err)
 {
   mokd_result *c = mokd_result_find(s, q->backward->context);
-  int rc = backward_step(s, q, c, err);
+  int told = 0;
+  int rc = backward_step(s, q, c, &told, err);
 
   (void)fds, (void)nfds;
-  if (rc != 0 && c != NULL && c->gctx != NULL)
-    refuse_group_step(mokd_layer_find(s, c->layer), "Backward", err);
+  if (rc != 0 && !told)
+    mokd_steps_refused(s, q, err);
   return rc;
 }

@@ -3,11 +3,14 @@
  * with all experts (DESIGN §2.3), and a group that goes wrong (a rank killed
  * mid-step, a rank that never comes, a joiner that disagrees) answers the
  * others with a clear error at once and leaves nothing behind. */
+#include <poll.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/time.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -83,9 +86,11 @@ static int64_t local_elems(const moe_case *c, int w, int P)
 }
 
 /* One rank's process: its tokens and experts into an arena of its own, the
- * group layer, forward and backward; results into o. Returns the exit code. */
+ * group layer, forward and backward; results into o. moved: between the
+ * two the weights move (copied elsewhere, the old place overwritten) and
+ * the backward names where they are now. Returns the exit code. */
 static int rank_main(const moe_case *c, int P, int r, uint64_t group, mok_grad_mode mode,
-                     ep_out *o)
+                     int moved, ep_out *o)
 {
   report *rep = rep_of(o, r);
   int64_t Tl = c->T / P, H = c->s.H, K = c->s.K, t0 = r * Tl;
@@ -97,6 +102,7 @@ static int rank_main(const moe_case *c, int P, int r, uint64_t group, mok_grad_m
   mok_client *cl;
   mok_arena_info a;
   mok_tensor x, ids, tw, dout, w[MOK_NWEIGHTS] = {{0}}, g[MOK_NWEIGHTS] = {{0}};
+  mok_tensor w2[MOK_NWEIGHTS] = {{0}};
   mok_forward_result f;
   mok_backward_result b;
   uint64_t layer, at = 0;
@@ -125,9 +131,9 @@ static int rank_main(const moe_case *c, int P, int r, uint64_t group, mok_grad_m
   PLACE(dout, MOK_DTYPE_BF16, 2, Tl, H);
   PLACE(ids, MOK_DTYPE_I32, 2, Tl, K);
   PLACE(tw, MOK_DTYPE_F32, 2, Tl, K);
-  for (int i = 0; i < 2; i++) {
-    mok_tensor *t = i ? g : w;
-    mok_dtype dt = i ? MOK_DTYPE_F32 : MOK_DTYPE_BF16;
+  for (int i = 0; i < 3; i++) {
+    mok_tensor *t = i == 0 ? w : i == 1 ? g : w2;
+    mok_dtype dt = i == 1 ? MOK_DTYPE_F32 : MOK_DTYPE_BF16;
     int64_t El = c->s.E / P, I = c->s.I, Is = c->s.I_s;
     PLACE(t[MOK_W_GATE], dt, 3, El, I, H);
     PLACE(t[MOK_W_UP], dt, 3, El, I, H);
@@ -157,8 +163,13 @@ static int rank_main(const moe_case *c, int P, int r, uint64_t group, mok_grad_m
   CHECK(mok_forward(cl, layer, &x, &ids, &tw, 0, &f));
   rep->step = 2;
   memcpy(o->out + t0 * H, f.out_ptr, (size_t)(Tl * H) * 2);
-  CHECK(mok_backward(cl, f.context, &dout, mode == MOK_GRAD_FP32_ACCUM ? g : NULL,
-                     mode == MOK_GRAD_FP32_ACCUM ? nw : 0, &b));
+  for (int i = 0; moved && i < nw; i++) {
+    size_t n = (size_t)local_elems(c, i, P) * 2;
+    memcpy(mok_tensor_ptr(cl, &w2[i]), mok_tensor_ptr(cl, &w[i]), n);
+    memset(mok_tensor_ptr(cl, &w[i]), 0x7f, n); /* the old place now holds something else */
+  }
+  CHECK(mok_backward_weights(cl, f.context, &dout, mode == MOK_GRAD_FP32_ACCUM ? g : NULL,
+                             mode == MOK_GRAD_FP32_ACCUM ? nw : 0, moved ? w2 : NULL, &b));
   rep->step = 3;
   memcpy(o->d_x + t0 * H, b.d_x_ptr, (size_t)(Tl * H) * 2);
   memcpy(o->d_tw + t0 * K, b.d_topk_weights_ptr, (size_t)(Tl * K) * 4);
@@ -179,7 +190,8 @@ static int rank_main(const moe_case *c, int P, int r, uint64_t group, mok_grad_m
 }
 
 /* P rank processes of one group; each must exit 0. */
-static void run_group(const moe_case *c, int P, uint64_t group, mok_grad_mode mode, ep_out *o)
+static void run_group(const moe_case *c, int P, uint64_t group, mok_grad_mode mode, int moved,
+                      ep_out *o)
 {
   pid_t kids[8];
 
@@ -188,7 +200,7 @@ static void run_group(const moe_case *c, int P, uint64_t group, mok_grad_mode mo
     kids[r] = fork();
     ck_assert_int_ge(kids[r], 0);
     if (kids[r] == 0)
-      _exit(rank_main(c, P, r, group, mode, o));
+      _exit(rank_main(c, P, r, group, mode, moved, o));
   }
   for (int r = 0; r < P; r++) {
     int st;
@@ -216,8 +228,10 @@ static void wait_baseline(mok_client *c, mok_stats *st)
   ck_assert_uint_eq(st->daemon.results, 0);
 }
 
+/* P = 2, 4, 8 against P = 1, up to P = maxP; moved: the ranks' backwards
+ * name their weights where they moved to (rank_main). */
 static void ep_bitwise(mokk_shape s, int64_t T, route_kind route, mok_grad_mode mode,
-                       uint64_t seed)
+                       uint64_t seed, int maxP, int moved)
 {
   moe_case c;
   ep_out base, o;
@@ -226,9 +240,9 @@ static void ep_bitwise(mokk_shape s, int64_t T, route_kind route, mok_grad_mode 
   mok_stats st;
 
   case_make(&c, &s, T, seed, route);
-  run_group(&c, 1, 0, mode, &base);
-  for (int P = 2; P <= 8; P *= 2) {
-    run_group(&c, P, 100 + (uint64_t)P, mode, &o);
+  run_group(&c, 1, 0, mode, 0, &base);
+  for (int P = 2; P <= maxP; P *= 2) {
+    run_group(&c, P, 100 + (uint64_t)P, mode, moved, &o);
     ck_assert_msg(memcmp(o.out, base.out, (size_t)(T * s.H) * 2) == 0, "P=%d: out", P);
     ck_assert_msg(memcmp(o.d_x, base.d_x, (size_t)(T * s.H) * 2) == 0, "P=%d: d_x", P);
     ck_assert_msg(memcmp(o.d_tw, base.d_tw, (size_t)(T * s.K) * 4) == 0,
@@ -256,7 +270,7 @@ START_TEST(ep_bitwise_bf16)
 {
   ep_bitwise((mokk_shape){.H = 48, .I = 32, .E = 16, .K = 4, .I_s = 24, .P = 1,
                           .swiglu_limit = 0.7f},
-             64, ROUTE_RANDOM, MOK_GRAD_BF16, 51);
+             64, ROUTE_RANDOM, MOK_GRAD_BF16, 51, 8, 0);
 }
 END_TEST
 
@@ -264,16 +278,29 @@ START_TEST(ep_bitwise_fp32_odd_tokens)
 {
   /* 13 tokens a rank at P = 8: gradient chunks straddle ranks */
   ep_bitwise((mokk_shape){.H = 40, .I = 24, .E = 8, .K = 2, .I_s = 16, .P = 1}, 8 * 13,
-             ROUTE_RANDOM, MOK_GRAD_FP32_ACCUM, 52);
+             ROUTE_RANDOM, MOK_GRAD_FP32_ACCUM, 52, 8, 0);
 }
 END_TEST
 
 START_TEST(ep_bitwise_empty_and_hot_experts)
 {
   ep_bitwise((mokk_shape){.H = 32, .I = 16, .E = 16, .K = 2, .P = 1}, 8 * 5, ROUTE_HALF,
-             MOK_GRAD_BF16, 53);
+             MOK_GRAD_BF16, 53, 8, 0);
   ep_bitwise((mokk_shape){.H = 32, .I = 16, .E = 8, .K = 1, .I_s = 8, .P = 1}, 8 * 3,
-             ROUTE_SAME, MOK_GRAD_FP32_ACCUM, 54);
+             ROUTE_SAME, MOK_GRAD_FP32_ACCUM, 54, 8, 0);
+}
+END_TEST
+
+/* A group Backward whose ranks name weights that moved since the forward
+ * (Backward.weights, as FSDP regathers them) reads them there: the bits of
+ * P = 1 with weights that never moved. */
+START_TEST(ep_bitwise_moved_weights)
+{
+  ep_bitwise((mokk_shape){.H = 48, .I = 32, .E = 16, .K = 4, .I_s = 24, .P = 1,
+                          .swiglu_limit = 0.7f},
+             64, ROUTE_RANDOM, MOK_GRAD_BF16, 55, 2, 1);
+  ep_bitwise((mokk_shape){.H = 40, .I = 24, .E = 8, .K = 2, .I_s = 16, .P = 1}, 2 * 13,
+             ROUTE_RANDOM, MOK_GRAD_FP32_ACCUM, 56, 2, 1);
 }
 END_TEST
 
@@ -301,7 +328,7 @@ static pid_t spawn_rank(const moe_case *c, int P, int r, uint64_t group, int idl
     pause();
     _exit(0);
   }
-  _exit(rank_main(c, P, r, group, MOK_GRAD_BF16, o));
+  _exit(rank_main(c, P, r, group, MOK_GRAD_BF16, 0, o));
 }
 
 static int wait_exit(pid_t pid)
@@ -359,7 +386,7 @@ START_TEST(ep_rank_killed_mid_step)
   ck_assert_uint_eq(st.daemon.forwards, 0);
   /* and a new group of the same id forms and runs */
   ep_out_unmap(&o);
-  run_group(&c, 2, 7, MOK_GRAD_BF16, &o);
+  run_group(&c, 2, 7, MOK_GRAD_BF16, 0, &o);
   ep_out_unmap(&o);
   case_free(&c);
   wait_baseline(cl, &st);
@@ -722,6 +749,340 @@ START_TEST(ep_backward_needs_every_context)
 }
 END_TEST
 
+/* ---- ranks over raw frames -------------------------------------------------- */
+
+/* A rank of a group of small layers (no shared expert, P = 2) over raw
+ * frames: to send requests back to back, or ones libmok would not send.
+ * Its arena is all zeros: the weights at 0, x and d_out at 16384, ids at
+ * 20480, topk_weights at 24576 (all ids 0: every token on expert 0). */
+typedef struct raw_rank {
+  int fd;
+  uint64_t arena, layer, id; /* id: of the last request sent */
+} raw_rank;
+
+static void rank_send(raw_rank *k, Mokd__Request *q, int pass_fd)
+{
+  q->id = ++k->id;
+  raw_request(k->fd, q, pass_fd);
+}
+
+static void read_exact(int fd, void *buf, size_t n)
+{
+  for (size_t at = 0; at < n;) {
+    struct pollfd pf = {fd, POLLIN, 0};
+    ck_assert_msg(poll(&pf, 1, 5000) == 1, "no reply within 5 s (the group timeout is 60 s)");
+    ssize_t got = recv(fd, (char *)buf + at, n - at, 0);
+    ck_assert_msg(got > 0, "the daemon closed the connection");
+    at += (size_t)got;
+  }
+}
+
+/* One reply, read exactly (length, then frame), so that replies that came
+ * together are read one by one; an fd riding on it is dropped. */
+static Mokd__Response *rank_reply(raw_rank *k)
+{
+  uint8_t hdr[4], *buf;
+  uint32_t n;
+  Mokd__Response *r;
+
+  read_exact(k->fd, hdr, 4);
+  n = (uint32_t)hdr[0] | (uint32_t)hdr[1] << 8 | (uint32_t)hdr[2] << 16 | (uint32_t)hdr[3] << 24;
+  buf = malloc(n);
+  ck_assert_ptr_nonnull(buf);
+  read_exact(k->fd, buf, n);
+  r = mokd__response__unpack(NULL, n, buf);
+  free(buf);
+  ck_assert_ptr_nonnull(r);
+  return r;
+}
+
+static Mokd__Response *rank_ok(raw_rank *k, const char *what)
+{
+  Mokd__Response *r = rank_reply(k);
+  ck_assert_msg(r->status == 0, "%s: %s: %s", what, mok_err_name(r->status), r->message);
+  return r;
+}
+
+static void rank_expect(raw_rank *k, int code, const char *needle)
+{
+  Mokd__Response *r = rank_reply(k);
+  ck_assert_msg(r->status == code && strstr(r->message, needle) != NULL,
+                "%s: \"%s\"; want %s with \"%s\"", mok_err_name(r->status), r->message,
+                mok_err_name(code), needle);
+  mokd__response__free_unpacked(r, NULL);
+}
+
+/* Connects, makes the arena and sends CreateLayer for rank r of group;
+ * rank_joined reads the reply once every rank has joined. */
+static void rank_join(raw_rank *k, uint64_t group, int r)
+{
+  Mokd__Request q = MOKD__REQUEST__INIT;
+  Mokd__CreateArena ca = MOKD__CREATE_ARENA__INIT;
+  Mokd__CreateLayer cl = MOKD__CREATE_LAYER__INIT;
+  Mokd__EpGroup ep = MOKD__EP_GROUP__INIT;
+  Mokd__Response *rep;
+
+  k->fd = raw_connect();
+  hello(k->fd);
+  k->id = 1;
+  ca.bytes = 1 << 16;
+  q.body_case = MOKD__REQUEST__BODY_CREATE_ARENA, q.create_arena = &ca;
+  rank_send(k, &q, -1);
+  rep = rank_ok(k, "CreateArena");
+  k->arena = rep->arena_created->arena;
+  mokd__response__free_unpacked(rep, NULL);
+  cl.hidden = 32, cl.intermediate = 16, cl.experts = 8, cl.top_k = 2;
+  ep.id = group, ep.size = 2, ep.rank = (uint32_t)r;
+  cl.ep = &ep;
+  q.body_case = MOKD__REQUEST__BODY_CREATE_LAYER, q.create_layer = &cl;
+  rank_send(k, &q, -1);
+}
+
+static Mokd__TensorRef rank_ref(const raw_rank *k, uint64_t off, Mokd__DType dt, int64_t *shape,
+                                int nd)
+{
+  Mokd__TensorRef t = MOKD__TENSOR_REF__INIT;
+  t.arena = k->arena, t.offset = off, t.dtype = dt, t.n_shape = (size_t)nd, t.shape = shape;
+  return t;
+}
+
+static void rank_joined(raw_rank *k)
+{
+  Mokd__Request q = MOKD__REQUEST__INIT;
+  Mokd__SetWeights sw = MOKD__SET_WEIGHTS__INIT;
+  Mokd__Response *rep = rank_ok(k, "CreateLayer");
+  int64_t gu[3] = {4, 16, 32}, dn[3] = {4, 32, 16};
+  Mokd__TensorRef wg = rank_ref(k, 0, MOKD__DTYPE__DTYPE_BF16, gu, 3);
+  Mokd__TensorRef wd = rank_ref(k, 4096, MOKD__DTYPE__DTYPE_BF16, dn, 3);
+
+  k->layer = rep->layer_created->layer;
+  mokd__response__free_unpacked(rep, NULL);
+  sw.layer = k->layer, sw.w_gate = &wg, sw.w_up = &wg, sw.w_down = &wd;
+  q.body_case = MOKD__REQUEST__BODY_SET_WEIGHTS, q.set_weights = &sw;
+  rank_send(k, &q, -1);
+  mokd__response__free_unpacked(rank_ok(k, "SetWeights"), NULL);
+}
+
+/* Sends a Forward of T tokens of layer (0: the rank's) with pass_fd on it
+ * (-1: none). */
+static void rank_forward(raw_rank *k, int64_t T, int inference, uint64_t layer, int pass_fd)
+{
+  Mokd__Request q = MOKD__REQUEST__INIT;
+  Mokd__Forward f = MOKD__FORWARD__INIT;
+  int64_t sx[2] = {T, 32}, sk[2] = {T, 2};
+  Mokd__TensorRef x = rank_ref(k, 16384, MOKD__DTYPE__DTYPE_BF16, sx, 2);
+  Mokd__TensorRef ids = rank_ref(k, 20480, MOKD__DTYPE__DTYPE_I32, sk, 2);
+  Mokd__TensorRef tw = rank_ref(k, 24576, MOKD__DTYPE__DTYPE_F32, sk, 2);
+
+  f.layer = layer != 0 ? layer : k->layer;
+  f.x = &x, f.topk_ids = &ids, f.topk_weights = &tw, f.inference = inference;
+  q.body_case = MOKD__REQUEST__BODY_FORWARD, q.forward = &f;
+  rank_send(k, &q, pass_fd);
+}
+
+/* The context of a forward that succeeded. */
+static uint64_t rank_context(raw_rank *k)
+{
+  Mokd__Response *rep = rank_ok(k, "Forward");
+  uint64_t c = rep->forward_done->context;
+  mokd__response__free_unpacked(rep, NULL);
+  return c;
+}
+
+static void rank_backward(raw_rank *k, uint64_t context, int64_t T)
+{
+  Mokd__Request q = MOKD__REQUEST__INIT;
+  Mokd__Backward b = MOKD__BACKWARD__INIT;
+  int64_t sx[2] = {T, 32};
+  Mokd__TensorRef d = rank_ref(k, 16384, MOKD__DTYPE__DTYPE_BF16, sx, 2);
+
+  b.context = context, b.d_out = &d;
+  q.body_case = MOKD__REQUEST__BODY_BACKWARD, q.backward = &b;
+  rank_send(k, &q, -1);
+}
+
+static void rank_release(raw_rank *k, uint64_t id)
+{
+  Mokd__Request q = MOKD__REQUEST__INIT;
+  Mokd__Release rl = MOKD__RELEASE__INIT;
+
+  rl.n_ids = 1, rl.ids = &id;
+  q.body_case = MOKD__REQUEST__BODY_RELEASE, q.release = &rl;
+  rank_send(k, &q, -1);
+}
+
+static void ranks_join(raw_rank *k, uint64_t group)
+{
+  rank_join(&k[0], group, 0);
+  rank_join(&k[1], group, 1);
+  rank_joined(&k[0]);
+  rank_joined(&k[1]);
+}
+
+/* Both ranks run a forward and a backward: the group stands. */
+static void ranks_step(raw_rank *k)
+{
+  uint64_t c[2];
+  for (int r = 0; r < 2; r++)
+    rank_forward(&k[r], 4, 0, 0, -1);
+  for (int r = 0; r < 2; r++)
+    c[r] = rank_context(&k[r]);
+  for (int r = 0; r < 2; r++)
+    rank_backward(&k[r], c[r], 4);
+  for (int r = 0; r < 2; r++)
+    mokd__response__free_unpacked(rank_ok(&k[r], "Backward"), NULL);
+}
+
+static void ranks_close(raw_rank *k)
+{
+  mok_client *cl;
+  mok_stats st;
+
+  close(k[0].fd);
+  close(k[1].fd);
+  cl = connect_ok();
+  wait_baseline(cl, &st);
+  mok_close(cl);
+}
+
+static double now_ms(void)
+{
+  struct timeval tv;
+  gettimeofday(&tv, NULL);
+  return tv.tv_sec * 1e3 + tv.tv_usec / 1e3;
+}
+
+/* Polls until the daemon holds n backward results: the backwards parked in
+ * a group. */
+static void wait_results(uint64_t n)
+{
+  mok_client *cl = connect_ok();
+  mok_stats st;
+  for (int i = 0; i < 1000; i++) {
+    ck_assert_int_eq(mok_stats_get(cl, &st), 0);
+    if (st.daemon.results == n)
+      break;
+    usleep(5000);
+  }
+  mok_close(cl);
+  ck_assert_uint_eq(st.daemon.results, n);
+}
+
+/* A group forward keeps a context for every rank or for none: an
+ * inference rank would hold none of the state the others keep (and pay
+ * nothing for it), so the ranks must agree; the group stands. */
+START_TEST(ep_inference_ranks_must_agree)
+{
+  raw_rank k[2];
+
+  ranks_join(k, 20);
+  rank_forward(&k[0], 4, 1, 0, -1);
+  rank_forward(&k[1], 4, 0, 0, -1);
+  for (int r = 0; r < 2; r++)
+    rank_expect(&k[r], MOK_EGROUP, "the ranks of a group Forward must all ask for inference, "
+                                   "or none");
+  ranks_step(k);
+  ranks_close(k);
+}
+END_TEST
+
+/* A step that does not match fails the parked ones, which runs those
+ * ranks' next requests: a step they sent right behind parks, and waits for
+ * the mismatching rank's next one, which it then runs with. */
+START_TEST(ep_mismatch_spares_the_next_step)
+{
+  raw_rank k[2];
+  mok_client *cl = connect_ok();
+
+  ranks_join(k, 23);
+  rank_forward(&k[1], 4, 0, 0, -1);
+  rank_forward(&k[1], 4, 0, 0, -1); /* behind it, before any reply */
+  wait_contexts(cl, 1);
+  rank_forward(&k[0], 3, 0, 0, -1);
+  rank_expect(&k[0], MOK_ESHAPE, "EP rank 0 sent T = 3 tokens, rank 1 sent 4");
+  rank_expect(&k[1], MOK_ESHAPE, "EP rank 0 sent T = 3 tokens, rank 1 sent 4");
+  wait_contexts(cl, 1); /* rank 1's second forward waits in the group */
+  rank_forward(&k[0], 4, 0, 0, -1);
+  rank_context(&k[0]);
+  rank_context(&k[1]);
+  mok_close(cl);
+  ranks_close(k);
+}
+END_TEST
+
+/* A rank whose Forward or Backward is refused, by its handler or before
+ * it runs, fails the step the others wait in at once (group_timeout_ms is
+ * 60 s here), with why; the group stands for the next step. */
+START_TEST(ep_refused_rank_ends_the_wait)
+{
+  raw_rank k[2];
+  mok_client *cl = connect_ok();
+  uint64_t c[2];
+  double t0;
+
+  ranks_join(k, 21);
+  /* a layer this session does not have */
+  rank_forward(&k[0], 4, 0, 0, -1);
+  wait_contexts(cl, 1);
+  t0 = now_ms();
+  rank_forward(&k[1], 4, 0, 424242, -1);
+  rank_expect(&k[1], MOK_ENOENT, "layer 424242 does not exist in this session");
+  rank_expect(&k[0], MOK_EGROUP, "EP rank 1's Forward was refused: layer 424242 does not "
+                                 "exist in this session");
+  ck_assert_double_lt(now_ms() - t0, 2000);
+  /* an fd on a Forward: refused before the handler runs */
+  rank_forward(&k[0], 4, 0, 0, -1);
+  wait_contexts(cl, 1);
+  rank_forward(&k[1], 4, 0, 0, k[1].fd);
+  rank_expect(&k[1], MOK_EINVAL, "a file descriptor came with a request that takes none");
+  rank_expect(&k[0], MOK_EGROUP, "EP rank 1's Forward was refused: a file descriptor came");
+  /* a Backward that names a context this rank does not hold */
+  for (int r = 0; r < 2; r++)
+    rank_forward(&k[r], 4, 0, 0, -1);
+  for (int r = 0; r < 2; r++)
+    c[r] = rank_context(&k[r]);
+  rank_backward(&k[0], c[0], 4);
+  wait_results(1);
+  t0 = now_ms();
+  rank_backward(&k[1], 999999, 4);
+  rank_expect(&k[1], MOK_ECONTEXT, "context 999999 is unknown");
+  rank_expect(&k[0], MOK_EGROUP, "EP rank 1's Backward was refused: context 999999 is unknown");
+  ck_assert_double_lt(now_ms() - t0, 2000);
+  for (int r = 0; r < 2; r++)
+    rank_backward(&k[r], c[r], 4);
+  for (int r = 0; r < 2; r++)
+    mokd__response__free_unpacked(rank_ok(&k[r], "Backward"), NULL);
+  ranks_step(k);
+  mok_close(cl);
+  ranks_close(k);
+}
+END_TEST
+
+/* A rank that releases its context of a forward whose group Backward the
+ * others wait in ends their wait at once; the group stands. */
+START_TEST(ep_release_ends_a_backward_wait)
+{
+  raw_rank k[2];
+  uint64_t c[2];
+  double t0;
+
+  ranks_join(k, 22);
+  for (int r = 0; r < 2; r++)
+    rank_forward(&k[r], 4, 0, 0, -1);
+  for (int r = 0; r < 2; r++)
+    c[r] = rank_context(&k[r]);
+  rank_backward(&k[0], c[0], 4);
+  wait_results(1);
+  t0 = now_ms();
+  rank_release(&k[1], c[1]);
+  mokd__response__free_unpacked(rank_ok(&k[1], "Release"), NULL);
+  rank_expect(&k[0], MOK_ECONTEXT, "EP rank 1 released its context");
+  ck_assert_double_lt(now_ms() - t0, 2000);
+  ranks_step(k);
+  ranks_close(k);
+}
+END_TEST
+
 Suite *daemon_ep_suite(void)
 {
   Suite *s = suite_create("daemon_ep");
@@ -731,6 +1092,7 @@ Suite *daemon_ep_suite(void)
   tcase_add_test(tc, ep_bitwise_bf16);
   tcase_add_test(tc, ep_bitwise_fp32_odd_tokens);
   tcase_add_test(tc, ep_bitwise_empty_and_hot_experts);
+  tcase_add_test(tc, ep_bitwise_moved_weights);
   suite_add_tcase(s, tc);
   tc = tcase_create("faults");
   tcase_add_checked_fixture(tc, setup, teardown);
@@ -742,6 +1104,10 @@ Suite *daemon_ep_suite(void)
   tcase_add_test(tc, ep_join_mismatches);
   tcase_add_test(tc, ep_step_mismatch_fails_all);
   tcase_add_test(tc, ep_backward_needs_every_context);
+  tcase_add_test(tc, ep_inference_ranks_must_agree);
+  tcase_add_test(tc, ep_mismatch_spares_the_next_step);
+  tcase_add_test(tc, ep_refused_rank_ends_the_wait);
+  tcase_add_test(tc, ep_release_ends_a_backward_wait);
   suite_add_tcase(s, tc);
   return s;
 }

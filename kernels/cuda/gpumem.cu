@@ -197,14 +197,16 @@ void mokk_gpu_mem_free_now(mokk_gpu_mem *m)
 
 /* ---- GPU identity ---------------------------------------------------------- */
 
-extern "C" int mokk_cuda_uuid(int device, uint8_t uuid[MOKW_UUID_BYTES], char *err)
+/* The driver's UUID of device: no context is made on it (cuDeviceGet and
+ * cuDeviceGetUuid need none). */
+static int device_uuid(int device, uint8_t uuid[MOKW_UUID_BYTES], char *err)
 {
   CUdevice d;
   CUuuid u;
   CUresult r;
   int rc;
 
-  if ((rc = use_device(device, err)))
+  if ((rc = load(err)))
     return rc;
   if ((r = drv.dev_get(&d, device)) != CUDA_SUCCESS)
     return CU_FAIL(r, "cuDeviceGet");
@@ -214,9 +216,17 @@ extern "C" int mokk_cuda_uuid(int device, uint8_t uuid[MOKW_UUID_BYTES], char *e
   return 0;
 }
 
+extern "C" int mokk_cuda_uuid(int device, uint8_t uuid[MOKW_UUID_BYTES], char *err)
+{
+  int rc = use_device(device, err);
+  return rc != 0 ? rc : device_uuid(device, uuid, err);
+}
+
 /* Client memory must lie on the session's GPU: its steps run there, and an
  * ordinal the client computed in its own numbering may name another GPU
- * here. Leaves device current. */
+ * here. The other GPU's UUID is read without making a context on it (a
+ * primary context costs hundreds of MB there, and this runs on the loop
+ * thread). Leaves device current. */
 static int check_on_device(int where, int device, char *err)
 {
   char got[MOKW_UUID_STRLEN] = "?", want[MOKW_UUID_STRLEN] = "?", ignore[MOK_ERRLEN];
@@ -224,9 +234,9 @@ static int check_on_device(int where, int device, char *err)
 
   if (where == device)
     return 0;
-  if (mokk_cuda_uuid(where, u, ignore) == 0)
+  if (device_uuid(where, u, ignore) == 0)
     mokw_uuid_format(u, got);
-  if (mokk_cuda_uuid(device, u, ignore) == 0)
+  if (device_uuid(device, u, ignore) == 0)
     mokw_uuid_format(u, want);
   return mokk_fail(err, MOK_EDEVICE, "the memory is on GPU %s (device %d here), not on the "
                    "session's GPU %s (device %d): allocate it there, or connect on its GPU",

@@ -323,6 +323,7 @@ class TorchLayerTest(unittest.TestCase):
                 nbytes = [w.untyped_storage().nbytes() for w in m.weights()]
                 for w in m.weights():
                     w.untyped_storage().resize_(0)
+                self.assertTrue(all(w.untyped_storage().nbytes() == 0 for w in m.weights()))
                 # what the freed memory is handed to now: the daemon must not read it
                 junk = [torch.full_like(k, 3.0) for k in keep]
                 for w, n, k in zip(m.weights(), nbytes, keep):
@@ -333,6 +334,10 @@ class TorchLayerTest(unittest.TestCase):
                 for w in m.weights():
                     w.data = w.data.clone()
             moved = sum(w.data_ptr() != p for w, p in zip(m.weights(), old_ptrs))
+            if how == "resize":
+                self.assertGreater(moved, 0, "no weight came back elsewhere")
+            else:
+                self.assertEqual(moved, len(old_ptrs))
             out.backward(d_out)
             self.assert_same_bits(want, self.grads_of(m, x, tw), names)
             print("%s: %d of %d weights moved; gradients bitwise equal"
@@ -349,6 +354,18 @@ class TorchLayerTest(unittest.TestCase):
         m.w_up.untyped_storage().resize_(0)
         with self.assertRaisesRegex(RuntimeError, r"^mokd\.MoELayer: w_up was freed after the "
                                     r"forward \(its storage has 0 bytes\)"):
+            out.backward(d_out)
+
+    def test_second_backward_is_refused(self):
+        """retain_graph=True keeps the graph, but the layer's backward runs once
+        per forward: a second one says so."""
+        T, H, E, K = 64, 256, 16, 4
+        m = self.layer()
+        x, ids, tw, d_out = self.inputs(T, H, E, K, 47)
+        out = m(x, ids, tw)
+        out.backward(d_out, retain_graph=True)
+        with self.assertRaisesRegex(RuntimeError, r"^mokd\.MoELayer's backward runs once per "
+                                    r"forward"):
             out.backward(d_out)
 
     def test_weights_modified_in_place_before_backward_are_refused(self):
@@ -450,6 +467,7 @@ pairs += [("d_" + n, getattr(ref, n).grad, getattr(m, n).grad) for n in ref._nam
 for name, a, b in pairs:
     assert b is not None, name
     assert torch.equal(bits(a), bits(b)), name
+assert any(moved), "no backward named moved weights: %s" % moved
 print("fsdp2: backwards that named moved weights: %s; gradients bitwise equal" % moved)
 dist.destroy_process_group()
 """
@@ -532,6 +550,8 @@ for H, I in ((256, 128), (1024, 2048)):   # weights of 1 MiB, then of 64 MiB eac
         print(r.stdout, r.stderr)
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertEqual(r.stdout.count(" ran: ") + r.stdout.count(" refused: "), 2, r.stdout)
+        # weights of 1 MiB lie in one allocation: only the large case may be refused
+        self.assertIn("H=256 I=128 ran: ", r.stdout)
 
     # -- routing as frameworks produce it ---------------------------------------
 
