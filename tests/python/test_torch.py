@@ -356,18 +356,6 @@ class TorchLayerTest(unittest.TestCase):
                                     r"forward \(its storage has 0 bytes\)"):
             out.backward(d_out)
 
-    def test_second_backward_is_refused(self):
-        """retain_graph=True keeps the graph, but the layer's backward runs once
-        per forward: a second one says so."""
-        T, H, E, K = 64, 256, 16, 4
-        m = self.layer()
-        x, ids, tw, d_out = self.inputs(T, H, E, K, 47)
-        out = m(x, ids, tw)
-        out.backward(d_out, retain_graph=True)
-        with self.assertRaisesRegex(RuntimeError, r"^mokd\.MoELayer's backward runs once per "
-                                    r"forward"):
-            out.backward(d_out)
-
     def test_weights_modified_in_place_before_backward_are_refused(self):
         """As PyTorch refuses a backward over a saved tensor modified in place,
         with the same message."""

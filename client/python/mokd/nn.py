@@ -43,10 +43,6 @@ How the tensors travel:
   the backward raises a RuntimeError naming it, and one written in place in
   between raises the RuntimeError PyTorch gives for a tensor saved for
   backward and modified in place (its version counter tells, as PyTorch's).
-  Writes through `p.data` bypass the version counter (as in PyTorch): the
-  backward then reads the weights as they are.
-- A forward's backward runs once: a second one, through a graph kept with
-  retain_graph=True, raises a RuntimeError.
 - Ordering is on the current CUDA stream: the daemon waits for an event
   recorded there before it starts, and the stream waits for the daemon's done
   event before anything queued after the call. Nothing waits on the host.
@@ -260,7 +256,6 @@ class _Saved:
 
     def __init__(self, owner, inputs, weights):
         self.owner, self.inputs, self.weights = owner, inputs, weights
-        self.backward_ran = False
         self.key = next(_context_keys)
         self.cell = (ctypes.c_int64 * 1)(self.key)
         self.__array_interface__ = {"data": (ctypes.addressof(self.cell), False),
@@ -317,12 +312,7 @@ def moe_backward(layer: int, context: torch.Tensor, d_out: torch.Tensor) -> List
     if saved is None:
         raise RuntimeError("context: the forward kept no state for a backward (it ran without "
                            "anything requiring grad), or that state was released")
-    if saved.backward_ran:
-        raise RuntimeError("mokd.MoELayer's backward runs once per forward: this forward's "
-                           "backward ran already (a graph kept with retain_graph=True cannot "
-                           "be run backward again through the layer); run the forward again")
     d_x, d_tw, grads = m._run_backward(saved.owner, d_out, saved.weights.now())
-    saved.backward_ran = True
     return [d_x, d_tw] + grads
 
 
