@@ -455,7 +455,9 @@ pairs += [("d_" + n, getattr(ref, n).grad, getattr(m, n).grad) for n in ref._nam
 for name, a, b in pairs:
     assert b is not None, name
     assert torch.equal(bits(a), bits(b)), name
-assert any(moved), "no backward named moved weights: %s" % moved
+# one rank's FSDP2 may gather back into the same storage, so whether a
+# backward names moved weights is the run's to say; the moved path itself is
+# asserted by test_weights_regathered_before_backward_give_the_same_gradients
 print("fsdp2: backwards that named moved weights: %s; gradients bitwise equal" % moved)
 dist.destroy_process_group()
 """
