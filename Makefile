@@ -56,22 +56,22 @@ DAEMON_SRC := daemon/main.c daemon/config.c daemon/log.c daemon/server.c daemon/
               daemon/dispatch.c daemon/session.c daemon/arenas.c daemon/layers.c \
               daemon/steps.c daemon/results.c daemon/groups.c daemon/registry.c daemon/executor.c \
               daemon/notify.c daemon/idmap.c daemon/admin.c daemon/metrics.c daemon/http.c \
-              daemon/httpreq.c daemon/progress.c kernels/devices.c
+              daemon/httpreq.c daemon/progress.c daemon/wfq.c kernels/devices.c
 CLIENT_SRC := client/mok.c client/cudamap.c
 UNIT_SRC   := tests/check_main.c tests/ref.c tests/check_bf16.c \
               tests/check_schedule.c tests/check_forward.c tests/check_backward.c \
               tests/check_determinism.c tests/check_ep.c tests/check_errors.c \
               tests/check_pool.c tests/check_frame.c tests/check_config.c \
               tests/check_registry.c
-UNIT_SRC   += tests/check_paths.c
+UNIT_SRC   += tests/check_paths.c tests/check_wfq.c
 UNIT_SRC   += tests/check_mokctl.c tests/check_idmap.c tests/check_gpuid.c tests/check_ops.c
 # config.c, log.c, registry.c, idmap.c, httpreq.c and progress.c are unit-tested
 # without the rest of the daemon
 UNIT_DAEMON := daemon/config.c daemon/log.c daemon/registry.c daemon/idmap.c \
-               daemon/httpreq.c daemon/progress.c
+               daemon/httpreq.c daemon/progress.c daemon/wfq.c
 INTEG_SRC  := tests/check_daemon.c tests/daemon_fixture.c tests/check_daemon_steps.c \
               tests/check_daemon_wire.c tests/check_daemon_service.c tests/ref.c \
-              tests/check_daemon_limits.c tests/check_daemon_ep.c
+              tests/check_daemon_limits.c tests/check_daemon_ep.c tests/check_daemon_fair.c
 BENCH_SRC  := tests/bench/bench_cpu.c
 CUDA_SRC   := kernels/cuda/cuda_moe.cu kernels/cuda/cuda_backend.cu kernels/cuda/gpumem.cu \
               kernels/cuda/ipc.cu kernels/cuda/route.cu kernels/cuda/sm90/tma.cu

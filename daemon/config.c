@@ -94,6 +94,12 @@ static int check_metrics(const char *val, char *why, size_t n)
   return -1;
 }
 
+static int check_weights(const char *val, char *why, size_t n)
+{
+  unsigned w;
+  return mokd_config_weight(val, NULL, &w, why, n);
+}
+
 static const opt options[] = {
     {"socket", STR(socket), "", 0, 0, "MOKD_SOCKET",
      "Unix socket path (default /run/mokd/mokd.sock as root, else "
@@ -150,6 +156,12 @@ static const opt options[] = {
      check_ids},
     {"allow_gids", STR(allow_gids), "", 0, 0, "MOKD_ALLOW_GIDS",
      "comma list of gids allowed to connect; empty = the socket's group", check_ids},
+    {"tenant_weights", STR(tenant_weights), "", 0, 0, "MOKD_TENANT_WEIGHTS",
+     "shares of the executors' time when tenants compete: comma list of job:ID=W (the "
+     "job id a client sends, MOKD_JOB_ID or SLURM_JOB_ID) and uid:N=W (a client without "
+     "one), W from 1 to 1000; a tenant not named weighs 1. Each step costs the same, "
+     "whatever its size: weight 3 against 1 gets 3 steps for 1",
+     check_weights},
     {"log_level", NUM(T_LEVEL, log_level), "info", 0, 4, "MOKD_DEBUG",
      "error, warn, info, debug or trace", NULL},
     {"log_subsys", NUM(T_SUBSYS, log_subsys), "all", 0, MOKD_SUB_ALL, "MOKD_DEBUG_SUBSYS",
@@ -549,6 +561,81 @@ int mokd_config_ids(const char *list, unsigned *out, int max, int *n, char *why,
     }
     out[(*n)++] = (unsigned)v;
     p = end;
+  }
+}
+
+/* One entry of tenant_weights, "job:ID=W" or "uid:N=W", of len bytes at e. */
+static int weight_entry(const char *e, size_t len, size_t *keylen, unsigned *w, char *why,
+                        size_t n)
+{
+  const char *eq = memchr(e, '=', len);
+  size_t k;
+  char *end;
+  unsigned long v;
+
+  if (eq == NULL) {
+    snprintf(why, n, "\"%.*s\" has no =WEIGHT; write job:ID=W or uid:N=W", (int)len, e);
+    return -1;
+  }
+  k = (size_t)(eq - e);
+  if (k > 4 && strncmp(e, "uid:", 4) == 0) {
+    for (size_t i = 4; i < k; i++)
+      if (e[i] < '0' || e[i] > '9') {
+        snprintf(why, n, "\"%.*s\": a uid is a number", (int)len, e);
+        return -1;
+      }
+  } else if (k > 4 && k - 4 <= 63 && strncmp(e, "job:", 4) == 0) {
+    for (size_t i = 4; i < k; i++) {
+      char c = e[i];
+      if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+            strchr("._:@+-", c) != NULL)) {
+        snprintf(why, n, "\"%.*s\": a job id is at most 63 letters, digits and ._:@+-",
+                 (int)len, e);
+        return -1;
+      }
+    }
+  } else {
+    snprintf(why, n, "\"%.*s\" names no tenant; write job:ID=W or uid:N=W", (int)len, e);
+    return -1;
+  }
+  errno = 0;
+  v = strtoul(eq + 1, &end, 10);
+  if (eq + 1 == e + len || eq[1] < '0' || eq[1] > '9' || end != e + len || errno != 0 ||
+      v < 1 || v > 1000) {
+    snprintf(why, n, "\"%.*s\": the weight is a whole number from 1 to 1000", (int)len, e);
+    return -1;
+  }
+  *keylen = k;
+  *w = (unsigned)v;
+  return 0;
+}
+
+int mokd_config_weight(const char *list, const char *key, unsigned *weight, char *why,
+                       size_t len)
+{
+  const char *p = list;
+
+  *weight = 1;
+  for (;;) {
+    size_t elen, klen;
+    unsigned w;
+    p += strspn(p, ", ");
+    if (*p == 0)
+      return 0;
+    elen = strcspn(p, ", ");
+    if (weight_entry(p, elen, &klen, &w, why, len) != 0)
+      return -1;
+    for (const char *q = list; q < p; q += strspn(q, ", ")) {
+      size_t ql = strcspn(q, ", ");
+      if (strncmp(q, p, klen + 1) == 0) {
+        snprintf(why, len, "\"%.*s\" is named twice", (int)klen, p);
+        return -1;
+      }
+      q += ql;
+    }
+    if (key != NULL && strlen(key) == klen && strncmp(key, p, klen) == 0)
+      *weight = w;
+    p += elen;
   }
 }
 

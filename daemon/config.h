@@ -32,6 +32,7 @@ typedef struct mokd_config {
   int64_t max_arenas;
   char allow_uids[256];
   char allow_gids[256];
+  char tenant_weights[1024]; /* "job:ID=W,uid:N=W": the fair queue's shares */
   int64_t log_level;
   int64_t log_subsys;
   char config_file[256];
@@ -55,6 +56,11 @@ void mokd_config_print(const mokd_config *cfg, FILE *out);
 /* The numbers of a list (allow_uids, allow_gids, devices), separated by
  * commas or spaces: 0 and *n of them in out, or -1 with why. */
 int mokd_config_ids(const char *list, unsigned *out, int max, int *n, char *why, size_t len);
+/* The weight of a tenant key ("job:ID" or "uid:N") in a tenant_weights
+ * list; 1 when the list does not name it. key NULL only checks the list.
+ * 0, or -1 with why naming the bad entry. */
+int mokd_config_weight(const char *list, const char *key, unsigned *weight, char *why,
+                       size_t len);
 void mokd_config_usage(FILE *out);
 
 #endif

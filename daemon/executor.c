@@ -2,6 +2,7 @@
 #include "executor.h"
 
 #include <pthread.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <time.h>
 
@@ -14,7 +15,7 @@ struct mokd_executor {
   int nthreads;
   pthread_mutex_t mu;
   pthread_cond_t cv;
-  mokd_work *todo_head, *todo_tail;
+  mokd_wfq todo;
   mokd_work *done_head, *done_tail;
   int stopping;
   mokd_progress progress;  /* the loop thread's */
@@ -35,15 +36,13 @@ static void *worker(void *arg)
 
   pthread_mutex_lock(&ex->mu);
   for (;;) {
+    mokd_wfq_item *it;
     mokd_work *w;
-    while (ex->todo_head == NULL && !ex->stopping)
+    while (ex->todo.len == 0 && !ex->stopping)
       pthread_cond_wait(&ex->cv, &ex->mu);
-    if (ex->todo_head == NULL)
+    if ((it = mokd_wfq_pop(&ex->todo)) == NULL)
       break;
-    w = ex->todo_head;
-    ex->todo_head = w->next;
-    if (ex->todo_head == NULL)
-      ex->todo_tail = NULL;
+    w = (mokd_work *)((char *)it - offsetof(mokd_work, item));
     pthread_mutex_unlock(&ex->mu);
 
     w->t_start = mokd_now_ns();
@@ -96,6 +95,7 @@ int mokd_executor_create(uv_loop_t *loop, int threads, mokd_executor **out)
     free(ex);
     return MOK_ENOMEM;
   }
+  mokd_wfq_init(&ex->todo);
   pthread_mutex_init(&ex->mu, NULL);
   pthread_cond_init(&ex->cv, NULL);
   if (uv_async_init(loop, &ex->async, on_async) != 0) {
@@ -117,8 +117,8 @@ int mokd_executor_create(uv_loop_t *loop, int threads, mokd_executor **out)
   return 0;
 }
 
-void mokd_executor_queue(mokd_executor *ex, mokd_work *w, mokd_work_cb work,
-                         mokd_after_work_cb after_work)
+void mokd_executor_queue_for(mokd_executor *ex, mokd_work *w, const char *tenant,
+                             unsigned weight, mokd_work_cb work, mokd_after_work_cb after_work)
 {
   w->work = work;
   w->after_work = after_work;
@@ -126,13 +126,20 @@ void mokd_executor_queue(mokd_executor *ex, mokd_work *w, mokd_work_cb work,
   w->t_queued = mokd_now_ns();
   mokd_progress_queued(&ex->progress, w->t_queued);
   pthread_mutex_lock(&ex->mu);
-  if (ex->todo_tail != NULL)
-    ex->todo_tail->next = w;
-  else
-    ex->todo_head = w;
-  ex->todo_tail = w;
+  if (mokd_wfq_push(&ex->todo, &w->item, tenant, weight) != 0) {
+    /* no memory for a tenant's record: the step still runs, unweighted */
+    LOG_WARN(EXEC, "out of memory queueing a step of tenant %s; it goes ahead of the fair "
+             "queue", tenant);
+    mokd_wfq_push(&ex->todo, &w->item, NULL, 1);
+  }
   pthread_cond_signal(&ex->cv);
   pthread_mutex_unlock(&ex->mu);
+}
+
+void mokd_executor_queue(mokd_executor *ex, mokd_work *w, mokd_work_cb work,
+                         mokd_after_work_cb after_work)
+{
+  mokd_executor_queue_for(ex, w, NULL, 1, work, after_work);
 }
 
 void mokd_executor_observe(mokd_executor *ex, void (*cb)(void *arg, const mokd_work *w),
@@ -150,6 +157,7 @@ const mokd_progress *mokd_executor_progress(const mokd_executor *ex)
 static void on_closed(uv_handle_t *h)
 {
   mokd_executor *ex = h->data;
+  mokd_wfq_clear(&ex->todo);
   pthread_mutex_destroy(&ex->mu);
   pthread_cond_destroy(&ex->cv);
   free(ex->threads);

@@ -135,6 +135,8 @@ struct mokd_session {
   gid_t gid;
   char name[4 * 63 + 1]; /* the client_name of Hello, escaped (mokd_log_escape) */
   char job[MOKD_JOB_MAX + 1]; /* the job_id of Hello (checked: no escaping needed); "" */
+  char tenant[MOKD_TENANT_MAX]; /* "job:ID", else "uid:N": whose share its steps take */
+  unsigned weight;      /* the tenant's, from tenant_weights */
   uint32_t proto;       /* the protocol version chosen at Hello */
   int op;               /* body of the request being handled (metrics); 0 = none */
   int probes;           /* Health probes on the executors: the queue waits for them */

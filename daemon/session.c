@@ -129,6 +129,22 @@ static int check_job(const char *job, char *err)
   return 0;
 }
 
+/* The fair queue's tenant: the job when the client names one (its sessions
+ * share a share, whoever runs them), else the uid. tenant_weights was
+ * checked at start-up. */
+static void set_tenant(mokd_session *s)
+{
+  char why[160];
+
+  if (s->job[0] != 0)
+    snprintf(s->tenant, sizeof s->tenant, "job:%s", s->job);
+  else
+    snprintf(s->tenant, sizeof s->tenant, "uid:%u", (unsigned)s->uid);
+  if (mokd_config_weight(s->srv->cfg.tenant_weights, s->tenant, &s->weight, why,
+                         sizeof why) != 0)
+    s->weight = 1;
+}
+
 int mokd_h_hello(mokd_session *s, const Mokd__Request *q, const int *fds, int nfds, char *err)
 {
   const Mokd__Hello *h = q->hello;
@@ -159,9 +175,11 @@ int mokd_h_hello(mokd_session *s, const Mokd__Request *q, const int *fds, int nf
     return rc;
   mokd_log_escape(h->client_name != NULL ? h->client_name : "", 63, s->name);
   snprintf(s->job, sizeof s->job, "%s", h->job_id != NULL ? h->job_id : "");
+  set_tenant(s);
   s->hello_done = 1;
-  LOG_INFO(SESS, SESS_FMT "hello from \"%s\" (pid %d uid %u gid %u, protocol %u)",
-           SESS_ARGS(s), s->name, (int)s->pid, (unsigned)s->uid, (unsigned)s->gid, s->proto);
+  LOG_INFO(SESS, SESS_FMT "hello from \"%s\" (pid %d uid %u gid %u, protocol %u, tenant %s "
+           "weight %u)", SESS_ARGS(s), s->name, (int)s->pid, (unsigned)s->uid, (unsigned)s->gid,
+           s->proto, s->tenant, s->weight);
   lim.max_frame_bytes = (uint32_t)srv->cfg.max_frame_bytes;
   lim.max_arena_bytes = (uint64_t)srv->cfg.max_arena_bytes;
   lim.session_quota_bytes = (uint64_t)srv->cfg.session_quota_bytes;

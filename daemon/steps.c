@@ -367,7 +367,8 @@ void mokd_steps_run_group(mokd_step **steps, int P)
     steps[r]->sess->busy = steps[r];
   if (j0->gctx != NULL)
     j0->gctx->refs++; /* a rank that leaves mid-step must not free it under the step */
-  mokd_executor_queue(j0->sess->exec, &j0->work, group_work, group_done);
+  mokd_executor_queue_for(j0->sess->exec, &j0->work, j0->sess->tenant, j0->sess->weight,
+                          group_work, group_done);
 }
 
 void mokd_step_fail(mokd_step *j, int code, const char *msg)
@@ -423,7 +424,7 @@ static int group_match(const mokd_layer *l, const mokd_step *j, char *err)
 static void step_queue(mokd_session *s, mokd_step *j)
 {
   s->busy = j;
-  mokd_executor_queue(s->exec, &j->work, step_work, step_done);
+  mokd_executor_queue_for(s->exec, &j->work, s->tenant, s->weight, step_work, step_done);
 }
 
 /* ---- requests ------------------------------------------------------------- */

@@ -138,6 +138,26 @@ START_TEST(bad_file_names_file_and_line)
 }
 END_TEST
 
+/* A tenant's weight is the list's entry for its key, else 1. */
+START_TEST(tenant_weight_lookup)
+{
+  const char *list = "job:1234=4, uid:1000=2,job:12=7";
+  char why[160];
+  unsigned w;
+
+  ck_assert_int_eq(mokd_config_weight(list, "job:1234", &w, why, sizeof why), 0);
+  ck_assert_uint_eq(w, 4);
+  ck_assert_int_eq(mokd_config_weight(list, "uid:1000", &w, why, sizeof why), 0);
+  ck_assert_uint_eq(w, 2);
+  ck_assert_int_eq(mokd_config_weight(list, "job:12", &w, why, sizeof why), 0);
+  ck_assert_uint_eq(w, 7);
+  ck_assert_int_eq(mokd_config_weight(list, "job:123", &w, why, sizeof why), 0);
+  ck_assert_uint_eq(w, 1);
+  ck_assert_int_eq(mokd_config_weight("", "uid:0", &w, why, sizeof why), 0);
+  ck_assert_uint_eq(w, 1);
+}
+END_TEST
+
 /* Values checked only after every source was read lost their file:line. */
 START_TEST(every_bad_value_names_its_line)
 {
@@ -152,6 +172,17 @@ START_TEST(every_bad_value_names_its_line)
       {"[mokd]\ndevices = 0,x\n", ":2: devices: \"x\" is not a number; devices are CUDA "
                                    "ordinals"},
       {"[mokd]\ndevices = 1,0,1\n", ":2: devices: device 1 is named twice"},
+      {"[mokd]\ntenant_weights = job:1=4,bob=2\n",
+       ":2: tenant_weights: \"bob=2\" names no tenant; write job:ID=W or uid:N=W"},
+      {"[mokd]\ntenant_weights = uid:1000\n", ":2: tenant_weights: \"uid:1000\" has no =WEIGHT"},
+      {"[mokd]\ntenant_weights = uid:x=2\n", ":2: tenant_weights: \"uid:x=2\": a uid is a "
+                                             "number"},
+      {"[mokd]\ntenant_weights = job:a/b=2\n", ":2: tenant_weights: \"job:a/b=2\": a job id"},
+      {"[mokd]\ntenant_weights = job:7=0\n", ":2: tenant_weights: \"job:7=0\": the weight is "
+                                             "a whole number from 1 to 1000"},
+      {"[mokd]\ntenant_weights = job:7=2x\n", ":2: tenant_weights: \"job:7=2x\": the weight"},
+      {"[mokd]\ntenant_weights = job:7=2, uid:5=1, job:7=3\n",
+       ":2: tenant_weights: \"job:7\" is named twice"},
       {"# before the header\nlog_level = debug\n[mokd]\n",
        ":2: \"log_level\" comes before the [mokd] section header"},
   };
@@ -371,6 +402,7 @@ Suite *config_suite(void)
   tcase_add_test(tc, sizes_levels_and_subsystems);
   tcase_add_test(tc, help_and_version_exit);
   tcase_add_test(tc, print_config_names_its_file);
+  tcase_add_test(tc, tenant_weight_lookup);
   tcase_add_test(tc, sighup_reload_reads_log_keys_only);
   tcase_add_test(tc, peer_text_is_escaped_for_the_log);
   tcase_add_test(tc, terminal_lines_carry_a_timestamp);

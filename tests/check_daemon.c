@@ -18,6 +18,7 @@ int main(void)
   srunner_add_suite(sr, daemon_service_suite());
   srunner_add_suite(sr, daemon_limits_suite());
   srunner_add_suite(sr, daemon_ep_suite());
+  srunner_add_suite(sr, daemon_fair_suite());
   srunner_run_all(sr, CK_NORMAL);
   failed = srunner_ntests_failed(sr);
   srunner_free(sr);

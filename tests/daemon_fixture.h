@@ -55,5 +55,6 @@ Suite *daemon_wire_suite(void);
 Suite *daemon_service_suite(void);
 Suite *daemon_limits_suite(void);
 Suite *daemon_ep_suite(void);
+Suite *daemon_fair_suite(void);
 
 #endif

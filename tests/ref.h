@@ -107,3 +107,4 @@ Suite *ops_suite(void);
 Suite *paths_suite(void);
 Suite *mokctl_suite(void);
 Suite *gpuid_suite(void);
+Suite *wfq_suite(void);
