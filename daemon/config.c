@@ -94,6 +94,12 @@ static int check_metrics(const char *val, char *why, size_t n)
   return -1;
 }
 
+static int check_tenant_quotas(const char *val, char *why, size_t n)
+{
+  uint64_t q;
+  return mokd_config_tenant_quota(val, NULL, &q, why, n);
+}
+
 static int check_weights(const char *val, char *why, size_t n)
 {
   unsigned w;
@@ -162,6 +168,12 @@ static const opt options[] = {
      "one), W from 1 to 1000; a tenant not named weighs 1. Each step costs the same, "
      "whatever its size: weight 3 against 1 gets 3 steps for 1",
      check_weights},
+    {"tenant_quota_bytes", STR(tenant_quota_bytes), "", 0, 0, "MOKD_TENANT_QUOTA_BYTES",
+     "memory all sessions of a tenant hold together: comma list of job:ID=SIZE and "
+     "uid:N=SIZE (tenants as in tenant_weights). A session's host and GPU bytes, as "
+     "session_quota_bytes and session_gpu_quota_bytes charge them, count together; a "
+     "tenant not named is not bounded by it (the session quotas still apply)",
+     check_tenant_quotas},
     {"log_level", NUM(T_LEVEL, log_level), "info", 0, 4, "MOKD_DEBUG",
      "error, warn, info, debug or trace", NULL},
     {"log_subsys", NUM(T_SUBSYS, log_subsys), "all", 0, MOKD_SUB_ALL, "MOKD_DEBUG_SUBSYS",
@@ -564,17 +576,16 @@ int mokd_config_ids(const char *list, unsigned *out, int max, int *n, char *why,
   }
 }
 
-/* One entry of tenant_weights, "job:ID=W" or "uid:N=W", of len bytes at e. */
-static int weight_entry(const char *e, size_t len, size_t *keylen, unsigned *w, char *why,
-                        size_t n)
+/* The tenant key of one entry "KEY=VALUE" of len bytes at e (form names the
+ * list's entries in messages, value what follows =): its length in *keylen, or -1 with why. */
+static int tenant_key(const char *e, size_t len, const char *form, const char *value,
+                      size_t *keylen, char *why, size_t n)
 {
   const char *eq = memchr(e, '=', len);
   size_t k;
-  char *end;
-  unsigned long v;
 
   if (eq == NULL) {
-    snprintf(why, n, "\"%.*s\" has no =WEIGHT; write job:ID=W or uid:N=W", (int)len, e);
+    snprintf(why, n, "\"%.*s\" has no =%s; write %s", (int)len, e, value, form);
     return -1;
   }
   k = (size_t)(eq - e);
@@ -595,35 +606,74 @@ static int weight_entry(const char *e, size_t len, size_t *keylen, unsigned *w, 
       }
     }
   } else {
-    snprintf(why, n, "\"%.*s\" names no tenant; write job:ID=W or uid:N=W", (int)len, e);
-    return -1;
-  }
-  errno = 0;
-  v = strtoul(eq + 1, &end, 10);
-  if (eq + 1 == e + len || eq[1] < '0' || eq[1] > '9' || end != e + len || errno != 0 ||
-      v < 1 || v > 1000) {
-    snprintf(why, n, "\"%.*s\": the weight is a whole number from 1 to 1000", (int)len, e);
+    snprintf(why, n, "\"%.*s\" names no tenant; write %s", (int)len, e, form);
     return -1;
   }
   *keylen = k;
-  *w = (unsigned)v;
   return 0;
 }
 
-int mokd_config_weight(const char *list, const char *key, unsigned *weight, char *why,
-                       size_t len)
+/* One entry of tenant_weights, "job:ID=W" or "uid:N=W", of len bytes at e. */
+static int weight_entry(const char *e, size_t len, size_t *keylen, uint64_t *w, char *why,
+                        size_t n)
+{
+  const char *v;
+  char *end;
+  unsigned long x;
+
+  if (tenant_key(e, len, "job:ID=W or uid:N=W", "WEIGHT", keylen, why, n) != 0)
+    return -1;
+  v = e + *keylen + 1;
+  errno = 0;
+  x = strtoul(v, &end, 10);
+  if (v == e + len || *v < '0' || *v > '9' || end != e + len || errno != 0 || x < 1 ||
+      x > 1000) {
+    snprintf(why, n, "\"%.*s\": the weight is a whole number from 1 to 1000", (int)len, e);
+    return -1;
+  }
+  *w = x;
+  return 0;
+}
+
+/* One entry of tenant_quota_bytes, "job:ID=SIZE" or "uid:N=SIZE". */
+static int quota_entry(const char *e, size_t len, size_t *keylen, uint64_t *bytes, char *why,
+                       size_t n)
+{
+  char v[32];
+  int64_t x;
+
+  if (tenant_key(e, len, "job:ID=SIZE or uid:N=SIZE", "SIZE", keylen, why, n) != 0)
+    return -1;
+  snprintf(v, sizeof v, "%.*s", (int)(len - *keylen - 1), e + *keylen + 1);
+  if (len - *keylen - 1 >= sizeof v || v[0] < '0' || v[0] > '9' || parse_size(v, &x) != 0 ||
+      x < 1 || x > INT64_MAX / 2) {
+    snprintf(why, n, "\"%.*s\": the quota is a size above 0 (bytes, or with K, M, G, T)",
+             (int)len, e);
+    return -1;
+  }
+  *bytes = (uint64_t)x;
+  return 0;
+}
+
+typedef int (*entry_fn)(const char *e, size_t len, size_t *keylen, uint64_t *v, char *why,
+                        size_t n);
+
+/* The value of key in a list of tenant entries; dflt when it is not named.
+ * key NULL only checks the list. */
+static int tenant_value(const char *list, entry_fn entry, const char *key, uint64_t dflt,
+                        uint64_t *out, char *why, size_t len)
 {
   const char *p = list;
 
-  *weight = 1;
+  *out = dflt;
   for (;;) {
     size_t elen, klen;
-    unsigned w;
+    uint64_t v;
     p += strspn(p, ", ");
     if (*p == 0)
       return 0;
     elen = strcspn(p, ", ");
-    if (weight_entry(p, elen, &klen, &w, why, len) != 0)
+    if (entry(p, elen, &klen, &v, why, len) != 0)
       return -1;
     for (const char *q = list; q < p; q += strspn(q, ", ")) {
       size_t ql = strcspn(q, ", ");
@@ -634,9 +684,25 @@ int mokd_config_weight(const char *list, const char *key, unsigned *weight, char
       q += ql;
     }
     if (key != NULL && strlen(key) == klen && strncmp(key, p, klen) == 0)
-      *weight = w;
+      *out = v;
     p += elen;
   }
+}
+
+int mokd_config_weight(const char *list, const char *key, unsigned *weight, char *why,
+                       size_t len)
+{
+  uint64_t w;
+  int rc = tenant_value(list, weight_entry, key, 1, &w, why, len);
+
+  *weight = (unsigned)w;
+  return rc;
+}
+
+int mokd_config_tenant_quota(const char *list, const char *key, uint64_t *bytes, char *why,
+                             size_t len)
+{
+  return tenant_value(list, quota_entry, key, 0, bytes, why, len);
 }
 
 int mokd_config_reload_log(mokd_config *cfg, char *err, size_t errlen)

@@ -33,6 +33,7 @@ typedef struct mokd_config {
   char allow_uids[256];
   char allow_gids[256];
   char tenant_weights[1024]; /* "job:ID=W,uid:N=W": the fair queue's shares */
+  char tenant_quota_bytes[1024]; /* "job:ID=SIZE,uid:N=SIZE": memory of all a tenant's sessions */
   int64_t log_level;
   int64_t log_subsys;
   char config_file[256];
@@ -61,6 +62,11 @@ int mokd_config_ids(const char *list, unsigned *out, int max, int *n, char *why,
  * 0, or -1 with why naming the bad entry. */
 int mokd_config_weight(const char *list, const char *key, unsigned *weight, char *why,
                        size_t len);
+/* The tenant_quota_bytes of a tenant key in such a list; 0 (no limit) when
+ * the list does not name it. key NULL only checks the list. 0, or -1 with
+ * why naming the bad entry. */
+int mokd_config_tenant_quota(const char *list, const char *key, uint64_t *bytes, char *why,
+                             size_t len);
 void mokd_config_usage(FILE *out);
 
 #endif

@@ -166,6 +166,7 @@ int main(int argc, char **argv)
   mokd_server_reap_all(&srv);
   rc = uv_loop_close(&loop);
   destroy_backends(&srv);
+  mokd_tenants_free(&srv.tenants);
   if (rc != 0) {
     LOG_ERROR(INIT, "event loop closed with handles still open (%s)", uv_err_name(rc));
     return 1;

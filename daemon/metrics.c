@@ -1,5 +1,6 @@
 /* metrics.c - see metrics.h. Label values are the daemon's own (op names,
- * numbers, job ids checked at Hello), so none needs escaping. */
+ * numbers, job ids checked at Hello, tenants made of them), so none needs
+ * escaping. */
 #include "metrics.h"
 
 #include <stdarg.h>
@@ -124,6 +125,26 @@ static void session_memory(buf *b, const mokd_server *srv)
   }
 }
 
+static void tenants(buf *b, const mokd_server *srv)
+{
+  head(b, "mokd_tenant_steps_total", "counter",
+       "Steps served, by tenant (job:ID, else uid:N; each rank of a group step counts).");
+  for (const mokd_tenant *t = srv->tenants; t != NULL; t = t->next)
+    put(b, "mokd_tenant_steps_total{tenant=\"%s\"} %llu\n", t->key,
+        (unsigned long long)t->steps);
+  head(b, "mokd_tenant_queued", "gauge",
+       "Steps of a tenant queued for an executor or running, not yet done.");
+  for (const mokd_tenant *t = srv->tenants; t != NULL; t = t->next)
+    put(b, "mokd_tenant_queued{tenant=\"%s\"} %llu\n", t->key,
+        (unsigned long long)t->queued);
+  head(b, "mokd_tenant_memory_bytes", "gauge",
+       "Host and GPU memory all sessions of a tenant hold together, as tenant_quota_bytes "
+       "counts it.");
+  for (const mokd_tenant *t = srv->tenants; t != NULL; t = t->next)
+    put(b, "mokd_tenant_memory_bytes{tenant=\"%s\"} %llu\n", t->key,
+        (unsigned long long)t->held);
+}
+
 int mokd_metrics_render(mokd_server *srv, char **out, size_t *len)
 {
   const mokd_metrics *m = &srv->metrics;
@@ -156,8 +177,9 @@ int mokd_metrics_render(mokd_server *srv, char **out, size_t *len)
       (unsigned long long)srv->usage.context_bytes);
   put(&b, "mokd_memory_bytes{kind=\"gpu\"} %llu\n", (unsigned long long)srv->usage.gpu_bytes);
   session_memory(&b, srv);
+  tenants(&b, srv);
   head(&b, "mokd_quota_rejections_total", "counter",
-       "Requests refused because a session quota would be exceeded.");
+       "Requests refused because a session's or a tenant's quota would be exceeded.");
   put(&b, "mokd_quota_rejections_total %llu\n", (unsigned long long)m->quota_rejections);
   head(&b, "mokd_evictions_total", "counter", "Sessions closed by mokctl evict.");
   put(&b, "mokd_evictions_total %llu\n", (unsigned long long)m->evictions);

@@ -1,6 +1,7 @@
 /* registry.c - see registry.h. */
 #include "registry.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -23,6 +24,31 @@ void mokd_registry_init(mokd_registry *r, mokk_backend *b, uint64_t *next_id,
   mokd_registry_place(r, b);
 }
 
+mokd_tenant *mokd_tenant_get(mokd_tenant **list, const char *key, uint64_t quota)
+{
+  mokd_tenant *t;
+
+  for (t = *list; t != NULL; t = t->next)
+    if (strcmp(t->key, key) == 0)
+      return t;
+  if ((t = calloc(1, sizeof *t)) == NULL)
+    return NULL;
+  snprintf(t->key, sizeof t->key, "%s", key);
+  t->quota = quota;
+  t->next = *list;
+  *list = t;
+  return t;
+}
+
+void mokd_tenants_free(mokd_tenant **list)
+{
+  while (*list != NULL) {
+    mokd_tenant *t = *list;
+    *list = t->next;
+    free(t);
+  }
+}
+
 void mokd_registry_place(mokd_registry *r, mokk_backend *b)
 {
   r->backend = b;
@@ -38,12 +64,20 @@ void mokd_registry_clear(mokd_registry *r)
 int mokd_quota_take(mokd_registry *r, uint64_t bytes, int which, char *err)
 {
   uint64_t q = r->lim.quota[which], *held = &r->held[which];
+  mokd_tenant *t = r->tenant;
   if (q > 0 && (*held + bytes > q || *held + bytes < *held))
     return mokk_fail(err, MOK_EDQUOT, "session would hold %llu bytes of %s memory; its quota "
                      "is %llu (%s)", (unsigned long long)(*held + bytes),
                      which == MOKD_DEVICE ? "GPU" : "host", (unsigned long long)q,
                      quota_names[which]);
+  if (t != NULL && t->quota > 0 && (t->held + bytes > t->quota || t->held + bytes < t->held))
+    return mokk_fail(err, MOK_EDQUOT, "tenant %s would hold %llu bytes, host and GPU memory "
+                     "of all its sessions together; its quota is %llu (tenant_quota_bytes)",
+                     t->key, (unsigned long long)(t->held + bytes),
+                     (unsigned long long)t->quota);
   *held += bytes;
+  if (t != NULL)
+    t->held += bytes;
   for (int i = 0; i < 2 && which == MOKD_DEVICE; i++)
     if (r->usage[i] != NULL)
       r->usage[i]->gpu_bytes += bytes;
@@ -53,6 +87,8 @@ int mokd_quota_take(mokd_registry *r, uint64_t bytes, int which, char *err)
 void mokd_quota_give(mokd_registry *r, uint64_t bytes, int which)
 {
   r->held[which] -= bytes;
+  if (r->tenant != NULL)
+    r->tenant->held -= bytes;
   for (int i = 0; i < 2 && which == MOKD_DEVICE; i++)
     if (r->usage[i] != NULL)
       r->usage[i]->gpu_bytes -= bytes;

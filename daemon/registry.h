@@ -12,6 +12,7 @@
 #include "backend.h"
 #include "mok.h"
 #include "proto/mokd.pb-c.h"
+#include "wfq.h"
 
 typedef enum { ARENA_DAEMON, ARENA_IMPORTED, ARENA_OUTPUT } mokd_arena_kind;
 
@@ -37,6 +38,23 @@ typedef struct mokd_arena {
 
 enum { MOKD_HOST, MOKD_DEVICE }; /* the two quotas */
 
+/* A tenant ("job:ID", else "uid:N"), all its sessions together: what they
+ * were served, and the memory they hold against tenant_quota_bytes. A
+ * record lives as long as the daemon, so its counters never go back. */
+typedef struct mokd_tenant {
+  char key[MOKD_TENANT_MAX];
+  uint64_t steps;   /* steps served (each rank of a group step counts) */
+  uint64_t queued;  /* steps queued for an executor or running, not yet done */
+  uint64_t quota;   /* tenant_quota_bytes for it; 0 = no limit */
+  uint64_t held;    /* host and GPU bytes its sessions' quotas are charged, together */
+  struct mokd_tenant *next;
+} mokd_tenant;
+
+/* The record of key in *list, made (with quota) when missing; NULL when out
+ * of memory. */
+mokd_tenant *mokd_tenant_get(mokd_tenant **list, const char *key, uint64_t quota);
+void mokd_tenants_free(mokd_tenant **list);
+
 typedef struct mokd_limits {
   uint64_t max_arena_bytes;
   uint64_t quota[2];          /* [MOKD_HOST], [MOKD_DEVICE]; 0 = no limit */
@@ -54,6 +72,7 @@ typedef struct mokd_registry {
   uint64_t held[2];
   uint64_t narenas;
   mok_usage *usage[2];     /* counters kept up to date: the session's, the daemon's */
+  mokd_tenant *tenant;     /* its session's tenant, from Hello; NULL before */
   mokd_arena *arenas;
 } mokd_registry;
 

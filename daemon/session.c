@@ -129,20 +129,28 @@ static int check_job(const char *job, char *err)
   return 0;
 }
 
-/* The fair queue's tenant: the job when the client names one (its sessions
- * share a share, whoever runs them), else the uid. tenant_weights was
- * checked at start-up. */
-static void set_tenant(mokd_session *s)
+/* The tenant: the job when the client names one (its sessions share a share
+ * of the executors and one tenant_quota_bytes, whoever runs them), else the
+ * uid. tenant_weights and tenant_quota_bytes were checked at start-up. */
+static int set_tenant(mokd_session *s, char *err)
 {
+  const mokd_config *cfg = &s->srv->cfg;
   char why[160];
+  uint64_t quota;
 
   if (s->job[0] != 0)
     snprintf(s->tenant, sizeof s->tenant, "job:%s", s->job);
   else
     snprintf(s->tenant, sizeof s->tenant, "uid:%u", (unsigned)s->uid);
-  if (mokd_config_weight(s->srv->cfg.tenant_weights, s->tenant, &s->weight, why,
-                         sizeof why) != 0)
+  if (mokd_config_weight(cfg->tenant_weights, s->tenant, &s->weight, why, sizeof why) != 0)
     s->weight = 1;
+  if (mokd_config_tenant_quota(cfg->tenant_quota_bytes, s->tenant, &quota, why,
+                               sizeof why) != 0)
+    quota = 0;
+  if ((s->t = mokd_tenant_get(&s->srv->tenants, s->tenant, quota)) == NULL)
+    return mokk_fail(err, MOK_ENOMEM, "out of memory");
+  s->reg.tenant = s->t;
+  return 0;
 }
 
 int mokd_h_hello(mokd_session *s, const Mokd__Request *q, const int *fds, int nfds, char *err)
@@ -175,7 +183,8 @@ int mokd_h_hello(mokd_session *s, const Mokd__Request *q, const int *fds, int nf
     return rc;
   mokd_log_escape(h->client_name != NULL ? h->client_name : "", 63, s->name);
   snprintf(s->job, sizeof s->job, "%s", h->job_id != NULL ? h->job_id : "");
-  set_tenant(s);
+  if ((rc = set_tenant(s, err)) != 0)
+    return rc;
   s->hello_done = 1;
   LOG_INFO(SESS, SESS_FMT "hello from \"%s\" (pid %d uid %u gid %u, protocol %u, tenant %s "
            "weight %u)", SESS_ARGS(s), s->name, (int)s->pid, (unsigned)s->uid, (unsigned)s->gid,

@@ -220,6 +220,7 @@ static void step_done(mokd_work *w)
     s->usage.backwards++, s->srv->usage.backwards++;
   else
     s->usage.forwards++, s->srv->usage.forwards++;
+  s->t->queued--, s->t->steps++;
   if (s->closing) {
     mokd_server *srv = s->srv;
     mokd_result_free(s, r);
@@ -337,6 +338,7 @@ static void group_done(mokd_work *w)
       s->usage.backwards++, srv->usage.backwards++;
     else
       s->usage.forwards++, srv->usage.forwards++;
+    s->t->queued--, s->t->steps++;
     if (s->closing) {
       mokd_result_free(s, j->res);
       step_free(j);
@@ -363,8 +365,10 @@ void mokd_steps_run_group(mokd_step **steps, int P)
 
   j0->ranks = steps;
   j0->P = P;
-  for (int r = 0; r < P; r++)
+  for (int r = 0; r < P; r++) {
     steps[r]->sess->busy = steps[r];
+    steps[r]->sess->t->queued++;
+  }
   if (j0->gctx != NULL)
     j0->gctx->refs++; /* a rank that leaves mid-step must not free it under the step */
   mokd_executor_queue_for(j0->sess->exec, &j0->work, j0->sess->tenant, j0->sess->weight,
@@ -424,6 +428,7 @@ static int group_match(const mokd_layer *l, const mokd_step *j, char *err)
 static void step_queue(mokd_session *s, mokd_step *j)
 {
   s->busy = j;
+  s->t->queued++;
   mokd_executor_queue_for(s->exec, &j->work, s->tenant, s->weight, step_work, step_done);
 }
 

@@ -158,6 +158,24 @@ START_TEST(tenant_weight_lookup)
 }
 END_TEST
 
+/* A tenant's quota is the list's entry for its key, else 0: no limit. */
+START_TEST(tenant_quota_lookup)
+{
+  const char *list = "job:1234=64G, uid:1000=8G,job:12=4096";
+  char why[160];
+  uint64_t q;
+
+  ck_assert_int_eq(mokd_config_tenant_quota(list, "job:1234", &q, why, sizeof why), 0);
+  ck_assert_uint_eq(q, 64ull << 30);
+  ck_assert_int_eq(mokd_config_tenant_quota(list, "uid:1000", &q, why, sizeof why), 0);
+  ck_assert_uint_eq(q, 8ull << 30);
+  ck_assert_int_eq(mokd_config_tenant_quota(list, "job:12", &q, why, sizeof why), 0);
+  ck_assert_uint_eq(q, 4096);
+  ck_assert_int_eq(mokd_config_tenant_quota(list, "job:123", &q, why, sizeof why), 0);
+  ck_assert_uint_eq(q, 0);
+}
+END_TEST
+
 /* Values checked only after every source was read lost their file:line. */
 START_TEST(every_bad_value_names_its_line)
 {
@@ -183,6 +201,20 @@ START_TEST(every_bad_value_names_its_line)
       {"[mokd]\ntenant_weights = job:7=2x\n", ":2: tenant_weights: \"job:7=2x\": the weight"},
       {"[mokd]\ntenant_weights = job:7=2, uid:5=1, job:7=3\n",
        ":2: tenant_weights: \"job:7\" is named twice"},
+      {"[mokd]\ntenant_quota_bytes = job:a=1G,job:b\n",
+       ":2: tenant_quota_bytes: \"job:b\" has no =SIZE; write job:ID=SIZE or uid:N=SIZE"},
+      {"[mokd]\ntenant_quota_bytes = gid:5=1G\n",
+       ":2: tenant_quota_bytes: \"gid:5=1G\" names no tenant"},
+      {"[mokd]\ntenant_quota_bytes = uid:x=1G\n",
+       ":2: tenant_quota_bytes: \"uid:x=1G\": a uid is a number"},
+      {"[mokd]\ntenant_quota_bytes = job:a=0\n",
+       ":2: tenant_quota_bytes: \"job:a=0\": the quota is a size above 0"},
+      {"[mokd]\ntenant_quota_bytes = job:a=12Q\n",
+       ":2: tenant_quota_bytes: \"job:a=12Q\": the quota is a size above 0"},
+      {"[mokd]\ntenant_quota_bytes = job:a=-1G\n",
+       ":2: tenant_quota_bytes: \"job:a=-1G\": the quota is a size above 0"},
+      {"[mokd]\ntenant_quota_bytes = job:a=1G, job:a=2G\n",
+       ":2: tenant_quota_bytes: \"job:a\" is named twice"},
       {"# before the header\nlog_level = debug\n[mokd]\n",
        ":2: \"log_level\" comes before the [mokd] section header"},
   };
@@ -403,6 +435,7 @@ Suite *config_suite(void)
   tcase_add_test(tc, help_and_version_exit);
   tcase_add_test(tc, print_config_names_its_file);
   tcase_add_test(tc, tenant_weight_lookup);
+  tcase_add_test(tc, tenant_quota_lookup);
   tcase_add_test(tc, sighup_reload_reads_log_keys_only);
   tcase_add_test(tc, peer_text_is_escaped_for_the_log);
   tcase_add_test(tc, terminal_lines_carry_a_timestamp);

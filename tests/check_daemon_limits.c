@@ -365,6 +365,47 @@ START_TEST(imports_are_limited_per_session)
 }
 END_TEST
 
+static mok_client *connect_as_job(const char *path, const char *job)
+{
+  mok_client *c;
+  setenv("MOKD_JOB_ID", job, 1); /* read at connect */
+  ck_assert_int_eq(mok_connect(path, job, &c), 0);
+  unsetenv("MOKD_JOB_ID");
+  return c;
+}
+
+/* Two sessions of one job, each under its session quota, together over the
+ * job's tenant_quota_bytes: the second is refused, naming the tenant; a job
+ * not named is unbounded by it; what one session gives back the other may
+ * take. Host arenas here; GPU bytes count the same. */
+START_TEST(tenant_quota_bounds_a_jobs_sessions_together)
+{
+  own_daemon d;
+  own_daemon_start(&d, "tquota", "--session-quota-bytes=4M "
+                   "--tenant-quota-bytes=job:tq-1=6M,uid:4242=1M");
+  mok_client *a = connect_as_job(d.path, "tq-1"), *b = connect_as_job(d.path, "tq-1");
+  mok_client *other = connect_as_job(d.path, "tq-2");
+  mok_arena_info x, y, z, w;
+
+  ck_assert_msg(mok_arena_create(a, 4 << 20, &x) == 0, "%s", mok_last_error(a));
+  ck_assert_int_eq(mok_arena_create(b, 4 << 20, &y), MOK_EDQUOT);
+  ck_assert_msg(strstr(mok_last_error(b), "tenant job:tq-1 would hold 8388608 bytes") != NULL &&
+                strstr(mok_last_error(b), "its quota is 6291456 (tenant_quota_bytes)") != NULL,
+                "%s", mok_last_error(b));
+  ck_assert_msg(mok_arena_create(b, 2 << 20, &y) == 0, "%s", mok_last_error(b));
+  ck_assert_msg(mok_arena_create(other, 4 << 20, &w) == 0, "%s", mok_last_error(other));
+  ck_assert_int_eq(mok_arena_create(b, 1 << 20, &z), MOK_EDQUOT); /* b alone: 3 MiB of 4 */
+  ck_assert_msg(strstr(mok_last_error(b), "tenant job:tq-1 would hold 7340032 bytes") != NULL,
+                "%s", mok_last_error(b));
+  ck_assert_int_eq(mok_arena_destroy(a, x.id), 0);
+  ck_assert_msg(mok_arena_create(b, 2 << 20, &z) == 0, "%s", mok_last_error(b));
+  mok_close(b);
+  mok_close(a);
+  mok_close(other);
+  own_daemon_stop(&d);
+}
+END_TEST
+
 /* One session made 1000 arenas of 1 GiB in 0.1 s: by default a session may
  * hold half of the RAM. */
 START_TEST(default_quota_is_half_of_ram)
@@ -549,6 +590,7 @@ Suite *daemon_limits_suite(void)
   tcase_add_test(tc, refused_client_reads_the_reason);
   tcase_add_test(tc, imports_are_limited_per_session);
   tcase_add_test(tc, default_quota_is_half_of_ram);
+  tcase_add_test(tc, tenant_quota_bounds_a_jobs_sessions_together);
   tcase_add_test(tc, large_release_is_quick);
   suite_add_tcase(s, tc);
   return s;

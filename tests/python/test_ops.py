@@ -124,15 +124,54 @@ class MetricsTest(unittest.TestCase):
         self.assertFalse([k for k in m2 if k.startswith("mokd_session_memory_bytes")])
         self.assertEqual(m2["mokd_scrapes_total"], m1["mokd_scrapes_total"] + 1)
 
+    def test_tenants_are_counted(self):
+        os.environ["MOKD_JOB_ID"] = "job-7"
+        try:
+            c = mokd.Client(self.d.sock)
+        finally:
+            del os.environ["MOKD_JOB_ID"]
+        other = mokd.Client(self.d.sock)  # no job: its uid is the tenant
+        steps = 'mokd_tenant_steps_total{tenant="job:job-7"}'
+        queued = 'mokd_tenant_queued{tenant="job:job-7"}'
+        m0 = self.scrape()
+        self.assertEqual((m0[steps], m0[queued]), (0, 0))
+        layer, x, ids, tw = small_layer(c)
+        out, ctx = layer.forward(x, ids, tw)
+        layer.backward(ctx, np.zeros_like(x))
+        layer.forward(x, ids, tw, inference=True)
+        m1 = self.scrape()
+        self.assertEqual((m1[steps], m1[queued]), (3, 0))
+        self.assertGreater(m1['mokd_tenant_memory_bytes{tenant="job:job-7"}'], 0)
+        mine = 'mokd_tenant_steps_total{tenant="uid:%d"}' % os.getuid()
+        self.assertEqual(m1[mine], 0)
+        layer2, x, ids, tw = small_layer(other)
+        layer2.forward(x, ids, tw, inference=True)
+        m2 = self.scrape()
+        self.assertEqual((m2[steps], m2[mine]), (3, 1))
+        c.close()
+        other.close()
+        time.sleep(0.2)
+        m3 = self.scrape()  # counters outlive the sessions; memory goes
+        self.assertEqual(m3[steps], 3)
+        self.assertEqual(m3['mokd_tenant_memory_bytes{tenant="job:job-7"}'], 0)
+
     def test_quota_rejections_are_counted(self):
         self.d.stop()
         self.d = Daemon("mokd-metrics-", ["--metrics", "localhost:%d" % self.port,
-                                          "--session-quota-bytes", "1M"])
+                                          "--session-quota-bytes", "1M",
+                                          "--tenant-quota-bytes", "uid:%d=1M" % os.getuid()])
         c = mokd.Client(self.d.sock)
         with self.assertRaises(mokd.MokError) as e:
             c.arena(4 << 20)
         self.assertIn("quota", str(e.exception))
         self.assertEqual(self.scrape()["mokd_quota_rejections_total"], 1)
+        c2 = mokd.Client(self.d.sock)
+        c.arena(768 << 10)
+        with self.assertRaises(mokd.MokError) as e:
+            c2.arena(768 << 10)  # under its session quota, over its uid's together
+        self.assertIn("tenant uid:%d would hold" % os.getuid(), str(e.exception))
+        self.assertEqual(self.scrape()["mokd_quota_rejections_total"], 2)
+        c2.close()
         c.close()
 
     def raw(self, data, shut=True):
