@@ -1118,6 +1118,30 @@ START_TEST(ep_release_ends_a_backward_wait)
 }
 END_TEST
 
+/* A rank that sends its step early waits for the late one, and its
+ * reply's queued time says so. */
+START_TEST(ep_early_rank_queued_time_has_its_wait)
+{
+  raw_rank k[2];
+  mok_client *cl = connect_ok();
+  Mokd__Response *rep;
+  const uint64_t delay_ms = 300;
+
+  ranks_join(k, 24);
+  rank_forward(&k[0], 4, 0, 0, -1);
+  wait_contexts(cl, 1); /* rank 0's forward is parked */
+  usleep(delay_ms * 1000);
+  rank_forward(&k[1], 4, 0, 0, -1);
+  rep = rank_ok(&k[0], "Forward");
+  ck_assert_ptr_nonnull(rep->forward_done->timing);
+  ck_assert_uint_ge(rep->forward_done->timing->queued_ns, delay_ms * 1000000);
+  mokd__response__free_unpacked(rep, NULL);
+  mokd__response__free_unpacked(rank_ok(&k[1], "Forward"), NULL);
+  mok_close(cl);
+  ranks_close(k);
+}
+END_TEST
+
 Suite *daemon_ep_suite(void)
 {
   Suite *s = suite_create("daemon_ep");
@@ -1144,6 +1168,7 @@ Suite *daemon_ep_suite(void)
   tcase_add_test(tc, ep_mismatch_spares_the_next_step);
   tcase_add_test(tc, ep_refused_rank_ends_the_wait);
   tcase_add_test(tc, ep_release_ends_a_backward_wait);
+  tcase_add_test(tc, ep_early_rank_queued_time_has_its_wait);
   suite_add_tcase(s, tc);
   return s;
 }
