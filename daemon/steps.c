@@ -392,7 +392,7 @@ void mokd_step_fail(mokd_step *j, int code, const char *msg)
  * same T, for a forward the same answer to inference (a context is kept
  * for every rank or for none: each rank pays its share), and for a
  * backward the same forward. On a mismatch every rank's step fails. */
-static int group_match(const mokd_layer *l, const mokd_step *j, char *err)
+static int group_match(mokd_layer *l, const mokd_step *j, char *err)
 {
   const mokd_step *f = mokd_group_first(l);
   int rc;
@@ -419,7 +419,7 @@ static int group_match(const mokd_layer *l, const mokd_step *j, char *err)
                    "forward", l->rank, f->rank);
   else
     return 0;
-  mokd_group_fail_step((mokd_layer *)l, rc, err);
+  mokd_group_fail_step(l, rc, err);
   return rc;
 }
 
