@@ -65,7 +65,10 @@ static mokd_group *group_new(mokd_session *s, const mokd_layer *l, const Mokd__E
   g->parked = calloc((size_t)P, sizeof *g->parked);
   if (g->member == NULL || g->join_id == NULL || g->parked == NULL ||
       uv_timer_init(s->srv->loop, &g->timer) != 0) {
-    free(g->member), free(g->join_id), free(g->parked), free(g);
+    free(g->member);
+    free(g->join_id);
+    free(g->parked);
+    free(g);
     return NULL;
   }
   g->timer.data = g;

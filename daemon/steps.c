@@ -41,6 +41,7 @@ struct mokd_step {
   int P;
   int rank;                 /* in the EP group */
   uint64_t group;           /* serial of the group (mokd_group_serial); 0 alone */
+  uint64_t t_parked;        /* mokd_now_ns() when it parked to wait for the other ranks */
   mokd_gctx *gctx;          /* a group backward: the forward's state (held while it runs) */
   Mokd__TensorRef *refs[2 + MOKK_NWEIGHTS]; /* output refs to send back */
   int nrefs;
@@ -295,8 +296,9 @@ static void group_attach(mokd_step *j, const mokd_step *j0, mokd_gctx *g, int rc
   s->busy = NULL;
   j->rc = rc;
   snprintf(j->err, sizeof j->err, "%s", err);
-  j->work.t_queued = j0->work.t_queued;
-  j->work.t_start = j0->work.t_start, j->work.t_end = j0->work.t_end;
+  j->work.t_queued = j->t_parked; /* its queued time counts its wait for the other ranks */
+  j->work.t_start = j0->work.t_start;
+  j->work.t_end = j0->work.t_end;
   if (rc != 0 || g == NULL || !j->want_ctx || s->closing)
     return;
   j->rc = mokd_result_charge(s, j->res, (mokk_ctx_bytes(g->backend, g->ctx) +
@@ -394,7 +396,7 @@ void mokd_step_fail(mokd_step *j, int code, const char *msg)
  * same T, for a forward the same answer to inference (a context is kept
  * for every rank or for none: each rank pays its share), and for a
  * backward the same forward. On a mismatch every rank's step fails. */
-static int group_match(const mokd_layer *l, const mokd_step *j, char *err)
+static int group_match(mokd_layer *l, const mokd_step *j, char *err)
 {
   const mokd_step *f = mokd_group_first(l);
   int rc;
@@ -421,8 +423,14 @@ static int group_match(const mokd_layer *l, const mokd_step *j, char *err)
                    "forward", l->rank, f->rank);
   else
     return 0;
-  mokd_group_fail_step((mokd_layer *)l, rc, err);
+  mokd_group_fail_step(l, rc, err);
   return rc;
+}
+
+static void step_park(mokd_layer *l, mokd_step *j)
+{
+  j->t_parked = mokd_now_ns();
+  mokd_group_park(l, j);
 }
 
 static void step_queue(mokd_session *s, mokd_step *j)
@@ -554,7 +562,7 @@ static int forward_step(mokd_session *s, const Mokd__Request *q, mokd_layer *l, 
       *told = 1;
       goto fail;
     }
-    mokd_group_park(l, j);
+    step_park(l, j);
     return 0;
   }
   step_queue(s, j);
@@ -722,7 +730,7 @@ static int backward_step(mokd_session *s, const Mokd__Request *q, mokd_result *c
       *told = 1;
       goto fail;
     }
-    mokd_group_park(l, j);
+    step_park(l, j);
     return 0;
   }
   step_queue(s, j);

@@ -126,7 +126,7 @@ static int rank_main(const moe_case *c, int P, int r, uint64_t group, mok_grad_m
     return 2;
   if (P > 1 && mok_layer_desc_ep(&d, group, (uint32_t)P, (uint32_t)r) != 0)
     return 3;
-  CHECK(mok_arena_create(cl, 4u << 20, &a));
+  CHECK(mok_arena_create(cl, 16u << 20, &a));
   PLACE(x, MOK_DTYPE_BF16, 2, Tl, H);
   PLACE(dout, MOK_DTYPE_BF16, 2, Tl, H);
   PLACE(ids, MOK_DTYPE_I32, 2, Tl, K);
@@ -390,6 +390,41 @@ START_TEST(ep_rank_killed_mid_step)
   ep_out_unmap(&o);
   case_free(&c);
   wait_baseline(cl, &st);
+  mok_close(cl);
+  still_serving();
+}
+END_TEST
+
+/* A rank whose process dies while the group's step computes: the step
+ * runs to its end, and group_done finds that rank's session closing. The
+ * others get their forward (the step ran); their backward meets the reason
+ * the group is gone, since the dead rank's share of the state went with it.
+ * The steps are large enough to outlast the kill by far. */
+START_TEST(ep_rank_killed_while_computing)
+{
+  const mokk_shape big = {.H = 256, .I = 512, .E = 4, .K = 2, .I_s = 0, .P = 1};
+  moe_case c;
+  ep_out o;
+  pid_t kid[2];
+  mok_client *cl = connect_ok();
+  mok_stats st;
+
+  case_make(&c, &big, 2 * 1024, 64, ROUTE_RANDOM);
+  ep_out_map(&o, &c, 2, MOK_GRAD_BF16);
+  for (int r = 0; r < 2; r++)
+    kid[r] = spawn_rank(&c, 2, r, 11, 0, &o);
+  wait_contexts(cl, 2); /* both forwards arrived: the step is on the executor */
+  kill(kid[1], SIGKILL);
+  wait_exit(kid[1]);
+  ck_assert_msg(rep_of(&o, 0)->step == 1, "rank 0's forward was answered before the kill: "
+                "the step is too short for this test");
+  ck_assert_int_eq(wait_exit(kid[0]), 1);
+  expect_rep(&o, 0, 2, MOK_EGROUP, "EP group 11 was torn down: rank 1 left: its session "
+                                   "closed");
+  wait_baseline(cl, &st);
+  ck_assert_uint_eq(st.daemon.forwards, 2);
+  ep_out_unmap(&o);
+  case_free(&c);
   mok_close(cl);
   still_serving();
 }
@@ -1083,6 +1118,30 @@ START_TEST(ep_release_ends_a_backward_wait)
 }
 END_TEST
 
+/* A rank that sends its step early waits for the late one, and its
+ * reply's queued time says so. */
+START_TEST(ep_early_rank_queued_time_has_its_wait)
+{
+  raw_rank k[2];
+  mok_client *cl = connect_ok();
+  Mokd__Response *rep;
+  const uint64_t delay_ms = 300;
+
+  ranks_join(k, 24);
+  rank_forward(&k[0], 4, 0, 0, -1);
+  wait_contexts(cl, 1); /* rank 0's forward is parked */
+  usleep(delay_ms * 1000);
+  rank_forward(&k[1], 4, 0, 0, -1);
+  rep = rank_ok(&k[0], "Forward");
+  ck_assert_ptr_nonnull(rep->forward_done->timing);
+  ck_assert_uint_ge(rep->forward_done->timing->queued_ns, delay_ms * 1000000);
+  mokd__response__free_unpacked(rep, NULL);
+  mokd__response__free_unpacked(rank_ok(&k[1], "Forward"), NULL);
+  mok_close(cl);
+  ranks_close(k);
+}
+END_TEST
+
 Suite *daemon_ep_suite(void)
 {
   Suite *s = suite_create("daemon_ep");
@@ -1099,6 +1158,7 @@ Suite *daemon_ep_suite(void)
   tcase_set_timeout(tc, 60);
   tcase_add_test(tc, ep_rank_killed_mid_step);
   tcase_add_test(tc, ep_rank_killed_while_forming);
+  tcase_add_test(tc, ep_rank_killed_while_computing);
   tcase_add_test(tc, ep_rank_never_arrives);
   tcase_add_test(tc, ep_late_rank_told_why);
   tcase_add_test(tc, ep_join_mismatches);
@@ -1108,6 +1168,7 @@ Suite *daemon_ep_suite(void)
   tcase_add_test(tc, ep_mismatch_spares_the_next_step);
   tcase_add_test(tc, ep_refused_rank_ends_the_wait);
   tcase_add_test(tc, ep_release_ends_a_backward_wait);
+  tcase_add_test(tc, ep_early_rank_queued_time_has_its_wait);
   suite_add_tcase(s, tc);
   return s;
 }

@@ -72,7 +72,8 @@ typedef struct mok_layer_desc {
 } mok_layer_desc;
 
 typedef struct mok_timing {
-  uint64_t queued_ns;  /* waiting in the daemon before compute started */
+  uint64_t queued_ns;  /* waiting in the daemon before compute started (an EP rank:
+                          its wait for the other ranks' requests too) */
   uint64_t compute_ns;
 } mok_timing;
 
