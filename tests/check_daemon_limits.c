@@ -125,14 +125,16 @@ START_TEST(never_reading_client_is_paused)
   still_serving();
   long rss0 = proc_rss_kb(daemon_pid);
 
-  /* 100k pings, never reading a reply: the daemon stops reading once its
-   * queue of replies is full (some 40k in, with the sockets' buffers), and
-   * the sends stall */
+  /* 400k pings (4.3 MB), never reading a reply: the daemon stops reading
+   * once its queue of replies is full, and the sends stall. How much the
+   * sockets' buffers hold besides varies with how the replies were batched
+   * into writes: 0.4 to 1.1 MB was taken before the stall in runs of the
+   * stress test, so 100k pings (1.08 MB) were sometimes all taken. */
   Mokd__Request req = MOKD__REQUEST__INIT;
   Mokd__Ping ping = MOKD__PING__INIT;
   req.body_case = MOKD__REQUEST__BODY_PING, req.ping = &ping;
   size_t len;
-  uint8_t *batch = pack_many(&req, 1000, 100000, &len);
+  uint8_t *batch = pack_many(&req, 1000, 400000, &len);
   size_t sent = send_until_stalled(fd, batch, len, 300);
   ck_assert_msg(sent < len, "the daemon took all %zu bytes of pings unread", len);
   long grown = proc_rss_kb(daemon_pid) - rss0;
@@ -143,7 +145,7 @@ START_TEST(never_reading_client_is_paused)
    * in order, and the rest goes through */
   pid_t reader = fork();
   if (reader == 0) {
-    read_replies_in_order(fd, 1000, 100000);
+    read_replies_in_order(fd, 1000, 400000);
     _exit(0);
   }
   ck_assert_uint_eq(send_until_stalled(fd, batch + sent, len - sent, 10000), len - sent);
