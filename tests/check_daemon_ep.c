@@ -641,15 +641,42 @@ START_TEST(ep_join_mismatches)
 }
 END_TEST
 
+/* A rank of a small group (no shared expert, P = 2) in group `group`: the
+ * layer, with its 4 experts' weights, and the tensors of T tokens, all in
+ * one 64 KiB arena (the values do not matter to the tests that use it). */
+typedef struct small_rank {
+  mok_arena_info arena;
+  uint64_t layer;
+  mok_tensor x, ids, tw;
+} small_rank;
+
+static int small_rank_join(mok_client *m, uint64_t group, uint32_t r, int64_t T,
+                           small_rank *k)
+{
+  mok_layer_desc d = {.hidden = small.H, .intermediate = small.I, .experts = small.E,
+                      .top_k = small.K};
+  int64_t w3[3][3] = {{4, small.I, small.H}, {4, small.I, small.H}, {4, small.H, small.I}};
+  int rc;
+
+  mok_layer_desc_ep(&d, group, 2, r);
+  if ((rc = mok_arena_create(m, 1 << 16, &k->arena)) != 0 ||
+      (rc = mok_layer_create(m, &d, &k->layer)) != 0)
+    return rc;
+  mok_tensor w[MOK_NWEIGHTS] = {mok_tensor_make(k->arena.id, 0, MOK_DTYPE_BF16, 3, w3[0]),
+                                mok_tensor_make(k->arena.id, 0, MOK_DTYPE_BF16, 3, w3[1]),
+                                mok_tensor_make(k->arena.id, 0, MOK_DTYPE_BF16, 3, w3[2])};
+  k->x = mok_tensor_make(k->arena.id, 8192, MOK_DTYPE_BF16, 2, (int64_t[]){T, small.H});
+  k->ids = mok_tensor_make(k->arena.id, 16384, MOK_DTYPE_I32, 2, (int64_t[]){T, small.K});
+  k->tw = mok_tensor_make(k->arena.id, 20480, MOK_DTYPE_F32, 2, (int64_t[]){T, small.K});
+  return mok_layer_set_weights(m, k->layer, w);
+}
+
 /* The ranks of a step must agree: a rank with another T fails the step for
  * all, and the group stands for the next one. */
 START_TEST(ep_step_mismatch_fails_all)
 {
   mok_client *c[1];
-  mok_arena_info a[1];
-  mok_layer_desc d = {.hidden = small.H, .intermediate = small.I, .experts = small.E,
-                      .top_k = small.K};
-  uint64_t layer[1];
+  small_rank k0;
   mok_stats st;
   pid_t kid;
   int pfd[2];
@@ -658,24 +685,11 @@ START_TEST(ep_step_mismatch_fails_all)
   kid = fork();
   if (kid == 0) { /* rank 1: forward of 4 tokens; reports its result */
     mok_client *m;
-    mok_arena_info ma;
+    small_rank k;
     mok_forward_result f;
-    mok_layer_desc dm = d;
-    uint64_t l;
-    mok_layer_desc_ep(&dm, 14, 2, 1);
-    if (mok_connect(sock, "r1", &m) != 0 || mok_arena_create(m, 1 << 16, &ma) != 0 ||
-        mok_layer_create(m, &dm, &l) != 0)
+    if (mok_connect(sock, "r1", &m) != 0 || small_rank_join(m, 14, 1, 4, &k) != 0)
       _exit(1);
-    mok_tensor w[MOK_NWEIGHTS] = {
-        mok_tensor_make(ma.id, 0, MOK_DTYPE_BF16, 3, (int64_t[]){4, small.I, small.H}),
-        mok_tensor_make(ma.id, 0, MOK_DTYPE_BF16, 3, (int64_t[]){4, small.I, small.H}),
-        mok_tensor_make(ma.id, 0, MOK_DTYPE_BF16, 3, (int64_t[]){4, small.H, small.I})};
-    mok_tensor x = mok_tensor_make(ma.id, 8192, MOK_DTYPE_BF16, 2, (int64_t[]){4, small.H});
-    mok_tensor ids = mok_tensor_make(ma.id, 16384, MOK_DTYPE_I32, 2, (int64_t[]){4, small.K});
-    mok_tensor tw = mok_tensor_make(ma.id, 20480, MOK_DTYPE_F32, 2, (int64_t[]){4, small.K});
-    if (mok_layer_set_weights(m, l, w) != 0)
-      _exit(2);
-    int rc = mok_forward(m, l, &x, &ids, &tw, 0, &f);
+    int rc = mok_forward(m, k.layer, &k.x, &k.ids, &k.tw, 0, &f);
     char buf[MOK_ERRLEN + 8];
     int n = snprintf(buf, sizeof buf, "%d %s", rc, mok_last_error(m));
     if (write(pfd[1], buf, (size_t)n + 1) < 0)
@@ -683,21 +697,11 @@ START_TEST(ep_step_mismatch_fails_all)
     _exit(0);
   }
   c[0] = connect_ok();
-  ck_assert_int_eq(mok_arena_create(c[0], 1 << 16, &a[0]), 0);
-  mok_layer_desc_ep(&d, 14, 2, 0);
-  ck_assert_int_eq(mok_layer_create(c[0], &d, &layer[0]), 0);
-  mok_tensor w[MOK_NWEIGHTS] = {
-      mok_tensor_make(a[0].id, 0, MOK_DTYPE_BF16, 3, (int64_t[]){4, small.I, small.H}),
-      mok_tensor_make(a[0].id, 0, MOK_DTYPE_BF16, 3, (int64_t[]){4, small.I, small.H}),
-      mok_tensor_make(a[0].id, 0, MOK_DTYPE_BF16, 3, (int64_t[]){4, small.H, small.I})};
-  ck_assert_int_eq(mok_layer_set_weights(c[0], layer[0], w), 0);
   /* rank 0 sends 3 tokens after rank 1's 4 have parked */
+  ck_assert_msg(small_rank_join(c[0], 14, 0, 3, &k0) == 0, "%s", mok_last_error(c[0]));
   wait_contexts(c[0], 1);
-  mok_tensor x = mok_tensor_make(a[0].id, 8192, MOK_DTYPE_BF16, 2, (int64_t[]){3, small.H});
-  mok_tensor ids = mok_tensor_make(a[0].id, 16384, MOK_DTYPE_I32, 2, (int64_t[]){3, small.K});
-  mok_tensor tw = mok_tensor_make(a[0].id, 20480, MOK_DTYPE_F32, 2, (int64_t[]){3, small.K});
   mok_forward_result f;
-  ck_assert_int_eq(mok_forward(c[0], layer[0], &x, &ids, &tw, 0, &f), MOK_ESHAPE);
+  ck_assert_int_eq(mok_forward(c[0], k0.layer, &k0.x, &k0.ids, &k0.tw, 0, &f), MOK_ESHAPE);
   ck_assert_msg(strstr(mok_last_error(c[0]), "EP rank 0 sent T = 3 tokens, rank 1 sent 4") !=
                     NULL, "%s", mok_last_error(c[0]));
   char buf[MOK_ERRLEN + 8] = "";
@@ -705,7 +709,7 @@ START_TEST(ep_step_mismatch_fails_all)
   ck_assert_msg(strncmp(buf, "-4005 EP rank 0 sent T = 3 tokens", 33) == 0, "rank 1 got: %s",
                 buf);
   ck_assert_int_eq(wait_exit(kid), 0);
-  ck_assert_int_eq(mok_layer_destroy(c[0], layer[0]), 0);
+  ck_assert_int_eq(mok_layer_destroy(c[0], k0.layer), 0);
   mok_close(c[0]);
   c[0] = connect_ok(); /* its output arena went with the session */
   wait_baseline(c[0], &st);
@@ -717,15 +721,11 @@ END_TEST
  * that released its own makes the others' Backward fail at once. */
 START_TEST(ep_backward_needs_every_context)
 {
-  mok_layer_desc d = {.hidden = small.H, .intermediate = small.I, .experts = small.E,
-                      .top_k = small.K};
-  int64_t w3[3][3] = {{4, small.I, small.H}, {4, small.I, small.H}, {4, small.H, small.I}};
   mok_client *c;
-  mok_arena_info a;
+  small_rank k0;
   mok_forward_result f;
   mok_backward_result b;
   mok_stats st;
-  uint64_t layer;
   int up[2], down[2]; /* rank 1 to the test, and back */
   pid_t kid;
   char ch;
@@ -735,21 +735,11 @@ START_TEST(ep_backward_needs_every_context)
   kid = fork();
   if (kid == 0) { /* rank 1: a forward, then its context released */
     mok_client *m;
-    mok_arena_info ma;
+    small_rank k;
     mok_forward_result mf;
-    mok_layer_desc dm = d;
-    uint64_t l;
-    mok_layer_desc_ep(&dm, 15, 2, 1);
-    if (mok_connect(sock, "r1", &m) != 0 || mok_arena_create(m, 1 << 16, &ma) != 0 ||
-        mok_layer_create(m, &dm, &l) != 0)
+    if (mok_connect(sock, "r1", &m) != 0 || small_rank_join(m, 15, 1, 2, &k) != 0)
       _exit(1);
-    mok_tensor w[MOK_NWEIGHTS] = {mok_tensor_make(ma.id, 0, MOK_DTYPE_BF16, 3, w3[0]),
-                                  mok_tensor_make(ma.id, 0, MOK_DTYPE_BF16, 3, w3[1]),
-                                  mok_tensor_make(ma.id, 0, MOK_DTYPE_BF16, 3, w3[2])};
-    mok_tensor x = mok_tensor_make(ma.id, 8192, MOK_DTYPE_BF16, 2, (int64_t[]){2, small.H});
-    mok_tensor ids = mok_tensor_make(ma.id, 16384, MOK_DTYPE_I32, 2, (int64_t[]){2, small.K});
-    mok_tensor tw = mok_tensor_make(ma.id, 20480, MOK_DTYPE_F32, 2, (int64_t[]){2, small.K});
-    if (mok_layer_set_weights(m, l, w) != 0 || mok_forward(m, l, &x, &ids, &tw, 0, &mf) != 0 ||
+    if (mok_forward(m, k.layer, &k.x, &k.ids, &k.tw, 0, &mf) != 0 ||
         mok_release(m, &mf.context, 1) != 0 || write(up[1], "x", 1) != 1)
       _exit(2);
     if (read(down[0], &ch, 1) != 1) /* stays until rank 0 has tried */
@@ -758,25 +748,17 @@ START_TEST(ep_backward_needs_every_context)
     _exit(0);
   }
   c = connect_ok();
-  ck_assert_int_eq(mok_arena_create(c, 1 << 16, &a), 0);
-  mok_layer_desc_ep(&d, 15, 2, 0);
-  ck_assert_int_eq(mok_layer_create(c, &d, &layer), 0);
-  mok_tensor w[MOK_NWEIGHTS] = {mok_tensor_make(a.id, 0, MOK_DTYPE_BF16, 3, w3[0]),
-                                mok_tensor_make(a.id, 0, MOK_DTYPE_BF16, 3, w3[1]),
-                                mok_tensor_make(a.id, 0, MOK_DTYPE_BF16, 3, w3[2])};
-  mok_tensor x = mok_tensor_make(a.id, 8192, MOK_DTYPE_BF16, 2, (int64_t[]){2, small.H});
-  mok_tensor ids = mok_tensor_make(a.id, 16384, MOK_DTYPE_I32, 2, (int64_t[]){2, small.K});
-  mok_tensor tw = mok_tensor_make(a.id, 20480, MOK_DTYPE_F32, 2, (int64_t[]){2, small.K});
-  ck_assert_int_eq(mok_layer_set_weights(c, layer, w), 0);
-  ck_assert_msg(mok_forward(c, layer, &x, &ids, &tw, 0, &f) == 0, "%s", mok_last_error(c));
+  ck_assert_msg(small_rank_join(c, 15, 0, 2, &k0) == 0, "%s", mok_last_error(c));
+  ck_assert_msg(mok_forward(c, k0.layer, &k0.x, &k0.ids, &k0.tw, 0, &f) == 0, "%s",
+                mok_last_error(c));
   ck_assert_int_eq(read(up[0], &ch, 1), 1);
-  ck_assert_int_eq(mok_backward(c, f.context, &x, NULL, 0, &b), MOK_ECONTEXT);
+  ck_assert_int_eq(mok_backward(c, f.context, &k0.x, NULL, 0, &b), MOK_ECONTEXT);
   ck_assert_msg(strstr(mok_last_error(c), "another EP rank holds no context of the forward") !=
                     NULL, "%s", mok_last_error(c));
   ck_assert_int_eq(write(down[1], "x", 1), 1);
   ck_assert_int_eq(wait_exit(kid), 0);
   ck_assert_int_eq(mok_release(c, &f.context, 1), 0);
-  ck_assert_int_eq(mok_layer_destroy(c, layer), 0);
+  ck_assert_int_eq(mok_layer_destroy(c, k0.layer), 0);
   mok_close(c);
   c = connect_ok();
   wait_baseline(c, &st);
