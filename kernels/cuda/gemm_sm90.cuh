@@ -51,19 +51,36 @@ constexpr int THREADS = 384;
 constexpr int CHUNK = 64 * BK * 2; /* one MN-major 64-wide chunk of a stage */
 constexpr int RASTER_M = 16;       /* dense GEMMs: m-tiles per band */
 
+constexpr int SMEM_MAX = 232448;  /* dynamic shared memory a block may opt into */
+
 /* BM: rows of a tile, 128 (64 per consumer warpgroup) or, for the grouped
- * GEMMs whose weight slabs must be read once per expert, 256 (128 each). */
-template <int BN, int BM>
+ * GEMMs whose weight slabs must be read once per expert, 256 (128 each).
+ * TS: the bf16 tiles leave through shared memory and the copy engine
+ * (out_*), whose staging area, a tile per warpgroup in ping-pong, takes the
+ * place of one or two stages. */
+template <int BN, int BM, bool PP = false, bool TS = false>
 struct cfg {
-  static constexpr int STAGES = BN + BM == 256 ? 6 : 4;
   static constexpr int A_BYTES = BM * BK * 2;
   static constexpr int B_BYTES = BN * BK * 2;
+  static constexpr int OUT_BYTES = TS ? (PP ? 2 : 1) * BM * BN * 2 : 0;
+  static constexpr int FIT = (SMEM_MAX - 1024 - OUT_BYTES - 96) / (A_BYTES + B_BYTES);
+  static constexpr int STAGES = TS ? (FIT < 6 ? FIT : 6) : BN + BM == 256 ? 6 : 4;
   /* + 1024 to align the ring by hand */
-  static constexpr int SMEM = STAGES * (A_BYTES + B_BYTES) + 2 * STAGES * 8 + 1024;
+  static constexpr int SMEM = STAGES * (A_BYTES + B_BYTES) + OUT_BYTES + 2 * STAGES * 8 + 1024;
+  static_assert(SMEM <= SMEM_MAX, "shared memory");
 };
+
+/* Whether an epilogue stores its tiles through shared memory (out_*): the
+ * weight gradients, stores and nothing else, unless they add into fp32. */
+template <int EPI>
+__host__ __device__ constexpr bool stores_tiles()
+{
+  return EPI == E_WGRAD;
+}
 
 typedef struct params { /* 64-byte aligned, as CUtensorMap is */
   CUtensorMap a, b, b2; /* b2: the up weights (gate/up), or B's rows k >= split (NN) */
+  CUtensorMap c, c2;    /* TS stores: C, and C2 for rows m >= split */
   gemm_args g;
 } params;
 
@@ -371,17 +388,79 @@ __device__ __forceinline__ void epilogue(const gemm_args &a, const tile &x, floa
   }
 }
 
+/* ---- bf16 tiles out through shared memory ---------------------------------
+ * Each consumer warpgroup writes its 64-row blocks into its own staging area
+ * with stmatrix, in the 128-byte swizzle of {64, 64} boxes (8 KiB each, 16-byte
+ * row pieces of 8 consecutive rows in distinct banks), and one of its threads
+ * hands the boxes to the copy engine, which writes whole lines while the
+ * warpgroup goes on to the next tile's MMAs. From registers, a warp's store
+ * wrote 32-byte pieces of 8 rows and the warpgroup waited for all of them: on
+ * GEMMs of few rows per expert (the weight gradients of a small batch) the
+ * tensor cores idled while they drained. Rows and columns outside C are
+ * clipped by the copy engine. */
+
+/* Before a warpgroup overwrites its staging: the copy engine has read what
+ * the warpgroup's last tile left there. wt: thread of the warpgroup. */
+__device__ __forceinline__ void out_wait(int cw, int wt)
+{
+  if (wt == 0)
+    tma_store_wait<0, true>();
+  named_sync(6 + cw, 128);
+}
+
+/* One 64-row block of accumulators (rows 16 warp + {0..15}) into staging. */
+template <int BN>
+__device__ __forceinline__ void out_block(const float (&acc)[BN / 2], unsigned char *out,
+                                          int warp, int lane)
+{
+  const int i = lane >> 3, row = warp * 16 + (i & 1) * 8 + (lane & 7);
+  unsigned char *rp = out + row * 128;
+#pragma unroll
+  for (int j = 0; j < BN / 8; j += 2) {
+    int c = j + (i >> 1); /* the 8-column piece this lane addresses */
+    uint32_t at = smem_addr(rp + (c >> 3) * 8192 + (((c & 7) ^ (row & 7)) << 4));
+    stmatrix_x4(at, bf16x2(acc[4 * j], acc[4 * j + 1]), bf16x2(acc[4 * j + 2], acc[4 * j + 3]),
+                bf16x2(acc[4 * j + 4], acc[4 * j + 5]), bf16x2(acc[4 * j + 6], acc[4 * j + 7]));
+  }
+}
+
+/* Stores blocks blk0 .. blk0 + n - 1 of tile x, staged one after the other. */
+template <int BN, int BM>
+__device__ __forceinline__ void out_issue(const params &p, const tile &x, const unsigned char *out,
+                                          int blk0, int n, int cw, int wt)
+{
+  fence_async_shared();
+  named_sync(6 + cw, 128);
+  if (wt != 0)
+    return;
+  for (int b = 0; b < n; b++) {
+    int m = x.mt * BM + (blk0 + b) * 64;
+    if (m >= p.g.M)
+      break;
+    const CUtensorMap *map = &p.c;
+    if (p.g.C2 != NULL && m >= p.g.split) { /* split is a multiple of 64 */
+      map = &p.c2;
+      m -= (int)p.g.split;
+    }
+    for (int c = 0; c < BN / 64 && x.nt * BN + c * 64 < p.g.N; c++)
+      tma_store(map, x.nt * BN + c * 64, m, x.g, out + b * 64 * BN * 2 + c * 8192);
+  }
+  tma_store_commit();
+}
+
 /* The cooperative consumer: both warpgroups on one BM x BN tile, BM / 2 rows
  * each, as one (BM = 128) or two (BM = 256) 64-row blocks. */
 template <int LAYOUT, int EPI, int BN, int BM>
-__device__ __forceinline__ void cooperative(const gemm_args &a, int64_t tiles, unsigned char *sa,
-                                            unsigned char *sb, uint32_t sa0, uint32_t sb0,
-                                            uint64_t *full, uint64_t *empty, int cw, int ct,
-                                            int warp, int lane)
+__device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsigned char *sa,
+                                            unsigned char *sb, unsigned char *out, uint32_t sa0,
+                                            uint32_t sb0, uint64_t *full, uint64_t *empty, int cw,
+                                            int ct, int warp, int lane)
 {
+  const gemm_args &a = p.g;
   constexpr int TA = LAYOUT == L_TN, TB = LAYOUT != L_NT;
-  constexpr int STAGES = cfg<BN, BM>::STAGES, A_BYTES = cfg<BN, BM>::A_BYTES,
-                B_BYTES = cfg<BN, BM>::B_BYTES;
+  constexpr bool TS = stores_tiles<EPI>();
+  typedef cfg<BN, BM, false, TS> C;
+  constexpr int STAGES = C::STAGES, A_BYTES = C::A_BYTES, B_BYTES = C::B_BYTES;
   constexpr bool TALL = BM == 256;
   static_assert(!TALL || (BN == 128 && LAYOUT != L_TN),
                 "tall tiles: 2 x 64 accumulators a thread, K-major A");
@@ -447,10 +526,20 @@ __device__ __forceinline__ void cooperative(const gemm_args &a, int64_t tiles, u
     acc_fence(acc1);
     if (prev >= 0 && lane == 0)
       bar_arrive(&empty[prev]);
+    if (TS && !a.accum) {
+      static_assert(!TS || !TALL, "one 64-row block a warpgroup");
+      unsigned char *mine = out + cw * (BM / 2) * BN * 2;
+      out_wait(cw, ct & 127);
+      out_block<BN>(acc0, mine, warp, lane);
+      out_issue<BN, BM>(p, x, mine, b0, 1, cw, ct & 127);
+      continue;
+    }
     epilogue<LAYOUT, EPI, BN, BM>(a, x, acc0, b0, warp, lane);
     if constexpr (TALL)
       epilogue<LAYOUT, EPI, BN, BM>(a, x, acc1, b0 + 1, warp, lane);
   }
+  if (TS && (ct & 127) == 0)
+    tma_store_wait<0, false>(); /* the staging lives as long as the block */
 }
 
 /* The ping-pong consumer: warpgroup cw owns every other tile of its block's
@@ -465,14 +554,16 @@ __device__ __forceinline__ void cooperative(const gemm_args &a, int64_t tiles, u
  * the next, so the parity it waits on names its own phase, never the other
  * warpgroup's. */
 template <int LAYOUT, int EPI>
-__device__ __forceinline__ void pingpong(const gemm_args &a, int64_t tiles, unsigned char *sa,
-                                         unsigned char *sb, uint32_t sa0, uint32_t sb0,
-                                         uint64_t *full, uint64_t *empty, int cw, int ct,
-                                         int warp, int lane)
+__device__ __forceinline__ void pingpong(const params &p, int64_t tiles, unsigned char *sa,
+                                         unsigned char *sb, unsigned char *out, uint32_t sa0,
+                                         uint32_t sb0, uint64_t *full, uint64_t *empty, int cw,
+                                         int ct, int warp, int lane)
 {
+  const gemm_args &a = p.g;
   constexpr int BN = 128, BM = 128, TA = LAYOUT == L_TN, TB = LAYOUT != L_NT;
-  constexpr int STAGES = cfg<BN, BM>::STAGES, A_BYTES = cfg<BN, BM>::A_BYTES,
-                B_BYTES = cfg<BN, BM>::B_BYTES;
+  constexpr bool TS = stores_tiles<EPI>();
+  typedef cfg<BN, BM, true, TS> C;
+  constexpr int STAGES = C::STAGES, A_BYTES = C::A_BYTES, B_BYTES = C::B_BYTES;
   int s = 0;
   uint32_t ph = 0;
   int64_t i = 0;
@@ -523,21 +614,31 @@ __device__ __forceinline__ void pingpong(const gemm_args &a, int64_t tiles, unsi
       bar_arrive(&empty[prev]);
     if (t + gridDim.x < tiles)
       named_arrive(4 + (1 - cw), 256); /* tile i + 1 is the other's */
+    if (TS && !a.accum) {
+      unsigned char *mine = out + cw * BM * BN * 2;
+      out_wait(cw, ct);
+      out_block<BN>(acc0, mine, warp, lane);
+      out_block<BN>(acc1, mine + 64 * BN * 2, warp, lane);
+      out_issue<BN, BM>(p, x, mine, 0, 2, cw, ct);
+      continue;
+    }
     epilogue<LAYOUT, EPI, BN, BM>(a, x, acc0, 0, warp, lane);
     epilogue<LAYOUT, EPI, BN, BM>(a, x, acc1, 1, warp, lane);
   }
+  if (TS && ct == 0)
+    tma_store_wait<0, false>(); /* the staging lives as long as the block */
 }
 
 template <int LAYOUT, int EPI, int BN, bool PP, int BM>
 __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ params p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int STAGES = cfg<BN, BM>::STAGES, A_BYTES = cfg<BN, BM>::A_BYTES,
-                B_BYTES = cfg<BN, BM>::B_BYTES;
+  typedef cfg<BN, BM, PP, stores_tiles<EPI>()> C;
+  constexpr int STAGES = C::STAGES, A_BYTES = C::A_BYTES, B_BYTES = C::B_BYTES;
   extern __shared__ unsigned char smem_raw[];
   unsigned char *sa = (unsigned char *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
-  unsigned char *sb = sa + STAGES * A_BYTES;
-  uint64_t *full = (uint64_t *)(sb + STAGES * B_BYTES), *empty = full + STAGES;
+  unsigned char *sb = sa + STAGES * A_BYTES, *out = sb + STAGES * B_BYTES;
+  uint64_t *full = (uint64_t *)(out + C::OUT_BYTES), *empty = full + STAGES;
   const gemm_args &a = p.g;
   const int wg = threadIdx.x / 128;
 
@@ -580,9 +681,10 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
             lane = threadIdx.x % 32;
   const uint32_t sa0 = smem_addr(sa), sb0 = smem_addr(sb);
   if constexpr (PP)
-    pingpong<LAYOUT, EPI>(a, tiles, sa, sb, sa0, sb0, full, empty, cw, ct & 127, warp, lane);
+    pingpong<LAYOUT, EPI>(p, tiles, sa, sb, out, sa0, sb0, full, empty, cw, ct & 127, warp,
+                          lane);
   else
-    cooperative<LAYOUT, EPI, BN, BM>(a, tiles, sa, sb, sa0, sb0, full, empty, cw, ct, warp,
+    cooperative<LAYOUT, EPI, BN, BM>(p, tiles, sa, sb, out, sa0, sb0, full, empty, cw, ct, warp,
                                      lane);
 #else
   __trap(); /* launched only on sm_90 devices */
@@ -600,9 +702,18 @@ static int make_params(params *p, const gemm_args *a, int64_t a_rows, char *err)
   if (BM == 256) /* the grouped tiles count m-tiles of 256 rows */
     p->g.tile_off = a->tile_off_tall;
   if (LAYOUT == L_TN) {
-    if ((rc = mokk_tmap_bf16(&p->a, a->A, a->M, a_rows, 1, a->lda, 0, BK, err)))
+    if ((rc = mokk_tmap_bf16(&p->a, a->A, a->M, a_rows, 1, a->lda, 0, BK, err)) ||
+        (rc = mokk_tmap_bf16(&p->b, a->B, a->N, a_rows, 1, a->ldb, 0, BK, err)))
       return rc;
-    return mokk_tmap_bf16(&p->b, a->B, a->N, a_rows, 1, a->ldb, 0, BK, err);
+    if (!stores_tiles<EPI>() || a->accum)
+      return 0;
+    int64_t m1 = a->C2 != NULL ? a->split : a->M; /* rows of C; C2 has the rest */
+    if ((rc = mokk_tmap_bf16(&p->c, a->C, a->N, m1, a->groups, a->ldc, a->c_stride, 64, err)))
+      return rc;
+    if (a->C2 != NULL)
+      return mokk_tmap_bf16(&p->c2, a->C2, a->N, a->M - m1, a->groups, a->ldc, a->c_stride, 64,
+                            err);
+    return 0;
   }
   if ((rc = mokk_tmap_bf16(&p->a, a->A, a->K, a_rows, 1, a->lda, 0, 64, err)))
     return rc;
@@ -637,11 +748,11 @@ static int gemm(const gemm_args *a, int64_t a_rows, int grid, cudaStream_t strea
   int rc = make_params<LAYOUT, EPI, BN, BM>(&p, a, a_rows, err);
   if (rc)
     return rc;
+  const int smem = cfg<BN, BM, PP, stores_tiles<EPI>()>::SMEM;
   cudaError_t e = cudaFuncSetAttribute(k_gemm90<LAYOUT, EPI, BN, PP, BM>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       cfg<BN, BM>::SMEM);
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e == cudaSuccess) {
-    k_gemm90<LAYOUT, EPI, BN, PP, BM><<<grid, THREADS, cfg<BN, BM>::SMEM, stream>>>(p);
+    k_gemm90<LAYOUT, EPI, BN, PP, BM><<<grid, THREADS, smem, stream>>>(p);
     e = cudaGetLastError();
   }
   if (e != cudaSuccess)

@@ -75,6 +75,45 @@ __device__ __forceinline__ void tma_prefetch_map(const CUtensorMap *map)
   asm volatile("prefetch.tensormap [%0];" ::"l"(map) : "memory");
 }
 
+/* A box of shared memory out to a 3-D tensor map (the parts of the box
+ * outside the tensor are not written). The copy belongs to the thread's
+ * current bulk group. */
+__device__ __forceinline__ void tma_store(const CUtensorMap *map, int c0, int c1, int c2,
+                                          const void *src)
+{
+  const int32_t coords[3] = {c0, c1, c2};
+  cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_global, cuda::ptx::space_shared, map, coords,
+                                  src);
+}
+
+/* Closes the thread's bulk group of stores. */
+__device__ __forceinline__ void tma_store_commit()
+{
+  cuda::ptx::cp_async_bulk_commit_group();
+}
+
+/* Waits until at most N of the thread's bulk groups still read their shared
+ * memory (READ) or are still writing at all (!READ). */
+template <int N, bool READ>
+__device__ __forceinline__ void tma_store_wait()
+{
+  if constexpr (READ)
+    cuda::ptx::cp_async_bulk_wait_group_read(cuda::ptx::n32_t<N>());
+  else
+    cuda::ptx::cp_async_bulk_wait_group(cuda::ptx::n32_t<N>());
+}
+
+/* Four 8 x 8 bf16 matrices from registers to shared memory: register i of
+ * thread t is row t / 4, columns 2 (t % 4) + {0, 1} of matrix i, and lanes
+ * 8 i .. 8 i + 7 give the addresses of matrix i's eight 16-byte rows. */
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2,
+                                            uint32_t r3)
+{
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr),
+               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
 /* Ordinary shared-memory stores become visible to the tensor cores and the
  * copy engine. */
 __device__ __forceinline__ void fence_async_shared()
