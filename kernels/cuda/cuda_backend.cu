@@ -243,9 +243,14 @@ extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
   else if (tiles != NULL && strcmp(tiles, "auto") != 0)
     return mokk_fail(err, MOK_EINVAL, "MOKD_GEMM_TILES: \"%s\" is not auto, wide or tall",
                      tiles);
+  /* and for measuring clusters of two blocks against single blocks */
+  const char *clusters = getenv("MOKD_GEMM_CLUSTERS");
+  if (clusters != NULL && strcmp(clusters, "0") != 0 && strcmp(clusters, "1") != 0)
+    return mokk_fail(err, MOK_EINVAL, "MOKD_GEMM_CLUSTERS: \"%s\" is not 0 or 1", clusters);
   if ((cb = (cuda_backend *)calloc(1, sizeof *cb)) == NULL)
     return mokk_fail(err, MOK_ENOMEM, "out of memory");
   cb->tiles = tile_choice;
+  cb->clusters = clusters == NULL || strcmp(clusters, "1") == 0;
   cb->base.iface = &cuda_iface;
   cb->base.device = device;
   cb->device = device;

@@ -64,7 +64,9 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
    * gradients (k = an expert's rows) take 128 x 256 tiles, or ping-pong
    * tiles, which hide one warpgroup's stores behind the other's MMAs, from
    * 1024 rows per expert on (bench-gemm). MOKD_GEMM_TILES=wide or tall
-   * forces one choice, to measure them against each other. */
+   * forces one choice, to measure them against each other. Grouped NT/NN
+   * GEMMs run on clusters of two blocks that load shared weight tiles once
+   * for both (gemm_sm90.cuh, unit_at); MOKD_GEMM_CLUSTERS=0 turns that off. */
   if (cb->arch == 90) {
     int grid = grid_for(cb, gemm_tiles(a, LAYOUT), 1);
     int64_t rows_per_group = a->count != NULL ? a_rows / a->groups : a->K;
@@ -76,8 +78,13 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
       bool tall = a->count != NULL && rows_per_group > 128 && a->K * a->N * 2 >= (32ll << 20);
       if (cb->tiles != MOKK_TILES_AUTO)
         tall = a->count != NULL && cb->tiles == MOKK_TILES_TALL;
+      bool cl = a->count != NULL && cb->clusters;
+      if (tall && cl)
+        return sm90::gemm<LAYOUT, EPI, 128, false, 256, 2>(a, a_rows, grid, cb->stream, err);
       if (tall)
         return sm90::gemm<LAYOUT, EPI, 128, false, 256>(a, a_rows, grid, cb->stream, err);
+      if (cl)
+        return sm90::gemm<LAYOUT, EPI, 256, false, 128, 2>(a, a_rows, grid, cb->stream, err);
       return sm90::gemm<LAYOUT, EPI, 256>(a, a_rows, grid, cb->stream, err);
     }
   }

@@ -21,6 +21,7 @@ typedef struct cuda_backend {
   int device, sms, max_blocks;
   int arch;             /* compute capability as 10 major + minor; 0 until asked */
   int tiles;            /* MOKK_TILES_*: MOKD_GEMM_TILES, auto unless measuring */
+  int clusters;         /* grouped NT/NN GEMMs on clusters of two (MOKD_GEMM_CLUSTERS) */
   cudaStream_t stream;
   int *status;          /* device: bit 0 = an expert id out of range */
   cuda_buffer *retired; /* released, waiting for their fence (loop thread only) */

@@ -84,10 +84,13 @@ typedef struct params { /* 64-byte aligned, as CUtensorMap is */
   gemm_args g;
 } params;
 
+enum { SHARE_NONE, SHARE_A, SHARE_B };
+
 typedef struct tile {
   int g, mt, nt;
   int rows;   /* NT, NN: valid rows of the group; TN: the group's reduction length */
   int64_t rb; /* first row of the group */
+  int share;  /* clusters: the operand this tile has in common with the other block's */
 } tile;
 
 template <int LAYOUT, int BN, int BM>
@@ -141,6 +144,41 @@ __device__ __forceinline__ tile tile_at(const gemm_args &a, int64_t t)
     x.rows = a.M;
     x.rb = 0;
   }
+  x.share = SHARE_NONE;
+  return x;
+}
+
+/* Clusters of two blocks (CL = 2, NT and NN) take the tiles in pairs, 2u and
+ * 2u + 1 of the same order, block r of the cluster tile 2u + r. Next to each
+ * other in that order, the two tiles mostly belong to one expert and share
+ * its weight tile (B: the same n-tile, m-tiles apart: every expert of more
+ * than one m-tile) or its rows (A: the same m-tile, n-tiles apart: experts of
+ * one m-tile). Each block then loads half of the shared operand and the copy
+ * engine writes it into both blocks' shared memory (multicast), so an
+ * expert's weights cross from memory once for two m-tiles, where two blocks
+ * reading the same slab at different times had made the L2 fetch it twice
+ * (Nsight Compute, dsv3 gate/up: 26.9 GB read for 15.0 GB of weights). The
+ * pair's blocks walk their k loops in lockstep: a stage is refilled only when
+ * both have finished with it. A pair past the last tile gets an empty tile
+ * (no rows: nothing loaded, multiplied or stored). */
+template <int LAYOUT, int BN, int BM, int CL>
+__device__ __forceinline__ tile unit_at(const gemm_args &a, int64_t u, int64_t tiles, int rank)
+{
+  if (CL == 1)
+    return tile_at<LAYOUT, BN, BM>(a, u);
+  int64_t t = 2 * u + rank, o = 2 * u + 1 - rank;
+  tile x;
+  if (t < tiles) {
+    x = tile_at<LAYOUT, BN, BM>(a, t);
+  } else {
+    memset(&x, 0, sizeof x);
+    return x;
+  }
+  if (o < tiles) {
+    tile y = tile_at<LAYOUT, BN, BM>(a, o);
+    if (y.g == x.g)
+      x.share = y.nt == x.nt ? SHARE_B : y.mt == x.mt ? SHARE_A : SHARE_NONE;
+  }
   return x;
 }
 
@@ -161,10 +199,12 @@ __device__ __forceinline__ int a_boxes(const tile &x)
   return min(BM / 64, (x.rows - x.mt * BM + 63) / 64);
 }
 
-/* The producer's copies for k-block kb of tile x into stage (sa, sb). */
-template <int LAYOUT, int EPI, int BN, int BM>
+/* The producer's copies for k-block kb of tile x into stage (sa, sb); in a
+ * cluster, block `rank` loads its half of the operand it shares (x.share). */
+template <int LAYOUT, int EPI, int BN, int BM, int CL>
 __device__ __forceinline__ void load_stage(const params &p, const tile &x, int kb,
-                                           unsigned char *sa, unsigned char *sb, uint64_t *bar)
+                                           unsigned char *sa, unsigned char *sb, uint64_t *bar,
+                                           int rank)
 {
   const gemm_args &a = p.g;
   int k = kb * BK;
@@ -178,13 +218,26 @@ __device__ __forceinline__ void load_stage(const params &p, const tile &x, int k
     for (int c = 0; c < BN / 64; c++)
       tma_load(sb + c * CHUNK, &p.b, x.nt * BN + c * 64, r, 0, bar);
   } else {
+    const bool mc_a = CL == 2 && x.share == SHARE_A, mc_b = CL == 2 && x.share == SHARE_B;
     /* A [rows, K], K-major, in 64-row boxes: none past the group's rows */
-    for (int c = 0; c < a_boxes<LAYOUT, BM>(x); c++)
-      tma_load(sa + c * CHUNK, &p.a, k, (int)x.rb + x.mt * BM + c * 64, 0, bar);
+    for (int c = 0; c < a_boxes<LAYOUT, BM>(x); c++) {
+      int r = (int)x.rb + x.mt * BM + c * 64;
+      if (!mc_a)
+        tma_load(sa + c * CHUNK, &p.a, k, r, 0, bar);
+      else if ((c & 1) == rank)
+        tma_load_mc(sa + c * CHUNK, &p.a, k, r, 0, bar, 3);
+    }
     if (LAYOUT == L_NT) { /* B [groups, N, K], K-major */
-      if (EPI == E_GATEUP) {
-        tma_load(sb, &p.b, k, x.nt * (BN / 2), x.g, bar);
-        tma_load(sb + BN / 2 * 128, &p.b2, k, x.nt * (BN / 2), x.g, bar);
+      if (EPI == E_GATEUP || CL == 2) { /* two boxes of BN / 2 rows */
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+          const CUtensorMap *m = EPI == E_GATEUP && h == 1 ? &p.b2 : &p.b;
+          int n = EPI == E_GATEUP ? x.nt * (BN / 2) : x.nt * BN + h * (BN / 2);
+          if (!mc_b)
+            tma_load(sb + h * (BN / 2) * 128, m, k, n, x.g, bar);
+          else if (h == rank)
+            tma_load_mc(sb + h * (BN / 2) * 128, m, k, n, x.g, bar, 3);
+        }
       } else {
         tma_load(sb, &p.b, k, x.nt * BN, x.g, bar);
       }
@@ -195,8 +248,12 @@ __device__ __forceinline__ void load_stage(const params &p, const tile &x, int k
         k -= (int)a.split;
       }
 #pragma unroll
-      for (int c = 0; c < BN / 64; c++)
-        tma_load(sb + c * CHUNK, m, x.nt * BN + c * 64, k, x.g, bar);
+      for (int c = 0; c < BN / 64; c++) {
+        if (!mc_b)
+          tma_load(sb + c * CHUNK, m, x.nt * BN + c * 64, k, x.g, bar);
+        else if ((c & 1) == rank)
+          tma_load_mc(sb + c * CHUNK, m, x.nt * BN + c * 64, k, x.g, bar, 3);
+      }
     }
   }
 }
@@ -450,7 +507,7 @@ __device__ __forceinline__ void out_issue(const params &p, const tile &x, const 
 
 /* The cooperative consumer: both warpgroups on one BM x BN tile, BM / 2 rows
  * each, as one (BM = 128) or two (BM = 256) 64-row blocks. */
-template <int LAYOUT, int EPI, int BN, int BM>
+template <int LAYOUT, int EPI, int BN, int BM, int CL>
 __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsigned char *sa,
                                             unsigned char *sb, unsigned char *out, uint32_t sa0,
                                             uint32_t sb0, uint64_t *full, uint64_t *empty, int cw,
@@ -465,10 +522,11 @@ __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsi
   static_assert(!TALL || (BN == 128 && LAYOUT != L_TN),
                 "tall tiles: 2 x 64 accumulators a thread, K-major A");
   const int b0 = TALL ? 2 * cw : cw; /* this warpgroup's first 64-row block */
+  const int rank = CL == 2 ? (int)cluster_rank() : 0;
   int s = 0;
   uint32_t ph = 0;
-  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
-    tile x = tile_at<LAYOUT, BN, BM>(a, t);
+  for (int64_t u = blockIdx.x / CL; u < (tiles + CL - 1) / CL; u += gridDim.x / CL) {
+    tile x = unit_at<LAYOUT, BN, BM, CL>(a, u, tiles, rank);
     int nk = k_blocks<LAYOUT>(a, x);
     /* a group's last m-tile often has no rows for some 64-row blocks: their
      * warpgroup then only keeps the pipeline going and leaves the tensor
@@ -513,8 +571,11 @@ __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsi
         wgmma_wait<1>();
         acc_fence(acc0);
       }
-      if (prev >= 0 && lane == 0)
+      if (prev >= 0 && lane == 0) {
         bar_arrive(&empty[prev]);
+        if (CL == 2) /* the other block's producer refills both */
+          bar_arrive_remote(&empty[prev], rank ^ 1);
+      }
       prev = s;
       if (++s == STAGES) {
         s = 0;
@@ -524,8 +585,11 @@ __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsi
     wgmma_wait<0>();
     acc_fence(acc0);
     acc_fence(acc1);
-    if (prev >= 0 && lane == 0)
+    if (prev >= 0 && lane == 0) {
       bar_arrive(&empty[prev]);
+      if (CL == 2)
+        bar_arrive_remote(&empty[prev], rank ^ 1);
+    }
     if (TS && !a.accum) {
       static_assert(!TS || !TALL, "one 64-row block a warpgroup");
       unsigned char *mine = out + cw * (BM / 2) * BN * 2;
@@ -629,7 +693,7 @@ __device__ __forceinline__ void pingpong(const params &p, int64_t tiles, unsigne
     tma_store_wait<0, false>(); /* the staging lives as long as the block */
 }
 
-template <int LAYOUT, int EPI, int BN, bool PP, int BM>
+template <int LAYOUT, int EPI, int BN, bool PP, int BM, int CL>
 __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ params p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -645,11 +709,15 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; s++) {
       bar_init(&full[s], 1);
-      bar_init(&empty[s], PP ? 4 : 8); /* one arrival per warp that reads the stage */
+      /* one arrival per warp that reads the stage, in both blocks of a cluster */
+      bar_init(&empty[s], (PP ? 4 : 8) * CL);
     }
     bar_init_fence();
   }
-  __syncthreads();
+  if (CL == 2)
+    cluster_sync();
+  else
+    __syncthreads();
   const int64_t tiles = tile_count<LAYOUT, BN, BM>(a);
 
   if (wg == 0) {
@@ -658,19 +726,33 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
       return;
     tma_prefetch_map(&p.a);
     tma_prefetch_map(&p.b);
+    const int rank = CL == 2 ? (int)cluster_rank() : 0;
     int s = 0;
     uint32_t ph = 0;
-    for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
-      tile x = tile_at<LAYOUT, BN, BM>(a, t);
+    for (int64_t u = blockIdx.x / CL; u < (tiles + CL - 1) / CL; u += gridDim.x / CL) {
+      tile x = unit_at<LAYOUT, BN, BM, CL>(a, u, tiles, rank);
       int nk = k_blocks<LAYOUT>(a, x), bytes = a_boxes<LAYOUT, BM>(x) * CHUNK + B_BYTES;
+      if (LAYOUT != L_TN && x.rows == 0) /* a cluster's empty tile */
+        bytes = 0;
       for (int kb = 0; kb < nk; kb++) {
         bar_wait(&empty[s], ph ^ 1);
         bar_expect(&full[s], bytes);
-        load_stage<LAYOUT, EPI, BN, BM>(p, x, kb, sa + s * A_BYTES, sb + s * B_BYTES, &full[s]);
+        if (bytes != 0)
+          load_stage<LAYOUT, EPI, BN, BM, CL>(p, x, kb, sa + s * A_BYTES, sb + s * B_BYTES,
+                                              &full[s], rank);
         if (++s == STAGES) {
           s = 0;
           ph ^= 1;
         }
+      }
+    }
+    /* a cluster: stay until both blocks' consumers have released every stage,
+     * so none of the other block's arrivals lands after this block is gone */
+    for (int i = 0; CL == 2 && i < STAGES; i++) {
+      bar_wait(&empty[s], ph ^ 1);
+      if (++s == STAGES) {
+        s = 0;
+        ph ^= 1;
       }
     }
     return;
@@ -684,8 +766,8 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
     pingpong<LAYOUT, EPI>(p, tiles, sa, sb, out, sa0, sb0, full, empty, cw, ct & 127, warp,
                           lane);
   else
-    cooperative<LAYOUT, EPI, BN, BM>(p, tiles, sa, sb, out, sa0, sb0, full, empty, cw, ct, warp,
-                                     lane);
+    cooperative<LAYOUT, EPI, BN, BM, CL>(p, tiles, sa, sb, out, sa0, sb0, full, empty, cw, ct,
+                                         warp, lane);
 #else
   __trap(); /* launched only on sm_90 devices */
 #endif
@@ -693,7 +775,7 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
 
 /* Tensor maps for the layout, from the same gemm_args as the portable
  * kernel; a_rows: the rows of A (and of B in TN) in memory. */
-template <int LAYOUT, int EPI, int BN, int BM>
+template <int LAYOUT, int EPI, int BN, int BM, int CL>
 static int make_params(params *p, const gemm_args *a, int64_t a_rows, char *err)
 {
   int rc;
@@ -725,7 +807,9 @@ static int make_params(params *p, const gemm_args *a, int64_t a_rows, char *err)
       return mokk_tmap_bf16(&p->b2, a->B2, a->K, a->N / 2, a->groups, a->ldb, a->b_stride,
                             BN / 2, err);
     }
-    return mokk_tmap_bf16(&p->b, a->B, a->K, a->N, a->groups, a->ldb, a->b_stride, BN, err);
+    /* clusters load B in two halves, one from each block */
+    return mokk_tmap_bf16(&p->b, a->B, a->K, a->N, a->groups, a->ldb, a->b_stride,
+                          CL == 2 ? BN / 2 : BN, err);
   }
   int64_t kb = a->B2 != NULL ? a->split : a->K;
   if ((rc = mokk_tmap_bf16(&p->b, a->B, a->N, kb, a->groups, a->ldb, a->b_stride, BK, err)))
@@ -739,21 +823,45 @@ static int make_params(params *p, const gemm_args *a, int64_t a_rows, char *err)
 /* Queues one GEMM on stream with `grid` persistent blocks: BM x BN tiles
  * shared by both consumer warpgroups, or (PP) 128 x 128 tiles that the two
  * take in turns. BM = 256 is for the grouped NT and NN GEMMs (gemm_args'
- * tile_off_tall). */
-template <int LAYOUT, int EPI, int BN, bool PP = false, int BM = 128>
+ * tile_off_tall). CL = 2: clusters of two blocks that share operands (NT and
+ * NN; unit_at), as many as fit, at most grid / 2. */
+template <int LAYOUT, int EPI, int BN, bool PP = false, int BM = 128, int CL = 1>
 static int gemm(const gemm_args *a, int64_t a_rows, int grid, cudaStream_t stream, char *err)
 {
   static_assert(!PP || (BN == 128 && BM == 128), "ping-pong tiles are 128 x 128");
+  static_assert(CL == 1 || (CL == 2 && !PP && LAYOUT != L_TN), "clusters: NT and NN, cooperative");
   params p;
-  int rc = make_params<LAYOUT, EPI, BN, BM>(&p, a, a_rows, err);
+  int rc = make_params<LAYOUT, EPI, BN, BM, CL>(&p, a, a_rows, err);
   if (rc)
     return rc;
   const int smem = cfg<BN, BM, PP, stores_tiles<EPI>()>::SMEM;
-  cudaError_t e = cudaFuncSetAttribute(k_gemm90<LAYOUT, EPI, BN, PP, BM>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (e == cudaSuccess) {
-    k_gemm90<LAYOUT, EPI, BN, PP, BM><<<grid, THREADS, smem, stream>>>(p);
+  void (*kernel)(params) = k_gemm90<LAYOUT, EPI, BN, PP, BM, CL>;
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e == cudaSuccess && CL == 1) {
+    kernel<<<grid, THREADS, smem, stream>>>(p);
     e = cudaGetLastError();
+  } else if (e == cudaSuccess) {
+    cudaLaunchConfig_t lc = {};
+    cudaLaunchAttribute at = {};
+    at.id = cudaLaunchAttributeClusterDimension;
+    at.val.clusterDim.x = CL;
+    at.val.clusterDim.y = 1;
+    at.val.clusterDim.z = 1;
+    lc.blockDim = dim3(THREADS);
+    lc.dynamicSmemBytes = smem;
+    lc.stream = stream;
+    lc.attrs = &at;
+    lc.numAttrs = 1;
+    int fit = 0;
+    lc.gridDim = dim3(CL * 64);
+    e = cudaOccupancyMaxActiveClusters(&fit, kernel, &lc);
+    if (e == cudaSuccess && fit < 1)
+      e = cudaErrorInvalidConfiguration;
+    if (e == cudaSuccess) {
+      int n = grid / CL < fit ? grid / CL : fit;
+      lc.gridDim = dim3(CL * (n < 1 ? 1 : n));
+      e = cudaLaunchKernelEx(&lc, kernel, p);
+    }
   }
   if (e != cudaSuccess)
     return mokk_fail(err, MOK_EDEVICE, "GEMM (sm90) launch: %s (%s)", cudaGetErrorString(e),

@@ -8,7 +8,8 @@
 
 #include "gpu/gemm_core.h"
 
-static const char *VNAME[GEMM_VARIANTS] = {"coop128", "coop256", "pingpong", "tall"};
+static const char *VNAME[GEMM_VARIANTS] = {"coop128", "coop256", "pingpong", "tall",
+                                            "wide2",   "tall2"};
 
 static const int SHAPES[][3] = {{8192, 4096, 7168}, {8192, 7168, 2048}, {8192, 8192, 8192}};
 #define NSHAPES (int)(sizeof SHAPES / sizeof SHAPES[0])
@@ -126,7 +127,7 @@ int main(int argc, char **argv)
     char shape[48];
     snprintf(shape, sizeof shape, "%d,%d,%d,%d", WG[i][0], WG[i][1], WG[i][2], WG[i][3]);
     for (int v = 0; v < GEMM_VARIANTS; v++) {
-      if (v == GEMM_TALL) /* tall tiles are for NT and NN */
+      if (v == GEMM_TALL || v >= GEMM_WIDE2) /* tall tiles and clusters: NT and NN */
         continue;
       double ms = gemm_core_time_wgrad(WG[i][0], WG[i][1], WG[i][2], WG[i][3], v, iters);
       if (ms <= 0) {

@@ -303,7 +303,8 @@ static void expect_same(const moe_out *a, const moe_out *b, const moe_case *c, c
  * variant, on every SM and on three blocks (each walks many tiles). */
 START_TEST(gemm_core_layouts)
 {
-  static const char *names[GEMM_VARIANTS] = {"coop128", "coop256", "pingpong", "tall"};
+  static const char *names[GEMM_VARIANTS] = {"coop128", "coop256", "pingpong", "tall",
+                                                "wide2",   "tall2"};
   static const int grids[] = {0, 3};
   char msg[2048];
   double worst = 0;

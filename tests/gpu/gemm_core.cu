@@ -172,7 +172,7 @@ static int sms(void)
 /* NT, plain and gate/up, grouped and dense; NN with and without the k split;
  * TN bf16 and fp32-accumulate with the C/C2 split, grouped and dense. Each
  * line of the report names a case and its error / tolerance. */
-template <int BN, bool PP, int BM>
+template <int BN, bool PP, int BM, int CL = 1>
 static int run_cases(int grid, char *msg, size_t msglen, double *worst_out)
 {
   grouping gp;
@@ -218,7 +218,7 @@ static int run_cases(int grid, char *msg, size_t msglen, double *worst_out)
     gemm_args a = grouped_args(&gp);
     a.A = A, a.lda = K, a.B = B, a.ldb = K, a.b_stride = (int64_t)N * K;
     a.N = N, a.K = K, a.C = C, a.ldc = N;
-    RUN((sm90::gemm<L_NT, E_BF16, BN, PP, BM>(&a, R, grid, 0, err)));
+    RUN((sm90::gemm<L_NT, E_BF16, BN, PP, BM, CL>(&a, R, grid, 0, err)));
     for (int g = 0; g < gp.groups; g++)
       ref(A + (int64_t)gp.row_start[g] * K, K, 1, B + (int64_t)g * N * K, K, 1, gp.count[g], N,
           K, refc + (int64_t)gp.row_start[g] * N, N, 0);
@@ -230,7 +230,7 @@ static int run_cases(int grid, char *msg, size_t msglen, double *worst_out)
     gemm_args a = grouped_args(&gp);
     a.A = A, a.lda = K, a.B = B, a.B2 = B2, a.ldb = K, a.b_stride = (int64_t)IE * K;
     a.N = 2 * IE, a.K = K, a.C = C, a.ldc = IE, a.sg = sg, a.su = su, a.lds = IE;
-    RUN((sm90::gemm<L_NT, E_GATEUP, BN, PP, BM>(&a, R, grid, 0, err)));
+    RUN((sm90::gemm<L_NT, E_GATEUP, BN, PP, BM, CL>(&a, R, grid, 0, err)));
     for (int g = 0; g < gp.groups; g++) {
       int64_t rs = gp.row_start[g];
       ref(A + rs * K, K, 1, B + (int64_t)g * IE * K, K, 1, gp.count[g], IE, K, refc + rs * IE,
@@ -248,7 +248,7 @@ static int run_cases(int grid, char *msg, size_t msglen, double *worst_out)
     memset(&a, 0, sizeof a);
     a.groups = 1, a.M = 300;
     a.A = A, a.lda = K, a.B = B, a.ldb = K, a.N = N, a.K = K, a.C = C, a.ldc = N;
-    RUN((sm90::gemm<L_NT, E_BF16, BN, PP, BM>(&a, 300, grid, 0, err)));
+    RUN((sm90::gemm<L_NT, E_BF16, BN, PP, BM, CL>(&a, 300, grid, 0, err)));
     ref(A, K, 1, B, K, 1, 300, N, K, refc, N, 0);
     CORE_OK(cudaDeviceSynchronize());
     REPORT("nt_dense", compare(C, 1, refc, 300LL * N, TOL_BF16));
@@ -258,7 +258,7 @@ static int run_cases(int grid, char *msg, size_t msglen, double *worst_out)
     gemm_args a = grouped_args(&gp);
     a.A = A, a.lda = 2 * IE, a.B = B, a.B2 = B2, a.split = IE, a.ldb = N;
     a.b_stride = (int64_t)IE * N, a.N = N, a.K = 2 * IE, a.C = C, a.ldc = N;
-    RUN((sm90::gemm<L_NN, E_F32, BN, PP, BM>(&a, R, grid, 0, err)));
+    RUN((sm90::gemm<L_NN, E_F32, BN, PP, BM, CL>(&a, R, grid, 0, err)));
     for (int g = 0; g < gp.groups; g++) {
       int64_t rs = gp.row_start[g];
       ref(A + rs * 2 * IE, 2 * IE, 1, B + (int64_t)g * IE * N, 1, N, gp.count[g], N, IE,
@@ -274,7 +274,7 @@ static int run_cases(int grid, char *msg, size_t msglen, double *worst_out)
     gemm_args a = grouped_args(&gp);
     a.A = A, a.lda = K, a.B = B, a.ldb = N, a.b_stride = (int64_t)K * N;
     a.N = N, a.K = K, a.C = C, a.ldc = N;
-    RUN((sm90::gemm<L_NN, E_F32, BN, PP, BM>(&a, R, grid, 0, err)));
+    RUN((sm90::gemm<L_NN, E_F32, BN, PP, BM, CL>(&a, R, grid, 0, err)));
     for (int g = 0; g < gp.groups; g++) {
       int64_t rs = gp.row_start[g];
       ref(A + rs * K, K, 1, B + (int64_t)g * K * N, 1, N, gp.count[g], N, K, refc + rs * N, N,
@@ -329,7 +329,7 @@ static int run_cases(int grid, char *msg, size_t msglen, double *worst_out)
     memset(&a, 0, sizeof a);
     a.groups = 1, a.M = 300;
     a.A = LA, a.lda = LK, a.B = LB, a.ldb = LK, a.N = N, a.K = LK, a.C = C, a.ldc = N;
-    RUN((sm90::gemm<L_NT, E_BF16, BN, PP, BM>(&a, 300, grid, 0, err)));
+    RUN((sm90::gemm<L_NT, E_BF16, BN, PP, BM, CL>(&a, 300, grid, 0, err)));
     ref(LA, LK, 1, LB, LK, 1, 300, N, LK, refc, N, 0);
     CORE_OK(cudaDeviceSynchronize());
     REPORT("nt_longk", compare(C, 1, refc, 300LL * N, TOL_BF16));
@@ -377,6 +377,10 @@ extern "C" int gemm_core_check(int variant, int grid, char *msg, size_t msglen, 
     return run_cases<128, true, 128>(grid, msg, msglen, worst);
   case GEMM_TALL:
     return run_cases<128, false, 256>(grid, msg, msglen, worst);
+  case GEMM_WIDE2:
+    return run_cases<256, false, 128, 2>(grid, msg, msglen, worst);
+  case GEMM_TALL2:
+    return run_cases<128, false, 256, 2>(grid, msg, msglen, worst);
   default:
     return run_cases<128, false, 128>(grid, msg, msglen, worst);
   }
@@ -394,6 +398,10 @@ static int nt_variant(const gemm_args *a, int64_t rows, int variant, char *err)
     return sm90::gemm<L_NT, E_BF16, 128, true>(a, rows, sms(), 0, err);
   case GEMM_TALL:
     return sm90::gemm<L_NT, E_BF16, 128, false, 256>(a, rows, sms(), 0, err);
+  case GEMM_WIDE2:
+    return sm90::gemm<L_NT, E_BF16, 256, false, 128, 2>(a, rows, sms(), 0, err);
+  case GEMM_TALL2:
+    return sm90::gemm<L_NT, E_BF16, 128, false, 256, 2>(a, rows, sms(), 0, err);
   default:
     return sm90::gemm<L_NT, E_BF16, 128>(a, rows, sms(), 0, err);
   }

@@ -11,8 +11,18 @@ extern "C" {
 
 /* the core's variants: tiles shared by both consumer warpgroups, 128 x 128,
  * 128 x 256 or (grouped NT and NN only) 256 x 128, or 128 x 128 tiles the
- * two take in turns */
-enum { GEMM_COOP128, GEMM_COOP256, GEMM_PINGPONG, GEMM_TALL, GEMM_VARIANTS };
+ * two take in turns; the last two: 128 x 256 and 256 x 128 tiles on
+ * clusters of two blocks that share operands (NT and NN; their TN cases run
+ * without clusters) */
+enum {
+  GEMM_COOP128,
+  GEMM_COOP256,
+  GEMM_PINGPONG,
+  GEMM_TALL,
+  GEMM_WIDE2,
+  GEMM_TALL2,
+  GEMM_VARIANTS
+};
 
 /* 1 when the current device runs the Hopper core (sm_90). */
 int gemm_core_available(void);

@@ -59,6 +59,34 @@ __device__ __forceinline__ void bar_expect(uint64_t *bar, uint32_t bytes)
                                              cuda::ptx::space_shared, bar, bytes);
 }
 
+/* Arrives on the barrier at the same place in the shared memory of block
+ * `rank` of the cluster. */
+__device__ __forceinline__ void bar_arrive_remote(uint64_t *bar, uint32_t rank)
+{
+  uint32_t local = smem_addr(bar), remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  /* default semantics (release, CTA scope), as for a local arrival: a
+   * cluster-scope release would also wait for this thread's global stores */
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+}
+
+/* ---- clusters ------------------------------------------------------------- */
+
+__device__ __forceinline__ uint32_t cluster_rank()
+{
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+
+/* Every thread of every block of the cluster: what each did before (its
+ * barriers' initialisation) is seen by the others after. */
+__device__ __forceinline__ void cluster_sync()
+{
+  asm volatile("barrier.cluster.arrive.release.aligned;\n"
+               "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
 /* ---- bulk tensor copies --------------------------------------------------- */
 
 /* A box of a 3-D tensor map into shared memory, completing on bar. */
@@ -68,6 +96,16 @@ __device__ __forceinline__ void tma_load(void *dst, const CUtensorMap *map, int 
   const int32_t coords[3] = {c0, c1, c2};
   cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_cluster, cuda::ptx::space_global, dst, map,
                                   coords, bar);
+}
+
+/* The same box into the shared memory of every block of the cluster in
+ * `mask`, at dst's offset, completing on each one's barrier at bar's. */
+__device__ __forceinline__ void tma_load_mc(void *dst, const CUtensorMap *map, int c0, int c1,
+                                            int c2, uint64_t *bar, uint16_t mask)
+{
+  const int32_t coords[3] = {c0, c1, c2};
+  cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_cluster, cuda::ptx::space_global, dst, map,
+                                  coords, bar, mask);
 }
 
 __device__ __forceinline__ void tma_prefetch_map(const CUtensorMap *map)
