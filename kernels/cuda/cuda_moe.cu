@@ -54,19 +54,17 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
       return cuda_fail(err, e, what);
     cb->arch = 10 * major + minor;
   }
-  /* Hopper. Grouped NT/NN GEMMs whose expert weight slab is too large for
-   * the L2 to serve twice (>= 32 MiB) and whose experts have more than 128
-   * rows on average take 256 x 128 tiles: one block reads the slab once for
-   * up to 256 rows (dsv3 gate/up: 10.19 -> 8.49 ms, d_x 9.43 -> 8.53 ms).
-   * Smaller slabs come back from the L2 anyway, and 128-row experts leave a
-   * tall tile's second warpgroup idle, so the rest take 128 x 256 tiles
-   * (mid, qwen3, mok and dsv3's d_h were slower on tall ones). Weight
+  /* Hopper. Grouped NT/NN GEMMs take 128 x 256 tiles, on clusters of two
+   * blocks where experts average more than one m-tile: the pair's tiles
+   * then mostly share the expert's weight tile, loaded once for both
+   * (gemm_sm90.cuh, unit_at). On dsv3 (Nsight Compute) that took gate/up
+   * from 8.49 ms on 256 x 128 tiles to 7.38, and d_x from 8.53 to 7.04; the
+   * same tall tiles on clusters ran 8.13 and 7.86. d_h stays on single blocks:
+   * its dSwiGLU epilogue ran slower in lockstep (6.14 against 5.56 ms). Weight
    * gradients (k = an expert's rows) take 128 x 256 tiles, or ping-pong
    * tiles, which hide one warpgroup's stores behind the other's MMAs, from
-   * 1024 rows per expert on (bench-gemm). MOKD_GEMM_TILES=wide or tall
-   * forces one choice, to measure them against each other. Grouped NT/NN
-   * GEMMs run on clusters of two blocks that load shared weight tiles once
-   * for both (gemm_sm90.cuh, unit_at); MOKD_GEMM_CLUSTERS=0 turns that off. */
+   * 1024 rows per expert on (bench-gemm). MOKD_GEMM_TILES=wide or tall and
+   * MOKD_GEMM_CLUSTERS=0 force a choice, to measure them against each other. */
   if (cb->arch == 90) {
     int grid = grid_for(cb, gemm_tiles(a, LAYOUT), 1);
     int64_t rows_per_group = a->count != NULL ? a_rows / a->groups : a->K;
@@ -75,10 +73,8 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
         return sm90::gemm<LAYOUT, EPI, 128, true>(a, a_rows, grid, cb->stream, err);
       return sm90::gemm<LAYOUT, EPI, 256>(a, a_rows, grid, cb->stream, err);
     } else {
-      bool tall = a->count != NULL && rows_per_group > 128 && a->K * a->N * 2 >= (32ll << 20);
-      if (cb->tiles != MOKK_TILES_AUTO)
-        tall = a->count != NULL && cb->tiles == MOKK_TILES_TALL;
-      bool cl = a->count != NULL && cb->clusters;
+      bool tall = a->count != NULL && cb->tiles == MOKK_TILES_TALL;
+      bool cl = a->count != NULL && cb->clusters && rows_per_group > 128 && EPI != E_DH;
       if (tall && cl)
         return sm90::gemm<LAYOUT, EPI, 128, false, 256, 2>(a, a_rows, grid, cb->stream, err);
       if (tall)
