@@ -136,8 +136,7 @@ struct mokd_session {
   char name[4 * 63 + 1]; /* the client_name of Hello, escaped (mokd_log_escape) */
   char job[MOKD_JOB_MAX + 1]; /* the job_id of Hello (checked: no escaping needed); "" */
   char tenant[MOKD_TENANT_MAX]; /* "job:ID", else "uid:N": whose share its steps take */
-  unsigned weight;      /* the tenant's, from tenant_weights */
-  mokd_tenant *t;       /* its record (the server's), from Hello; NULL before */
+  mokd_tenant *t;       /* its record (the server's: weight, quota), from Hello; NULL before */
   uint32_t proto;       /* the protocol version chosen at Hello */
   int op;               /* body of the request being handled (metrics); 0 = none */
   int probes;           /* Health probes on the executors: the queue waits for them */
@@ -177,7 +176,7 @@ struct mokd_server {
   int hello_timer_on;
   mokd_executor *exec;  /* the CPU backend's */
   mokd_session *sessions;
-  mokd_tenant *tenants; /* every tenant a session has named since start */
+  mokd_tenant *tenants; /* tenants with a session, work queued or memory held */
   int nsessions;
   mokd_group *groups;   /* EP groups forming or formed */
   uint64_t next_id;     /* ids of sessions, arenas, layers, results: one counter */
