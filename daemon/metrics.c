@@ -147,11 +147,11 @@ static void tenants(buf *b, const mokd_server *srv)
     put(b, "mokd_tenant_memory_bytes{tenant=\"%s\"} %llu\n", t->key,
         (unsigned long long)t->held);
   head(b, "mokd_tenant_weight", "gauge",
-       "A tenant's share of the executors (tenant_weights).");
+       "A tenant's share of the executors (tenant_weights; SIGHUP re-reads it).");
   for (const mokd_tenant *t = srv->tenants; t != NULL; t = t->next)
     put(b, "mokd_tenant_weight{tenant=\"%s\"} %u\n", t->key, t->weight);
   head(b, "mokd_tenant_quota_bytes", "gauge",
-       "A tenant's tenant_quota_bytes, 0 for none.");
+       "A tenant's tenant_quota_bytes, 0 for none (SIGHUP re-reads it).");
   for (const mokd_tenant *t = srv->tenants; t != NULL; t = t->next)
     put(b, "mokd_tenant_quota_bytes{tenant=\"%s\"} %llu\n", t->key,
         (unsigned long long)t->quota);

@@ -243,6 +243,9 @@ const char *mokd_dispatch_op_name(int body_case);
 int mokd_h_hello(mokd_session *s, const Mokd__Request *q, const int *fds, int nfds, char *err);
 int mokd_h_stats(mokd_session *s, const Mokd__Request *q, const int *fds, int nfds, char *err);
 int mokd_h_ping(mokd_session *s, const Mokd__Request *q, const int *fds, int nfds, char *err);
+/* SIGHUP: every tenant record takes its weight and quota from srv->cfg. A
+ * quota below what a tenant holds frees nothing: it refuses new memory. */
+void mokd_tenants_reconfigure(mokd_server *srv);
 
 /* arenas.c: CreateArena, ImportBuffer, DestroyArena */
 int mokd_h_create_arena(mokd_session *s, const Mokd__Request *q, const int *fds, int nfds,

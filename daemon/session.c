@@ -130,7 +130,7 @@ static int check_job(const char *job, char *err)
 }
 
 /* A tenant's weight and tenant_quota_bytes in cfg. The lists were checked
- * at start-up, so a key always finds its values. */
+ * when they were read (start-up, SIGHUP), so a key always finds its values. */
 static void tenant_settings(const mokd_config *cfg, const char *key, unsigned *weight,
                             uint64_t *quota)
 {
@@ -159,6 +159,22 @@ static int set_tenant(mokd_session *s, char *err)
     return mokk_fail(err, MOK_ENOMEM, "out of memory");
   s->reg.tenant = s->t;
   return 0;
+}
+
+void mokd_tenants_reconfigure(mokd_server *srv)
+{
+  for (mokd_tenant *t = srv->tenants; t != NULL; t = t->next) {
+    unsigned weight;
+    uint64_t quota;
+
+    tenant_settings(&srv->cfg, t->key, &weight, &quota);
+    if (weight == t->weight && quota == t->quota)
+      continue;
+    LOG_INFO(CONF, "SIGHUP: tenant %s: weight %u, quota %llu bytes (0: none); it holds %llu",
+             t->key, weight, (unsigned long long)quota, (unsigned long long)t->held);
+    t->weight = weight;
+    t->quota = quota;
+  }
 }
 
 int mokd_h_hello(mokd_session *s, const Mokd__Request *q, const int *fds, int nfds, char *err)

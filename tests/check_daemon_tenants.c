@@ -1,6 +1,8 @@
 /* check_daemon_tenants.c - a tenant's record through the daemon: it goes
- * with its last session. Seen from outside, through the metrics (a Unix
- * socket listener). */
+ * with its last session, and SIGHUP gives live tenants new weights and
+ * quotas. Seen from outside, through the metrics (a Unix socket listener)
+ * and the replies and log lines a client and an operator get. */
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -58,6 +60,21 @@ static void expect_metric(const char *path, const char *line)
   ck_abort_msg("no \"%s\" in the metrics:\n%s", line, strstr(buf, "# HELP mokd_tenant"));
 }
 
+static void expect_log(const char *log, const char *needle)
+{
+  static char buf[1 << 16];
+  for (int i = 0; i < 500; i++) {
+    FILE *f = fopen(log, "r");
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    if (strstr(buf, needle) != NULL)
+      return;
+    usleep(10000);
+  }
+  ck_abort_msg("no \"%s\" in the log", needle);
+}
+
 static mok_client *connect_as_job(const char *job)
 {
   mok_client *c;
@@ -65,6 +82,14 @@ static mok_client *connect_as_job(const char *job)
   ck_assert_int_eq(mok_connect(sock, job, &c), 0);
   unsetenv("MOKD_JOB_ID");
   return c;
+}
+
+static void write_conf(const char *path, const char *text)
+{
+  FILE *f = fopen(path, "w");
+  ck_assert_ptr_nonnull(f);
+  fputs(text, f);
+  fclose(f);
 }
 
 /* Forty jobs come and go, each with memory and some with steps: once they
@@ -115,6 +140,60 @@ START_TEST(finished_jobs_leave_no_tenant_records)
 }
 END_TEST
 
+/* SIGHUP re-reads tenant_weights and tenant_quota_bytes and applies them to
+ * a connected tenant: a lowered quota leaves the memory it holds alone and
+ * refuses more; a bad value keeps both lists as they were, and says where. */
+START_TEST(sighup_rereads_tenant_weights_and_quotas)
+{
+  own_daemon od;
+  char flags[300], msock[96], conf[96];
+  mok_arena_info big, small;
+
+  snprintf(msock, sizeof msock, "%s/hup.m.sock", dir);
+  snprintf(conf, sizeof conf, "%s/hup.conf", dir);
+  write_conf(conf, "[mokd]\ntenant_weights = job:hup=2\ntenant_quota_bytes = job:hup=8M\n");
+  snprintf(flags, sizeof flags, "--config=%s --metrics=%s", conf, msock);
+  own_daemon_start(&od, "hup", flags);
+  mok_client *c = connect_as_job("hup");
+  expect_metric(msock, "mokd_tenant_weight{tenant=\"job:hup\"} 2");
+  expect_metric(msock, "mokd_tenant_quota_bytes{tenant=\"job:hup\"} 8388608");
+  ck_assert_msg(mok_arena_create(c, 4 << 20, &big) == 0, "%s", mok_last_error(c));
+
+  write_conf(conf, "[mokd]\ntenant_weights = job:hup=5,job:new=3\n"
+                   "tenant_quota_bytes = job:hup=2M\n");
+  ck_assert_int_eq(kill(od.pid, SIGHUP), 0);
+  expect_metric(msock, "mokd_tenant_quota_bytes{tenant=\"job:hup\"} 2097152");
+  expect_metric(msock, "mokd_tenant_weight{tenant=\"job:hup\"} 5");
+  expect_metric(msock, "mokd_tenant_memory_bytes{tenant=\"job:hup\"} 4194304");
+  memset(big.ptr, 1, big.bytes); /* still the session's */
+  ck_assert_int_eq(mok_arena_create(c, 64 << 10, &small), MOK_EDQUOT);
+  ck_assert_msg(strstr(mok_last_error(c), "tenant job:hup would hold 4259840 bytes") != NULL &&
+                    strstr(mok_last_error(c), "its quota is 2097152 (tenant_quota_bytes)") !=
+                        NULL,
+                "%s", mok_last_error(c));
+  mok_client *fresh = connect_as_job("new"); /* a tenant after the reload gets it too */
+  expect_metric(msock, "mokd_tenant_weight{tenant=\"job:new\"} 3");
+  mok_close(fresh);
+
+  write_conf(conf, "[mokd]\ntenant_weights = job:hup=9\ntenant_quota_bytes = job:hup=lots\n");
+  ck_assert_int_eq(kill(od.pid, SIGHUP), 0);
+  char needle[300];
+  snprintf(needle, sizeof needle, "SIGHUP: tenant_weights and tenant_quota_bytes kept: %s:3: "
+           "tenant_quota_bytes: \"job:hup=lots\": the quota is a size", conf);
+  expect_log(od.log, needle);
+  expect_metric(msock, "mokd_tenant_weight{tenant=\"job:hup\"} 5");
+  expect_metric(msock, "mokd_tenant_quota_bytes{tenant=\"job:hup\"} 2097152");
+
+  ck_assert_int_eq(mok_arena_destroy(c, big.id), 0);
+  ck_assert_msg(mok_arena_create(c, 1 << 20, &small) == 0, "%s", mok_last_error(c));
+  ck_assert_int_eq(mok_arena_create(c, 2 << 20, &big), MOK_EDQUOT);
+  mok_close(c);
+  own_daemon_stop(&od);
+  unlink(msock);
+  unlink(conf);
+}
+END_TEST
+
 Suite *daemon_tenants_suite(void)
 {
   Suite *s = suite_create("daemon_tenants");
@@ -123,6 +202,7 @@ Suite *daemon_tenants_suite(void)
   tcase_add_checked_fixture(tc, plain_setup, plain_teardown);
   tcase_set_timeout(tc, 60);
   tcase_add_test(tc, finished_jobs_leave_no_tenant_records);
+  tcase_add_test(tc, sighup_rereads_tenant_weights_and_quotas);
   suite_add_tcase(s, tc);
   return s;
 }
