@@ -71,7 +71,8 @@ UNIT_DAEMON := daemon/config.c daemon/log.c daemon/registry.c daemon/idmap.c \
                daemon/httpreq.c daemon/progress.c daemon/wfq.c
 INTEG_SRC  := tests/check_daemon.c tests/daemon_fixture.c tests/check_daemon_steps.c \
               tests/check_daemon_wire.c tests/check_daemon_service.c tests/ref.c \
-              tests/check_daemon_limits.c tests/check_daemon_ep.c tests/check_daemon_fair.c
+              tests/check_daemon_limits.c tests/check_daemon_ep.c tests/check_daemon_fair.c \
+              tests/check_daemon_tenants.c
 BENCH_SRC  := tests/bench/bench_cpu.c
 CUDA_SRC   := kernels/cuda/cuda_moe.cu kernels/cuda/cuda_backend.cu kernels/cuda/gpumem.cu \
               kernels/cuda/ipc.cu kernels/cuda/route.cu kernels/cuda/sm90/tma.cu

@@ -180,6 +180,13 @@ static const opt options[] = {
      "comma list of init,net,sess,exec,conf,all; ^list turns them off", NULL},
 };
 #define NOPTS (sizeof options / sizeof options[0])
+_Static_assert(NOPTS <= 32, "mokd_config.from_flags has a bit per option");
+
+/* o's bit in a set of options (mokd_config.from_flags, what a reload reads) */
+static uint32_t bit(const opt *o)
+{
+  return 1u << (o - options);
+}
 
 static const opt *find(const char *name)
 {
@@ -340,7 +347,7 @@ static int set_opt(mokd_config *cfg, const opt *o, const char *val, char *why, s
 
 typedef struct file_ctx {
   mokd_config *cfg;
-  int only_log;
+  uint32_t only; /* the options to set (bits); 0 = all */
   char why[256];
 } file_ctx;
 
@@ -366,15 +373,15 @@ static int on_ini(void *user, const char *section, const char *name, const char 
              name);
     return 0;
   }
-  if (fc->only_log && o->type != T_LEVEL && o->type != T_SUBSYS)
+  if (fc->only != 0 && (fc->only & bit(o)) == 0)
     return 1;
   return set_opt(fc->cfg, o, value, fc->why, sizeof fc->why) == 0;
 }
 
-static int load_file(mokd_config *cfg, const char *path, int required, int only_log,
+static int load_file(mokd_config *cfg, const char *path, int required, uint32_t only,
                      char *err, size_t errlen)
 {
-  file_ctx fc = {cfg, only_log, {0}};
+  file_ctx fc = {cfg, only, {0}};
   int rc;
 
   if (!required && access(path, F_OK) != 0)
@@ -396,13 +403,13 @@ static int load_file(mokd_config *cfg, const char *path, int required, int only_
   return 0;
 }
 
-static int load_env(mokd_config *cfg, int only_log, char *err, size_t errlen)
+static int load_env(mokd_config *cfg, uint32_t only, char *err, size_t errlen)
 {
   for (size_t i = 0; i < NOPTS; i++) {
     const opt *o = &options[i];
     const char *v = getenv(o->env);
     char why[256];
-    if (v == NULL || (only_log && o->type != T_LEVEL && o->type != T_SUBSYS))
+    if (v == NULL || (only != 0 && (only & bit(o)) == 0))
       continue;
     if (set_opt(cfg, o, v, why, sizeof why) != 0) {
       snprintf(err, errlen, "environment %s: %s", o->env, why);
@@ -445,8 +452,13 @@ void mokd_config_usage(FILE *out)
     fprintf(out, "  --%-24s %-29s [%s]\n      %s\n", flag, options[i].env,
             options[i].def[0] ? options[i].def : "\"\"", options[i].help);
   }
-  fprintf(out, "\nSignals: SIGTERM/SIGINT drain in-flight work and exit 0; SIGHUP re-reads\n"
-               "log_level and log_subsys. Run with MOKD_DEBUG=debug for details.\n");
+  fprintf(out, "\nSignals: SIGTERM/SIGINT drain in-flight work and exit 0. SIGHUP re-reads\n"
+               "log_level and log_subsys, then tenant_weights and tenant_quota_bytes, from\n"
+               "the config file and the environment (an option given as a flag keeps its\n"
+               "value); the new weights and quotas apply to connected tenants at once (a\n"
+               "lowered quota frees nothing: it refuses new memory). A bad value keeps the\n"
+               "old settings of its group and is logged with file and line. Run with\n"
+               "MOKD_DEBUG=debug for details.\n");
 }
 
 static const opt *flag_opt(const char *arg, const char **inline_val)
@@ -533,6 +545,7 @@ int mokd_config_load(mokd_config *cfg, int argc, char **argv, char *err, size_t 
       snprintf(err, errlen, "flag %s", why);
       return MOK_EINVAL;
     }
+    cfg->from_flags |= bit(o);
   }
   default_socket(cfg);
   if (print) {
@@ -705,20 +718,39 @@ int mokd_config_tenant_quota(const char *list, const char *key, uint64_t *bytes,
   return tenant_value(list, quota_entry, key, 0, bytes, why, len);
 }
 
-int mokd_config_reload_log(mokd_config *cfg, char *err, size_t errlen)
+/* Reads the options of only again, from their defaults through the file and
+ * the environment; one given as a flag keeps its value (flags win). All or
+ * nothing: on an error cfg is left as it was. */
+static int reload(mokd_config *cfg, uint32_t only, char *err, size_t errlen)
 {
   mokd_config tmp = *cfg;
   char why[256];
   int rc;
 
-  set_opt(&tmp, find("log_level"), "info", why, sizeof why);
-  set_opt(&tmp, find("log_subsys"), "all", why, sizeof why);
-  if ((rc = load_file(&tmp, tmp.config_file, 0, 1, err, errlen)) ||
-      (rc = load_env(&tmp, 1, err, errlen)))
+  for (size_t i = 0; i < NOPTS; i++)
+    if (only & bit(&options[i]))
+      set_opt(&tmp, &options[i], options[i].def, why, sizeof why);
+  if ((rc = load_file(&tmp, tmp.config_file, 0, only, err, errlen)) ||
+      (rc = load_env(&tmp, only, err, errlen)))
     return rc;
-  cfg->log_level = tmp.log_level;
-  cfg->log_subsys = tmp.log_subsys;
+  for (size_t i = 0; i < NOPTS; i++) {
+    const opt *o = &options[i];
+    if ((only & bit(o)) != 0 && (cfg->from_flags & bit(o)) == 0)
+      memcpy((char *)cfg + o->off, (char *)&tmp + o->off,
+             o->type == T_STR ? o->size : sizeof(int64_t));
+  }
   return 0;
+}
+
+int mokd_config_reload_log(mokd_config *cfg, char *err, size_t errlen)
+{
+  return reload(cfg, bit(find("log_level")) | bit(find("log_subsys")), err, errlen);
+}
+
+int mokd_config_reload_tenants(mokd_config *cfg, char *err, size_t errlen)
+{
+  return reload(cfg, bit(find("tenant_weights")) | bit(find("tenant_quota_bytes")), err,
+                errlen);
 }
 
 void mokd_config_print(const mokd_config *cfg, FILE *out)

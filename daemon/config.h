@@ -38,6 +38,7 @@ typedef struct mokd_config {
   int64_t log_subsys;
   char config_file[256];
   int config_read;       /* config_file existed and was read */
+  uint32_t from_flags;   /* options given as flags (a bit each, in table order) */
 } mokd_config;
 
 enum {
@@ -51,8 +52,12 @@ int mokd_config_load(mokd_config *cfg, int argc, char **argv, char *err, size_t 
 /* The GPU quota given as a share becomes bytes of device_bytes (the smallest
  * device's memory; 0 when there is no device, which leaves it unlimited). */
 void mokd_config_gpu_quota(mokd_config *cfg, uint64_t device_bytes);
-/* Re-reads the log level and subsystems (file, then env); for SIGHUP. */
+/* For SIGHUP: re-read the log level and subsystems, or tenant_weights and
+ * tenant_quota_bytes, from defaults, file, then env; an option given as a flag
+ * keeps its value. 0, or a negative code with err ("file:line: ...") and cfg
+ * as it was. */
 int mokd_config_reload_log(mokd_config *cfg, char *err, size_t errlen);
+int mokd_config_reload_tenants(mokd_config *cfg, char *err, size_t errlen);
 void mokd_config_print(const mokd_config *cfg, FILE *out);
 /* The numbers of a list (allow_uids, allow_gids, devices), separated by
  * commas or spaces: 0 and *n of them in out, or -1 with why. */

@@ -191,6 +191,8 @@ static void session_destroy(mokd_session *s)
   mokk_events_free(s->backend, s->events);
   if (s->gpu != NULL)
     s->gpu->sessions--;
+  if (s->t != NULL)
+    mokd_tenant_put(&srv->tenants, s->t); /* after its memory went: the record may go */
   if (s->prev != NULL)
     s->prev->next = s->next;
   else

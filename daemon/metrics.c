@@ -125,10 +125,13 @@ static void session_memory(buf *b, const mokd_server *srv)
   }
 }
 
+/* Tenants with a session, work queued or memory held: a tenant's series go
+ * with its last session (its counters start again from 0 if it comes back). */
 static void tenants(buf *b, const mokd_server *srv)
 {
   head(b, "mokd_tenant_steps_total", "counter",
-       "Steps served, by tenant (job:ID, else uid:N; each rank of a group step counts).");
+       "Steps served, by tenant (job:ID, else uid:N; each rank of a group step counts). "
+       "A tenant's series goes once it has no session, no queued step and no memory.");
   for (const mokd_tenant *t = srv->tenants; t != NULL; t = t->next)
     put(b, "mokd_tenant_steps_total{tenant=\"%s\"} %llu\n", t->key,
         (unsigned long long)t->steps);
@@ -143,6 +146,15 @@ static void tenants(buf *b, const mokd_server *srv)
   for (const mokd_tenant *t = srv->tenants; t != NULL; t = t->next)
     put(b, "mokd_tenant_memory_bytes{tenant=\"%s\"} %llu\n", t->key,
         (unsigned long long)t->held);
+  head(b, "mokd_tenant_weight", "gauge",
+       "A tenant's share of the executors (tenant_weights; SIGHUP re-reads it).");
+  for (const mokd_tenant *t = srv->tenants; t != NULL; t = t->next)
+    put(b, "mokd_tenant_weight{tenant=\"%s\"} %u\n", t->key, t->weight);
+  head(b, "mokd_tenant_quota_bytes", "gauge",
+       "A tenant's tenant_quota_bytes, 0 for none (SIGHUP re-reads it).");
+  for (const mokd_tenant *t = srv->tenants; t != NULL; t = t->next)
+    put(b, "mokd_tenant_quota_bytes{tenant=\"%s\"} %llu\n", t->key,
+        (unsigned long long)t->quota);
 }
 
 int mokd_metrics_render(mokd_server *srv, char **out, size_t *len)

@@ -136,8 +136,7 @@ struct mokd_session {
   char name[4 * 63 + 1]; /* the client_name of Hello, escaped (mokd_log_escape) */
   char job[MOKD_JOB_MAX + 1]; /* the job_id of Hello (checked: no escaping needed); "" */
   char tenant[MOKD_TENANT_MAX]; /* "job:ID", else "uid:N": whose share its steps take */
-  unsigned weight;      /* the tenant's, from tenant_weights */
-  mokd_tenant *t;       /* its record (the server's), from Hello; NULL before */
+  mokd_tenant *t;       /* its record (the server's: weight, quota), from Hello; NULL before */
   uint32_t proto;       /* the protocol version chosen at Hello */
   int op;               /* body of the request being handled (metrics); 0 = none */
   int probes;           /* Health probes on the executors: the queue waits for them */
@@ -177,7 +176,7 @@ struct mokd_server {
   int hello_timer_on;
   mokd_executor *exec;  /* the CPU backend's */
   mokd_session *sessions;
-  mokd_tenant *tenants; /* every tenant a session has named since start */
+  mokd_tenant *tenants; /* tenants with a session, work queued or memory held */
   int nsessions;
   mokd_group *groups;   /* EP groups forming or formed */
   uint64_t next_id;     /* ids of sessions, arenas, layers, results: one counter */
@@ -244,6 +243,9 @@ const char *mokd_dispatch_op_name(int body_case);
 int mokd_h_hello(mokd_session *s, const Mokd__Request *q, const int *fds, int nfds, char *err);
 int mokd_h_stats(mokd_session *s, const Mokd__Request *q, const int *fds, int nfds, char *err);
 int mokd_h_ping(mokd_session *s, const Mokd__Request *q, const int *fds, int nfds, char *err);
+/* SIGHUP: every tenant record takes its weight and quota from srv->cfg. A
+ * quota below what a tenant holds frees nothing: it refuses new memory. */
+void mokd_tenants_reconfigure(mokd_server *srv);
 
 /* arenas.c: CreateArena, ImportBuffer, DestroyArena */
 int mokd_h_create_arena(mokd_session *s, const Mokd__Request *q, const int *fds, int nfds,

@@ -24,20 +24,42 @@ void mokd_registry_init(mokd_registry *r, mokk_backend *b, uint64_t *next_id,
   mokd_registry_place(r, b);
 }
 
-mokd_tenant *mokd_tenant_get(mokd_tenant **list, const char *key, uint64_t quota)
+mokd_tenant *mokd_tenant_get(mokd_tenant **list, const char *key, unsigned weight,
+                             uint64_t quota)
 {
   mokd_tenant *t;
 
   for (t = *list; t != NULL; t = t->next)
     if (strcmp(t->key, key) == 0)
-      return t;
-  if ((t = calloc(1, sizeof *t)) == NULL)
-    return NULL;
-  snprintf(t->key, sizeof t->key, "%s", key);
-  t->quota = quota;
-  t->next = *list;
-  *list = t;
+      break;
+  if (t == NULL) {
+    if ((t = calloc(1, sizeof *t)) == NULL)
+      return NULL;
+    snprintf(t->key, sizeof t->key, "%s", key);
+    t->weight = weight;
+    t->quota = quota;
+    t->next = *list;
+    *list = t;
+  }
+  t->sessions++;
   return t;
+}
+
+/* A session's steps keep it busy and its memory is given back before it
+ * goes, so a record is normally idle when its last session lets go; the
+ * sweep also takes any that were not. */
+void mokd_tenant_put(mokd_tenant **list, mokd_tenant *t)
+{
+  t->sessions--;
+  for (mokd_tenant **pp = list; *pp != NULL;) {
+    mokd_tenant *u = *pp;
+    if (u->sessions == 0 && u->queued == 0 && u->held == 0) {
+      *pp = u->next;
+      free(u);
+    } else {
+      pp = &u->next;
+    }
+  }
 }
 
 void mokd_tenants_free(mokd_tenant **list)

@@ -39,20 +39,28 @@ typedef struct mokd_arena {
 enum { MOKD_HOST, MOKD_DEVICE }; /* the two quotas */
 
 /* A tenant ("job:ID", else "uid:N"), all its sessions together: what they
- * were served, and the memory they hold against tenant_quota_bytes. A
- * record lives as long as the daemon, so its counters never go back. */
+ * were served, their share of the executors, and the memory they hold
+ * against tenant_quota_bytes. A record lives while the tenant has a session,
+ * work queued or memory held; then it goes, counters and all (a daemon
+ * serving one job after another would otherwise grow without bound). */
 typedef struct mokd_tenant {
   char key[MOKD_TENANT_MAX];
   uint64_t steps;   /* steps served (each rank of a group step counts) */
   uint64_t queued;  /* steps queued for an executor or running, not yet done */
+  unsigned weight;  /* tenant_weights for it: its share in the fair queue, >= 1 */
   uint64_t quota;   /* tenant_quota_bytes for it; 0 = no limit */
   uint64_t held;    /* host and GPU bytes its sessions' quotas are charged, together */
+  int sessions;     /* sessions that point at it (mokd_tenant_get, mokd_tenant_put) */
   struct mokd_tenant *next;
 } mokd_tenant;
 
-/* The record of key in *list, made (with quota) when missing; NULL when out
- * of memory. */
-mokd_tenant *mokd_tenant_get(mokd_tenant **list, const char *key, uint64_t quota);
+/* The record of key in *list for one more session, made (with weight and
+ * quota) when missing; NULL when out of memory. */
+mokd_tenant *mokd_tenant_get(mokd_tenant **list, const char *key, unsigned weight,
+                             uint64_t quota);
+/* A session lets go of t: t and every other record with no session, no work
+ * and no memory leave *list and are freed. */
+void mokd_tenant_put(mokd_tenant **list, mokd_tenant *t);
 void mokd_tenants_free(mokd_tenant **list);
 
 typedef struct mokd_limits {

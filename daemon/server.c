@@ -281,10 +281,18 @@ static void on_signal(uv_signal_t *h, int signum)
     char err[256];
     if (mokd_config_reload_log(&srv->cfg, err, sizeof err) != 0) {
       LOG_WARN(CONF, "SIGHUP: log settings kept: %s", err);
+    } else {
+      mokd_log_set((int)srv->cfg.log_level, (unsigned)srv->cfg.log_subsys);
+      LOG_INFO(CONF, "SIGHUP: log level now %s",
+               mokd_log_level_name((int)srv->cfg.log_level));
+    }
+    if (mokd_config_reload_tenants(&srv->cfg, err, sizeof err) != 0) {
+      LOG_WARN(CONF, "SIGHUP: tenant_weights and tenant_quota_bytes kept: %s", err);
       return;
     }
-    mokd_log_set((int)srv->cfg.log_level, (unsigned)srv->cfg.log_subsys);
-    LOG_INFO(CONF, "SIGHUP: log level now %s", mokd_log_level_name((int)srv->cfg.log_level));
+    mokd_tenants_reconfigure(srv);
+    LOG_INFO(CONF, "SIGHUP: tenant_weights \"%s\", tenant_quota_bytes \"%s\"",
+             srv->cfg.tenant_weights, srv->cfg.tenant_quota_bytes);
     return;
   }
   LOG_INFO(INIT, "signal %d: draining", signum);

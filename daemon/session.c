@@ -129,28 +129,52 @@ static int check_job(const char *job, char *err)
   return 0;
 }
 
+/* A tenant's weight and tenant_quota_bytes in cfg. The lists were checked
+ * when they were read (start-up, SIGHUP), so a key always finds its values. */
+static void tenant_settings(const mokd_config *cfg, const char *key, unsigned *weight,
+                            uint64_t *quota)
+{
+  char why[160];
+
+  if (mokd_config_weight(cfg->tenant_weights, key, weight, why, sizeof why) != 0)
+    *weight = 1;
+  if (mokd_config_tenant_quota(cfg->tenant_quota_bytes, key, quota, why, sizeof why) != 0)
+    *quota = 0;
+}
+
 /* The tenant: the job when the client names one (its sessions share a share
  * of the executors and one tenant_quota_bytes, whoever runs them), else the
- * uid. tenant_weights and tenant_quota_bytes were checked at start-up. */
+ * uid. */
 static int set_tenant(mokd_session *s, char *err)
 {
-  const mokd_config *cfg = &s->srv->cfg;
-  char why[160];
+  unsigned weight;
   uint64_t quota;
 
   if (s->job[0] != 0)
     snprintf(s->tenant, sizeof s->tenant, "job:%s", s->job);
   else
     snprintf(s->tenant, sizeof s->tenant, "uid:%u", (unsigned)s->uid);
-  if (mokd_config_weight(cfg->tenant_weights, s->tenant, &s->weight, why, sizeof why) != 0)
-    s->weight = 1;
-  if (mokd_config_tenant_quota(cfg->tenant_quota_bytes, s->tenant, &quota, why,
-                               sizeof why) != 0)
-    quota = 0;
-  if ((s->t = mokd_tenant_get(&s->srv->tenants, s->tenant, quota)) == NULL)
+  tenant_settings(&s->srv->cfg, s->tenant, &weight, &quota);
+  if ((s->t = mokd_tenant_get(&s->srv->tenants, s->tenant, weight, quota)) == NULL)
     return mokk_fail(err, MOK_ENOMEM, "out of memory");
   s->reg.tenant = s->t;
   return 0;
+}
+
+void mokd_tenants_reconfigure(mokd_server *srv)
+{
+  for (mokd_tenant *t = srv->tenants; t != NULL; t = t->next) {
+    unsigned weight;
+    uint64_t quota;
+
+    tenant_settings(&srv->cfg, t->key, &weight, &quota);
+    if (weight == t->weight && quota == t->quota)
+      continue;
+    LOG_INFO(CONF, "SIGHUP: tenant %s: weight %u, quota %llu bytes (0: none); it holds %llu",
+             t->key, weight, (unsigned long long)quota, (unsigned long long)t->held);
+    t->weight = weight;
+    t->quota = quota;
+  }
 }
 
 int mokd_h_hello(mokd_session *s, const Mokd__Request *q, const int *fds, int nfds, char *err)
@@ -188,7 +212,7 @@ int mokd_h_hello(mokd_session *s, const Mokd__Request *q, const int *fds, int nf
   s->hello_done = 1;
   LOG_INFO(SESS, SESS_FMT "hello from \"%s\" (pid %d uid %u gid %u, protocol %u, tenant %s "
            "weight %u)", SESS_ARGS(s), s->name, (int)s->pid, (unsigned)s->uid, (unsigned)s->gid,
-           s->proto, s->tenant, s->weight);
+           s->proto, s->tenant, s->t->weight);
   lim.max_frame_bytes = (uint32_t)srv->cfg.max_frame_bytes;
   lim.max_arena_bytes = (uint64_t)srv->cfg.max_arena_bytes;
   lim.session_quota_bytes = (uint64_t)srv->cfg.session_quota_bytes;

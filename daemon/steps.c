@@ -373,7 +373,7 @@ void mokd_steps_run_group(mokd_step **steps, int P)
   }
   if (j0->gctx != NULL)
     j0->gctx->refs++; /* a rank that leaves mid-step must not free it under the step */
-  mokd_executor_queue_for(j0->sess->exec, &j0->work, j0->sess->tenant, j0->sess->weight,
+  mokd_executor_queue_for(j0->sess->exec, &j0->work, j0->sess->tenant, j0->sess->t->weight,
                           group_work, group_done);
 }
 
@@ -437,7 +437,7 @@ static void step_queue(mokd_session *s, mokd_step *j)
 {
   s->busy = j;
   s->t->queued++;
-  mokd_executor_queue_for(s->exec, &j->work, s->tenant, s->weight, step_work, step_done);
+  mokd_executor_queue_for(s->exec, &j->work, s->tenant, s->t->weight, step_work, step_done);
 }
 
 /* ---- requests ------------------------------------------------------------- */

@@ -365,6 +365,44 @@ START_TEST(sighup_reload_reads_log_keys_only)
 }
 END_TEST
 
+/* Both tenant lists come back from the file, or neither does (a bad entry
+ * names file and line); one given as a flag keeps the flag's value. */
+START_TEST(sighup_reload_reads_tenant_keys)
+{
+  char *argv[] = {"mokd", "--config", path, "--log-level=debug"};
+  write_conf("[mokd]\ntenant_weights = job:a=2\ntenant_quota_bytes = job:a=1G\n"
+             "cpu_threads = 2\n");
+  ck_assert_int_eq(load(4, argv), MOKD_CONFIG_RUN);
+  FILE *f = fopen(path, "w");
+  fputs("[mokd]\ntenant_weights = job:a=3,uid:7=5\ncpu_threads = 9\nlog_level = warn\n", f);
+  fclose(f);
+  ck_assert_int_eq(mokd_config_reload_tenants(&cfg, err, sizeof err), 0);
+  ck_assert_str_eq(cfg.tenant_weights, "job:a=3,uid:7=5");
+  ck_assert_str_eq(cfg.tenant_quota_bytes, ""); /* gone from the file: back to none */
+  ck_assert_int_eq(cfg.cpu_threads, 2);
+  ck_assert_int_eq(mokd_config_reload_log(&cfg, err, sizeof err), 0);
+  ck_assert_int_eq(cfg.log_level, MOKD_LOG_DEBUG); /* the flag's */
+
+  f = fopen(path, "w");
+  fputs("[mokd]\ntenant_quota_bytes = job:b=1G\ntenant_weights = job:a=0\n", f);
+  fclose(f);
+  ck_assert_int_eq(mokd_config_reload_tenants(&cfg, err, sizeof err), MOK_EINVAL);
+  ck_assert_msg(strstr(err, ":3: tenant_weights: \"job:a=0\": the weight is a whole number "
+                       "from 1 to 1000") != NULL && strncmp(err, path, strlen(path)) == 0,
+                "%s", err);
+  ck_assert_str_eq(cfg.tenant_weights, "job:a=3,uid:7=5");
+  ck_assert_str_eq(cfg.tenant_quota_bytes, "");
+  unlink(path);
+
+  char *argv2[] = {"mokd", "--config", path, "--tenant-weights=job:f=7"};
+  write_conf("[mokd]\ntenant_weights = job:a=2\n");
+  ck_assert_int_eq(load(4, argv2), MOKD_CONFIG_RUN);
+  ck_assert_int_eq(mokd_config_reload_tenants(&cfg, err, sizeof err), 0);
+  ck_assert_str_eq(cfg.tenant_weights, "job:f=7");
+  unlink(path);
+}
+END_TEST
+
 START_TEST(peer_text_is_escaped_for_the_log)
 {
   char out[4 * 16 + 1];
@@ -437,6 +475,7 @@ Suite *config_suite(void)
   tcase_add_test(tc, tenant_weight_lookup);
   tcase_add_test(tc, tenant_quota_lookup);
   tcase_add_test(tc, sighup_reload_reads_log_keys_only);
+  tcase_add_test(tc, sighup_reload_reads_tenant_keys);
   tcase_add_test(tc, peer_text_is_escaped_for_the_log);
   tcase_add_test(tc, terminal_lines_carry_a_timestamp);
   suite_add_tcase(s, tc);

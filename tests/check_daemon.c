@@ -3,7 +3,8 @@
  * frames. The suites: steps (check_daemon_steps.c), the wire
  * (check_daemon_wire.c), the service (check_daemon_service.c), the limits
  * one client meets (check_daemon_limits.c), EP groups of several client
- * processes (check_daemon_ep.c). */
+ * processes (check_daemon_ep.c), the fair queue (check_daemon_fair.c),
+ * tenants' records and their reload (check_daemon_tenants.c). */
 #include <signal.h>
 #include <stdlib.h>
 
@@ -19,6 +20,7 @@ int main(void)
   srunner_add_suite(sr, daemon_limits_suite());
   srunner_add_suite(sr, daemon_ep_suite());
   srunner_add_suite(sr, daemon_fair_suite());
+  srunner_add_suite(sr, daemon_tenants_suite());
   srunner_run_all(sr, CK_NORMAL);
   failed = srunner_ntests_failed(sr);
   srunner_free(sr);

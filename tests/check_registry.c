@@ -236,6 +236,35 @@ START_TEST(quota_edges)
 }
 END_TEST
 
+/* A record is shared by its sessions and goes with the last one, unless
+ * memory is still charged to it; a lowered quota refuses more and frees
+ * nothing. */
+START_TEST(tenant_records_go_with_their_last_session)
+{
+  mokd_tenant *list = NULL, *t, *u;
+  mokd_registry r;
+
+  t = mokd_tenant_get(&list, "job:a", 2, 8192);
+  ck_assert_ptr_eq(mokd_tenant_get(&list, "job:a", 2, 8192), t);
+  ck_assert_int_eq(t->sessions, 2);
+  u = mokd_tenant_get(&list, "uid:7", 1, 0);
+  reg_init(&r, 0);
+  r.tenant = t;
+  ck_assert_int_eq(mokd_quota_take(&r, 4096, MOKD_HOST, err), 0);
+  t->quota = 1024; /* a reload below what it holds */
+  ck_assert_int_eq(mokd_quota_take(&r, 1, MOKD_HOST, err), MOK_EDQUOT);
+  ck_assert_ptr_nonnull(strstr(err, "tenant job:a would hold 4097 bytes"));
+  ck_assert_uint_eq(t->held, 4096);
+  mokd_tenant_put(&list, t);
+  mokd_tenant_put(&list, t); /* its last session, but 4096 bytes are charged */
+  ck_assert_ptr_eq(list, u);
+  ck_assert_ptr_eq(u->next, t);
+  mokd_quota_give(&r, 4096, MOKD_HOST);
+  mokd_tenant_put(&list, u); /* the sweep takes t too */
+  ck_assert_ptr_null(list);
+}
+END_TEST
+
 START_TEST(host_imports_must_be_sealed)
 {
   mokd_registry r;
@@ -323,6 +352,7 @@ Suite *registry_suite(void)
   tcase_add_test(tc, overflowing_and_misplaced_refs_are_refused);
   tcase_add_test(tc, another_sessions_arena_is_not_found);
   tcase_add_test(tc, quota_edges);
+  tcase_add_test(tc, tenant_records_go_with_their_last_session);
   tcase_add_test(tc, host_imports_must_be_sealed);
   tcase_add_test(tc, imports_are_counted_and_charged);
   suite_add_tcase(s, tc);

@@ -56,5 +56,6 @@ Suite *daemon_service_suite(void);
 Suite *daemon_limits_suite(void);
 Suite *daemon_ep_suite(void);
 Suite *daemon_fair_suite(void);
+Suite *daemon_tenants_suite(void);
 
 #endif

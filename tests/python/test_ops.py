@@ -151,9 +151,8 @@ class MetricsTest(unittest.TestCase):
         c.close()
         other.close()
         time.sleep(0.2)
-        m3 = self.scrape()  # counters outlive the sessions; memory goes
-        self.assertEqual(m3[steps], 3)
-        self.assertEqual(m3['mokd_tenant_memory_bytes{tenant="job:job-7"}'], 0)
+        m3 = self.scrape()  # a tenant with no session, work or memory goes
+        self.assertFalse([k for k in m3 if 'tenant="job:job-7"' in k])
 
     def test_quota_rejections_are_counted(self):
         self.d.stop()
