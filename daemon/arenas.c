@@ -104,12 +104,15 @@ static int import_chunks(mokd_session *s, const Mokd__Request *q, const int *fds
       rc = mokk_fail(err, MOK_EOVERFLOW, "chunk size overflows");
   if (rc != 0) {
     mokd_import_drop(&s->reg);
+    mokd_server_reap(s->srv);
     return rc;
   }
   kind = ib->kind == MOKD__IMPORT_KIND__IMPORT_MEMFD ? MOKK_IMPORT_HOST_FD : MOKK_IMPORT_CUMEM_FD;
   if ((rc = mokd_import_chunks(&s->reg, kind, ib->continues, (size_t)ib->bytes, fds, sizes,
-                               nfds, &a, err)))
+                               nfds, &a, err))) {
+    mokd_server_reap(s->srv); /* what it had mapped goes once the device is past it */
     return rc;
+  }
   reply_imported(s, q->id, a, a == s->reg.pending);
   if (a != s->reg.pending)
     LOG_DEBUG(SESS, SESS_FMT "imported arena %llu of %zu bytes in %d chunks", SESS_ARGS(s),

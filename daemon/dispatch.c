@@ -126,8 +126,10 @@ static int handle(mokd_session *s, const mokd_pending *p, char *err)
   const route *r = NULL;
   int rc;
 
-  if (!mokd_import_continues(s, p->req))
+  if (s->reg.pending != NULL && !mokd_import_continues(s, p->req)) {
     mokd_import_drop(&s->reg); /* a chunked import's frames come back to back */
+    mokd_server_reap(s->srv);
+  }
   rc = admit(s, p, &r, err);
 
   if (rc != 0) {
