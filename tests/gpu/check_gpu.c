@@ -672,8 +672,9 @@ static void to_dev(void *d, const void *h, size_t n)
  * handles mapped back to back in one reservation. A range over all three is
  * one arena of three chunks (counted three); x placed across the boundary of
  * the first two is found in it, and a forward reading it there gives the bits
- * of the same x in a daemon arena. Destroyed, the daemon lets go of every
- * chunk: once ours are released too, the device has the memory back. */
+ * of the same x in a daemon arena. A chunk freed and made again evicts the
+ * arena that maps the old one. Destroyed, the daemon lets go of every chunk:
+ * once ours are released too, the device has the memory back. */
 START_TEST(expandable_chunks)
 {
   CUresult (*create)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *,
@@ -754,6 +755,21 @@ START_TEST(expandable_chunks)
   ck_assert(mok_tensor_read(c, &fr.out, out) == 0);
   ck_assert_msg(memcmp(out, og.out, nx) == 0, "out differs with x across two chunks");
   ck_assert(mok_release(c, &fr.context, 1) == 0);
+
+  /* chunk 1 freed and made again at the same address: the arena that maps
+   * the old one goes, and x is imported anew over chunks 0 and 1 */
+  ck_assert_int_eq(unmap(va + g, g), CUDA_SUCCESS);
+  ck_assert_int_eq(release(h[1]), CUDA_SUCCESS);
+  ck_assert_int_eq(create(&h[1], g, &prop, 0), CUDA_SUCCESS);
+  ck_assert_int_eq(map(va + g, g, 0, h[1], 0), CUDA_SUCCESS);
+  ck_assert_int_eq(access(va + g, g, &acc, 1), CUDA_SUCCESS);
+  ck_assert_msg(mok_arena_import_cuda(c, (void *)(va + at), nx, &arena2, &off2) == 0, "%s",
+                mok_last_error(c));
+  ck_assert_uint_ne(arena2, arena);
+  ck_assert_uint_eq(off2, at);
+  ck_assert(mok_stats_get(c, &s1) == 0);
+  ck_assert_uint_eq(s1.session.arenas, s0.session.arenas + 2);
+  arena = arena2;
 
   ck_assert_int_eq(cudaMemGetInfo(&free0, &total), cudaSuccess);
   ck_assert_msg(mok_arena_destroy(c, arena) == 0, "%s", mok_last_error(c));
