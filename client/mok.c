@@ -884,13 +884,18 @@ static int walk_chunks(mok_client *c, const void *ptr, uintptr_t end, const mok_
 static int imp_matches(const imported *m, const mok_cuda_alloc *w, int n)
 {
   for (int i = 0; i < n; i++) {
-    int found = 0;
+    int lo = 0, hi = m->n; /* m's chunks ascend by base: the last at or below w[i]'s */
     if (w[i].base >= m->base + m->bytes || m->base >= w[i].base + w[i].bytes)
       continue;
-    for (int j = 0; j < m->n && !found; j++)
-      found = m->chunks[j].base == w[i].base && m->chunks[j].bytes == w[i].bytes &&
-              m->chunks[j].buffer_id == w[i].buffer_id;
-    if (!found)
+    while (hi - lo > 1) {
+      int mid = (lo + hi) / 2;
+      if (m->chunks[mid].base <= w[i].base)
+        lo = mid;
+      else
+        hi = mid;
+    }
+    if (m->chunks[lo].base != w[i].base || m->chunks[lo].bytes != w[i].bytes ||
+        m->chunks[lo].buffer_id != w[i].buffer_id)
       return 0;
   }
   return 1;
