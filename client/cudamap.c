@@ -329,8 +329,7 @@ int mok_cuda_export_fd(uintptr_t base, int *fd, char *why, size_t n)
   cu.release(h); /* drops only the reference retain took */
   if (r != 0) {
     snprintf(why, n, "the cuMem allocation cannot be exported as a POSIX fd (CUresult %d); "
-             "create it with requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR "
-             "(PyTorch: run without expandable_segments)", r);
+             "create it with requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR", r);
     return -1;
   }
   return 0;

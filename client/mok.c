@@ -41,11 +41,13 @@ typedef struct mapped {
   int own;                   /* our own GPU memory, imported into the daemon: not ours to unmap */
 } mapped;
 
-/* A GPU allocation of ours that the daemon has imported. */
+/* GPU allocations of ours that the daemon has imported as one arena: one, or
+ * several mapped back to back (chunks[0, n), from base). */
 typedef struct imported {
   uintptr_t base;
   size_t bytes;
-  unsigned long long buffer_id;
+  mok_cuda_alloc *chunks;
+  int n;
   uint64_t arena;
 } imported;
 
@@ -448,6 +450,8 @@ void mok_close(mok_client *c)
     unmap(&c->maps[i]);
   drop_fds(c);
   free(c->maps);
+  for (int i = 0; i < c->nimps; i++)
+    free(c->imps[i].chunks);
   free(c->imps);
   mok_cuda_event_free(c->ready);
   mok_cuda_event_free(c->done);
@@ -715,13 +719,196 @@ static int import_alloc(mok_client *c, const mok_cuda_alloc *al, uint64_t *arena
   return 0;
 }
 
+/* Where chunk i's fd comes from: a dup of the caller's memfd, or the export
+ * of one of our cuMem allocations. */
+typedef int (*chunk_fd_fn)(mok_client *c, const void *arg, int i, int *fd);
+
+static int memfd_of(mok_client *c, const void *arg, int i, int *fd)
+{
+  if ((*fd = fcntl(((const int *)arg)[i], F_DUPFD_CLOEXEC, 0)) < 0)
+    return fail(c, MOK_EIO, "dup: %s", strerror(errno));
+  return 0;
+}
+
+static int cumem_of(mok_client *c, const void *arg, int i, int *fd)
+{
+  char why[200];
+  if (mok_cuda_export_fd(((const mok_cuda_alloc *)arg)[i].base, fd, why, sizeof why) != 0)
+    return fail(c, MOK_EINVAL, "%s", why);
+  return 0;
+}
+
+/* Imports n chunks of bytes in all as one arena: MOKW_MAX_FDS chunks a
+ * frame, the first frame beginning the import, the next ones continuing it.
+ * The fds are made a frame at a time, so a tensor of hundreds of chunks
+ * holds no more than a frame's open. On an error the daemon has dropped the
+ * import whole. */
+static int import_chunks(mok_client *c, Mokd__ImportKind kind, const size_t *sizes, int n,
+                         chunk_fd_fn fd_of, const void *arg, uint64_t *arena)
+{
+  size_t bytes = 0;
+  uint64_t id = 0;
+  int rc;
+
+  if ((rc = needs_protocol(c, 3, "importing memory made of several allocations")) != 0)
+    return rc;
+  for (int i = 0; i < n; i++)
+    bytes += sizes[i];
+  for (int at = 0; at < n;) {
+    Mokd__Request req = MOKD__REQUEST__INIT;
+    Mokd__ImportBuffer ib = MOKD__IMPORT_BUFFER__INIT;
+    Mokd__Response *r;
+    uint64_t cb[MOKW_MAX_FDS];
+    int fds[MOKW_MAX_FDS], k = n - at < MOKW_MAX_FDS ? n - at : MOKW_MAX_FDS, nfd = 0;
+
+    for (rc = 0; rc == 0 && nfd < k; nfd++) {
+      cb[nfd] = sizes[at + nfd];
+      if ((rc = fd_of(c, arg, at + nfd, &fds[nfd])) != 0)
+        break;
+    }
+    if (rc == 0) {
+      ib.bytes = bytes;
+      ib.kind = kind;
+      ib.continues = id;
+      ib.n_chunk_bytes = (size_t)k;
+      ib.chunk_bytes = cb;
+      req.body_case = MOKD__REQUEST__BODY_IMPORT_BUFFER;
+      req.import_buffer = &ib;
+      rc = expect(c, &req, fds, k, MOKD__RESPONSE__BODY_BUFFER_IMPORTED, &r);
+    }
+    for (int j = 0; j < nfd; j++)
+      close(fds[j]);
+    if (rc != 0 && nfd < k && id != 0)
+      mok_ping(c, NULL); /* any request but its next chunks drops an import under way */
+    if (rc != 0)
+      return rc; /* a refused frame dropped the import */
+    if ((id != 0 && r->buffer_imported->arena != id) ||
+        r->buffer_imported->incomplete != (at + k < n)) {
+      uint64_t got = r->buffer_imported->arena;
+      int done = !r->buffer_imported->incomplete;
+      mokd__response__free_unpacked(r, NULL);
+      if (done)
+        mok_arena_destroy(c, got);
+      else
+        mok_ping(c, NULL);
+      return fail(c, MOK_EPROTO, "mokd answered chunks %d to %d of import %llu of %d chunks "
+                  "with arena %llu, %s", at, at + k - 1, (unsigned long long)id, n,
+                  (unsigned long long)got, done ? "complete" : "incomplete");
+    }
+    id = r->buffer_imported->arena;
+    mokd__response__free_unpacked(r, NULL);
+    at += k;
+  }
+  *arena = id;
+  return 0;
+}
+
+int mok_arena_import_chunks(mok_client *c, const int *fds, const size_t *sizes, int n,
+                            mok_arena_info *out)
+{
+  size_t bytes = 0;
+  uint64_t id = 0;
+  char *p;
+  int rc;
+
+  if (c == NULL || fds == NULL || sizes == NULL || out == NULL)
+    return MOK_ENULL;
+  if (n <= 0)
+    return fail(c, MOK_EINVAL, "an import of %d chunks", n);
+  for (int i = 0; i < n; i++) {
+    if (sizes[i] > SIZE_MAX / 2 - bytes)
+      return fail(c, MOK_EOVERFLOW, "the chunks' sizes overflow");
+    bytes += sizes[i];
+  }
+  if (grow(c, (void **)&c->maps, c->nmaps, &c->capmaps, sizeof *c->maps) != 0)
+    return MOK_ENOMEM;
+  if ((rc = import_chunks(c, MOKD__IMPORT_KIND__IMPORT_MEMFD, sizes, n, memfd_of, fds, &id)))
+    return rc;
+  /* mapped here as the daemon maps it: the chunks back to back in one range */
+  p = mmap(NULL, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  for (size_t i = 0, off = 0; p != MAP_FAILED && i < (size_t)n; off += sizes[i++])
+    if (mmap(p + off, sizes[i], PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fds[i], 0) ==
+        MAP_FAILED) {
+      munmap(p, bytes);
+      p = MAP_FAILED;
+    }
+  if (p == MAP_FAILED) {
+    rc = fail(c, MOK_ENOMEM, "cannot map the %d chunks of arena %llu here (%zu bytes): %s", n,
+              (unsigned long long)id, bytes, strerror(errno));
+    mok_arena_destroy(c, id);
+    return rc;
+  }
+  c->maps[c->nmaps++] = (mapped){id, p, bytes, -1, 0, 0};
+  *out = (mok_arena_info){.id = id, .ptr = p, .bytes = bytes, .device = -1};
+  return 0;
+}
+
+/* The allocations that hold [ptr, end): the one at ptr, then those mapped
+ * right after it, which must be cuMem allocations of the same device. */
+static int walk_chunks(mok_client *c, const void *ptr, uintptr_t end, const mok_cuda_alloc *first,
+                       mok_cuda_alloc **out, int *n)
+{
+  mok_cuda_alloc *v = NULL, next;
+  int cap = 0, k = 0;
+  char why[200];
+
+  *out = NULL, *n = 0;
+  for (uintptr_t at = first->base; at < end; at += v[k - 1].bytes) {
+    if (k > 0 && (mok_cuda_alloc_info((const void *)at, &next, why, sizeof why) != 0 ||
+                  next.base != at || next.device != first->device || next.legacy_ipc ||
+                  first->legacy_ipc)) {
+      free(v);
+      return fail(c, MOK_ERANGE, "%zu bytes at %p run past the end of their allocation "
+                  "(%zu bytes at %#lx)%s", (size_t)(end - (uintptr_t)ptr), ptr,
+                  (size_t)(at - first->base), (unsigned long)first->base,
+                  k > 1 ? " and the allocations mapped after it" : "");
+    }
+    if (k == cap) {
+      void *w = realloc(v, (size_t)(cap = cap ? 2 * cap : 8) * sizeof *v);
+      if (w == NULL) {
+        free(v);
+        return fail(c, MOK_ENOMEM, "out of memory");
+      }
+      v = w;
+    }
+    v[k] = k == 0 ? *first : next;
+    k++;
+  }
+  *out = v, *n = k;
+  return 0;
+}
+
+/* Whether imported m still maps the allocations it was made of where they
+ * overlap chunks w[0, n) of ours: a chunk freed and made again (another
+ * buffer id, size or start) means the daemon holds memory we let go of. */
+static int imp_matches(const imported *m, const mok_cuda_alloc *w, int n)
+{
+  for (int i = 0; i < n; i++) {
+    int lo = 0, hi = m->n; /* m's chunks ascend by base: the last at or below w[i]'s */
+    if (w[i].base >= m->base + m->bytes || m->base >= w[i].base + w[i].bytes)
+      continue;
+    while (hi - lo > 1) {
+      int mid = (lo + hi) / 2;
+      if (m->chunks[mid].base <= w[i].base)
+        lo = mid;
+      else
+        hi = mid;
+    }
+    if (m->chunks[lo].base != w[i].base || m->chunks[lo].bytes != w[i].bytes ||
+        m->chunks[lo].buffer_id != w[i].buffer_id)
+      return 0;
+  }
+  return 1;
+}
+
 int mok_arena_import_cuda(mok_client *c, const void *ptr, size_t bytes, uint64_t *arena,
                           uint64_t *offset)
 {
-  mok_cuda_alloc al, next;
+  mok_cuda_alloc al, *w = NULL;
   imported *hit = NULL;
+  uintptr_t end;
   char why[200];
-  int rc, dev = -1;
+  int rc, dev = -1, n = 0;
 
   if (c == NULL || ptr == NULL || arena == NULL || offset == NULL)
     return MOK_ENULL;
@@ -741,43 +928,65 @@ int mok_arena_import_cuda(mok_client *c, const void *ptr, size_t bytes, uint64_t
                 "session runs on %s (device %d here): allocate it there, or connect on its GPU",
                 al.device, there, c->info.device_uuid, dev);
   }
-  if ((uintptr_t)ptr + bytes > al.base + al.bytes && !al.legacy_ipc &&
-      mok_cuda_alloc_info((const void *)(al.base + al.bytes), &next, why, sizeof why) == 0)
-    return fail(c, MOK_ENOTSUP, "%zu bytes at %p span several cuMem allocations (as "
-                "PyTorch's expandable_segments does; the first ends after %zu bytes); mokd "
-                "imports one allocation per tensor: with PyTorch, run without "
-                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", bytes, ptr,
-                (size_t)(al.base + al.bytes - (uintptr_t)ptr));
-  if ((uintptr_t)ptr + bytes > al.base + al.bytes)
-    return fail(c, MOK_ERANGE, "%zu bytes at %p run past the end of their allocation "
-                "(%zu bytes at %#lx)", bytes, ptr, al.bytes, (unsigned long)al.base);
+  end = (uintptr_t)ptr + (bytes > 0 ? bytes : 1);
+  if ((rc = walk_chunks(c, ptr, end, &al, &w, &n)) != 0)
+    return rc;
   for (int i = 0; i < c->nimps;) {
     imported *m = &c->imps[i];
-    if (m->base == al.base && m->buffer_id == al.buffer_id && m->bytes == al.bytes) {
+    if (m->base < end && (uintptr_t)ptr < m->base + m->bytes && imp_matches(m, w, n) &&
+        m->base <= w[0].base && w[n - 1].base + w[n - 1].bytes <= m->base + m->bytes) {
       hit = m;
       break;
     }
-    if (m->base < al.base + al.bytes && al.base < m->base + m->bytes) {
-      /* it overlaps a live allocation, so its own was freed: the daemon's
-       * mapping of it would keep that memory from going back */
+    if (m->base < w[n - 1].base + w[n - 1].bytes && w[0].base < m->base + m->bytes &&
+        !imp_matches(m, w, n)) {
+      /* it overlaps live allocations that are not its own, so its own were
+       * freed: the daemon's mapping of them would keep that memory from
+       * going back */
       uint64_t old = m->arena;
-      if ((rc = mok_arena_destroy(c, old)) != 0) /* drops it from imps too */
+      if ((rc = mok_arena_destroy(c, old)) != 0) { /* drops it from imps too */
+        free(w);
         return rc;
+      }
       continue;
     }
     i++;
   }
   if (hit == NULL) {
     uint64_t id = 0;
-    if (grow(c, (void **)&c->imps, c->nimps, &c->capimps, sizeof *c->imps) != 0)
-      return MOK_ENOMEM;
-    if ((rc = import_alloc(c, &al, &id)) != 0)
+    size_t total = 0, *sizes = NULL;
+    if (grow(c, (void **)&c->imps, c->nimps, &c->capimps, sizeof *c->imps) != 0 ||
+        (n > 1 && (sizes = malloc((size_t)n * sizeof *sizes)) == NULL)) {
+      free(w);
+      return fail(c, MOK_ENOMEM, "out of memory");
+    }
+    for (int i = 0; i < n; i++) {
+      total += w[i].bytes;
+      if (sizes != NULL)
+        sizes[i] = w[i].bytes;
+    }
+    rc = n == 1 ? import_alloc(c, &al, &id)
+                : import_chunks(c, MOKD__IMPORT_KIND__IMPORT_CUMEM_FD, sizes, n, cumem_of, w,
+                                &id);
+    free(sizes);
+    if (rc == 0 && n > 1) {
+      rc = grow(c, (void **)&c->maps, c->nmaps, &c->capmaps, sizeof *c->maps);
+      if (rc == 0)
+        c->maps[c->nmaps++] = (mapped){id, (void *)al.base, total, al.device, 0, 1};
+      else
+        mok_arena_destroy(c, id);
+    }
+    if (rc != 0) {
+      free(w);
       return rc;
+    }
     hit = &c->imps[c->nimps++];
-    *hit = (imported){al.base, al.bytes, al.buffer_id, id};
+    *hit = (imported){w[0].base, total, w, n, id};
+    w = NULL;
   }
+  free(w);
   *arena = hit->arena;
-  *offset = (uint64_t)((uintptr_t)ptr - al.base);
+  *offset = (uint64_t)((uintptr_t)ptr - hit->base);
   return 0;
 }
 
@@ -800,6 +1009,7 @@ int mok_arena_destroy(mok_client *c, uint64_t arena)
     }
   for (int i = 0; i < c->nimps; i++)
     if (c->imps[i].arena == arena) {
+      free(c->imps[i].chunks);
       c->imps[i] = c->imps[--c->nimps];
       break;
     }

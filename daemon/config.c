@@ -154,9 +154,11 @@ static const opt options[] = {
      "the systemd watchdog is no longer fed and mokctl health says not ready", NULL},
     {"max_layers", NUM(T_INT, max_layers), "1024", 1, 1 << 20, "MOKD_MAX_LAYERS",
      "layers per session", NULL},
-    {"max_arenas", NUM(T_INT, max_arenas), "1024", 1, 1 << 20, "MOKD_MAX_ARENAS",
+    {"max_arenas", NUM(T_INT, max_arenas), "4096", 1, 1 << 20, "MOKD_MAX_ARENAS",
      "arenas per session, created, imported and of outputs together (each is a mapping "
-     "in the daemon; all sessions together stay under half of vm.max_map_count)", NULL},
+     "in the daemon, and each chunk of an import made of several allocations one more: "
+     "a 7.5 GB weight of PyTorch's expandable_segments is 375; all sessions together stay "
+     "under half of vm.max_map_count)", NULL},
     {"allow_uids", STR(allow_uids), "", 0, 0, "MOKD_ALLOW_UIDS",
      "comma list of uids allowed to connect, besides root and the daemon's own uid",
      check_ids},

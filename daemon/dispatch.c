@@ -6,6 +6,8 @@
  * replies unread, it waits too. Each row also names the oldest protocol that
  * has the body: a session that chose an older one at Hello is told to
  * upgrade instead. */
+#include <stdio.h>
+
 #include "mokd.h"
 
 typedef struct route {
@@ -58,8 +60,17 @@ int mokd_dispatch_fds(const Mokd__Request *q)
 }
 
 /* What was wrong with the fds of a frame (p->bad == MOK_EINVAL). */
+static const char *fd_count(int want, char *buf, size_t len)
+{
+  if (want == 1)
+    return "one fd";
+  snprintf(buf, len, "%d fds", want);
+  return buf;
+}
+
 static int bad_fds(const mokd_pending *p, char *err)
 {
+  char n[16];
   const route *r = p->req != NULL ? route_of(p->req) : NULL;
   int want = r != NULL && r->fds != NULL ? r->fds(p->req) : 0;
 
@@ -70,9 +81,9 @@ static int bad_fds(const mokd_pending *p, char *err)
   if (want == 0)
     return mokk_fail(err, MOK_EINVAL, "a file descriptor came with a request that takes "
                      "none; it was closed and the request not run");
-  return mokk_fail(err, MOK_EINVAL, "%s takes exactly one fd (SCM_RIGHTS) on its frame; %d "
+  return mokk_fail(err, MOK_EINVAL, "%s takes exactly %s (SCM_RIGHTS) on its frame; %d "
                    "came; they were closed and the request not run", r->name,
-                   p->nfds + p->extra_fds);
+                   fd_count(want, n, sizeof n), p->nfds + p->extra_fds);
 }
 
 /* What refuses a request before its handler runs: 0 and its route, or a
@@ -82,6 +93,7 @@ static int admit(mokd_session *s, const mokd_pending *p, const route **out, char
   const Mokd__Request *q = p->req;
   const route *r;
   uint32_t unknown;
+  char n[16];
 
   if (p->bad == MOK_EPROTO)
     return mokk_fail(err, MOK_EPROTO, q == NULL ? "frame is not a packed Request "
@@ -103,8 +115,8 @@ static int admit(mokd_session *s, const mokd_pending *p, const route **out, char
   if (s->srv->draining && r->refused_draining)
     return mokk_fail(err, MOK_ESHUTDOWN, "mokd is shutting down; no new work is taken");
   if (p->nfds < mokd_dispatch_fds(q))
-    return mokk_fail(err, MOK_EINVAL, "%s needs exactly one fd (SCM_RIGHTS) on its own frame",
-                     r->name);
+    return mokk_fail(err, MOK_EINVAL, "%s needs exactly %s (SCM_RIGHTS) on its own frame",
+                     r->name, fd_count(mokd_dispatch_fds(q), n, sizeof n));
   *out = r;
   return 0;
 }
@@ -112,7 +124,13 @@ static int admit(mokd_session *s, const mokd_pending *p, const route **out, char
 static int handle(mokd_session *s, const mokd_pending *p, char *err)
 {
   const route *r = NULL;
-  int rc = admit(s, p, &r, err);
+  int rc;
+
+  if (s->reg.pending != NULL && !mokd_import_continues(s, p->req)) {
+    mokd_import_drop(&s->reg); /* a chunked import's frames come back to back */
+    mokd_server_reap(s->srv);
+  }
+  rc = admit(s, p, &r, err);
 
   if (rc != 0) {
     mokd_steps_refused(s, p->req, err); /* a step the rank's EP group waits for */

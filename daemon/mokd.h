@@ -255,6 +255,9 @@ int mokd_h_import_buffer(mokd_session *s, const Mokd__Request *q, const int *fds
 int mokd_h_destroy_arena(mokd_session *s, const Mokd__Request *q, const int *fds, int nfds,
                          char *err);
 int mokd_import_fds(const Mokd__Request *q);
+/* Whether q brings the next chunks of the session's import under way; any
+ * other request drops that import. */
+int mokd_import_continues(const mokd_session *s, const Mokd__Request *q);
 
 /* layers.c: CreateLayer, SetWeights, DestroyLayer, and a layer's weights */
 int mokd_h_create_layer(mokd_session *s, const Mokd__Request *q, const int *fds, int nfds,

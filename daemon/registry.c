@@ -79,6 +79,7 @@ void mokd_registry_place(mokd_registry *r, mokk_backend *b)
 
 void mokd_registry_clear(mokd_registry *r)
 {
+  mokd_import_drop(r);
   while (r->arenas != NULL)
     mokd_arena_free(r, r->arenas);
 }
@@ -116,12 +117,13 @@ void mokd_quota_give(mokd_registry *r, uint64_t bytes, int which)
       r->usage[i]->gpu_bytes -= bytes;
 }
 
+/* An arena counts once per mapping: a chunked import once per chunk. */
 static void account(mokd_registry *r, const mokd_arena *a, int sign)
 {
-  r->narenas += (uint64_t)(int64_t)sign;
+  r->narenas += (uint64_t)((int64_t)sign * a->maps);
   for (int i = 0; i < 2; i++)
     if (r->usage[i] != NULL) {
-      r->usage[i]->arenas += (uint64_t)(int64_t)sign;
+      r->usage[i]->arenas += (uint64_t)((int64_t)sign * a->maps);
       r->usage[i]->arena_bytes += (uint64_t)((int64_t)sign * (int64_t)a->bytes);
     }
 }
@@ -147,6 +149,7 @@ static mokd_arena *arena_link(mokd_registry *r, mokk_buffer *buf, mokd_arena_kin
   a->base = buf->base;
   a->bytes = buf->bytes;
   a->device = buf->device;
+  a->maps = 1;
   a->next = r->arenas;
   r->arenas = a;
   account(r, a, +1);
@@ -163,16 +166,21 @@ static int size_ok(const mokd_registry *r, size_t bytes, const char *what, char 
   return 0;
 }
 
-/* Every arena, whatever its kind, is one more mapping in the daemon. */
-static int count_ok(const mokd_registry *r, char *err)
+/* Every arena, whatever its kind, is one more mapping in the daemon, and
+ * each chunk of a chunked import one more: n more, with those of the import
+ * under way. */
+static int count_ok(const mokd_registry *r, uint64_t n, char *err)
 {
-  uint64_t all = r->usage[1] != NULL ? r->usage[1]->arenas : r->narenas;
+  uint64_t pend = r->pending != NULL ? (uint64_t)r->pending->maps : 0;
+  uint64_t own = r->narenas + pend, all = (r->usage[1] != NULL ? r->usage[1]->arenas
+                                                                : r->narenas) + pend;
 
-  if (r->lim.max_arenas > 0 && r->narenas >= r->lim.max_arenas)
+  if (r->lim.max_arenas > 0 && own + n > r->lim.max_arenas)
     return mokk_fail(err, MOK_EDQUOT, "session already holds %llu arenas (max_arenas), "
-                     "imported, created and of outputs together; destroy some first",
-                     (unsigned long long)r->narenas);
-  if (r->lim.daemon_max_arenas > 0 && all >= r->lim.daemon_max_arenas)
+                     "imported, created and of outputs together, each chunk of an import "
+                     "made of several allocations counted; %llu more do not fit; destroy "
+                     "some first", (unsigned long long)own, (unsigned long long)n);
+  if (r->lim.daemon_max_arenas > 0 && all + n > r->lim.daemon_max_arenas)
     return mokk_fail(err, MOK_EDQUOT, "mokd holds %llu arenas for all sessions, the most "
                      "its mappings allow (half of vm.max_map_count); try again later",
                      (unsigned long long)all);
@@ -186,7 +194,7 @@ int mokd_arena_new(mokd_registry *r, size_t bytes, mokd_arena_kind kind, mokd_ar
   mokk_buffer *buf;
   char why[MOK_ERRLEN];
 
-  if ((rc = size_ok(r, bytes, "arena", err)) || (rc = count_ok(r, err)) ||
+  if ((rc = size_ok(r, bytes, "arena", err)) || (rc = count_ok(r, 1, err)) ||
       (rc = mokd_quota_take(r, bytes, which, err)))
     return rc;
   if ((rc = mokk_buffer_alloc(r->backend, bytes, &buf, &fd, err))) {
@@ -224,7 +232,7 @@ int mokd_arena_import(mokd_registry *r, const mokk_import *src, mokd_arena **out
   if (src->kind != MOKK_IMPORT_HOST_FD && r->device < 0)
     return mokk_fail(err, MOK_ENOTSUP, "this daemon runs the %s backend; it imports GPU "
                      "memory only on the cuda backend", mokk_backend_name(r->backend));
-  if ((rc = size_ok(r, src->bytes, "imported buffer", err)) || (rc = count_ok(r, err)) ||
+  if ((rc = size_ok(r, src->bytes, "imported buffer", err)) || (rc = count_ok(r, 1, err)) ||
       (rc = mokd_quota_take(r, charge, MOKD_HOST, err)))
     return rc;
   if ((rc = mokk_buffer_import(r->backend, src, &buf, err))) {
@@ -238,6 +246,120 @@ int mokd_arena_import(mokd_registry *r, const mokk_import *src, mokd_arena **out
   }
   (*out)->charged = charge;
   (*out)->which = MOKD_HOST;
+  return 0;
+}
+
+void mokd_import_drop(mokd_registry *r)
+{
+  mokd_arena *a = r->pending;
+  char why[MOK_ERRLEN];
+
+  if (a == NULL)
+    return;
+  r->pending = NULL;
+  mokd_quota_give(r, a->charged, a->which);
+  if (mokk_buffer_release(r->backend, a->buf, why) != 0)
+    LOG_WARN(SESS, "%s; dropped import %llu after a device wait", why,
+             (unsigned long long)a->id);
+  free(a);
+}
+
+/* A new chunked import of bytes, waiting for its chunks as r->pending. */
+static int import_begin(mokd_registry *r, mokk_import_kind kind, size_t bytes, char *err)
+{
+  uint64_t charge = kind == MOKK_IMPORT_HOST_FD ? bytes : 0;
+  mokk_buffer *buf;
+  mokd_arena *a;
+  char why[MOK_ERRLEN];
+  int rc;
+
+  if (kind != MOKK_IMPORT_HOST_FD && r->device < 0)
+    return mokk_fail(err, MOK_ENOTSUP, "this daemon runs the %s backend; it imports GPU "
+                     "memory only on the cuda backend", mokk_backend_name(r->backend));
+  if ((rc = size_ok(r, bytes, "imported buffer", err)) ||
+      (rc = mokd_quota_take(r, charge, MOKD_HOST, err)))
+    return rc;
+  if ((rc = mokk_buffer_import_begin(r->backend, kind, bytes, &buf, err))) {
+    mokd_quota_give(r, charge, MOKD_HOST);
+    return rc;
+  }
+  if ((a = calloc(1, sizeof *a)) == NULL) {
+    mokd_quota_give(r, charge, MOKD_HOST);
+    mokk_buffer_release(r->backend, buf, why);
+    return mokk_fail(err, MOK_ENOMEM, "out of memory");
+  }
+  a->id = ++*r->next_id;
+  a->kind = ARENA_IMPORTED;
+  a->fd = -1;
+  a->buf = buf;
+  a->base = buf->base;
+  a->bytes = buf->bytes;
+  a->device = buf->device;
+  a->charged = charge;
+  a->which = MOKD_HOST;
+  r->pending = a;
+  return 0;
+}
+
+/* The chunks of one frame mapped after those before; 0 when all fit. */
+static int import_fill(mokd_registry *r, const int *fds, const size_t *sizes, int n, char *err)
+{
+  mokd_arena *a = r->pending;
+  int rc;
+
+  if ((rc = count_ok(r, (uint64_t)n, err)))
+    return rc;
+  for (int i = 0; i < n; i++) {
+    if (sizes[i] == 0)
+      return mokk_fail(err, MOK_EZEROSIZE, "chunk %d of the import has size 0", a->maps);
+    if (sizes[i] > a->bytes - a->filled)
+      return mokk_fail(err, MOK_ERANGE, "the chunks add up to more than the %zu bytes of the "
+                       "import: chunk %d of %zu bytes begins at %zu", a->bytes, a->maps,
+                       sizes[i], a->filled);
+    if ((rc = mokk_buffer_import_chunk(r->backend, a->buf, fds[i], a->filled, sizes[i], err)))
+      return rc;
+    a->filled += sizes[i];
+    a->maps++;
+  }
+  return 0;
+}
+
+int mokd_import_chunks(mokd_registry *r, mokk_import_kind kind, uint64_t continues,
+                       size_t bytes, const int *fds, const size_t *sizes, int n,
+                       mokd_arena **out, char *err)
+{
+  mokd_arena *a;
+  int rc;
+
+  *out = NULL;
+  if (continues == 0) {
+    mokd_import_drop(r);
+    if ((rc = import_begin(r, kind, bytes, err)))
+      return rc;
+  } else if (r->pending == NULL || r->pending->id != continues) {
+    mokd_import_drop(r);
+    return mokk_fail(err, MOK_ENOENT, "no import %llu waits for chunks in this session (an "
+                     "error, or another request in between, drops it)",
+                     (unsigned long long)continues);
+  } else if (bytes != r->pending->bytes) {
+    rc = mokk_fail(err, MOK_EINVAL, "the import continued names %zu bytes; it began with %zu",
+                   bytes, r->pending->bytes);
+    mokd_import_drop(r);
+    return rc;
+  }
+  a = r->pending;
+  if ((rc = import_fill(r, fds, sizes, n, err)) ||
+      (a->filled == a->bytes && (rc = mokk_buffer_import_commit(r->backend, a->buf, err)))) {
+    mokd_import_drop(r);
+    return rc;
+  }
+  if (a->filled == a->bytes) {
+    r->pending = NULL;
+    a->next = r->arenas;
+    r->arenas = a;
+    account(r, a, +1);
+  }
+  *out = a;
   return 0;
 }
 

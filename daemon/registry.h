@@ -29,6 +29,8 @@ typedef struct mokd_arena {
   size_t bytes;
   int device;        /* CUDA ordinal; -1 = host memory */
   int users;         /* forward contexts reading weights in it */
+  int maps;          /* mappings it holds: chunks of a chunked import, else 1 */
+  size_t filled;     /* a chunked import under way: bytes of chunks mapped */
   uint64_t charged;  /* bytes charged to the quota `which` */
   int which;
   mokd_span *free;   /* output arenas: free ranges, sorted by offset */
@@ -82,6 +84,7 @@ typedef struct mokd_registry {
   mok_usage *usage[2];     /* counters kept up to date: the session's, the daemon's */
   mokd_tenant *tenant;     /* its session's tenant, from Hello; NULL before */
   mokd_arena *arenas;
+  mokd_arena *pending;     /* a chunked import waiting for chunks; not in arenas */
 } mokd_registry;
 
 void mokd_registry_init(mokd_registry *r, mokk_backend *b, uint64_t *next_id,
@@ -99,6 +102,16 @@ int mokd_arena_new(mokd_registry *r, size_t bytes, mokd_arena_kind kind, mokd_ar
  * memfd is charged to the host quota: the daemon's mapping keeps its pages
  * alive after the client lets go of them. */
 int mokd_arena_import(mokd_registry *r, const mokk_import *src, mokd_arena **out, char *err);
+/* Client memory made of several allocations, their chunks brought by
+ * several requests: continues = 0 begins an import of bytes, otherwise it
+ * names the import under way (at most one a session). *out is the arena,
+ * in r->arenas once the chunks add up to bytes, r->pending until then. Any
+ * error drops the import whole. */
+int mokd_import_chunks(mokd_registry *r, mokk_import_kind kind, uint64_t continues,
+                       size_t bytes, const int *fds, const size_t *sizes, int n,
+                       mokd_arena **out, char *err);
+/* Drops the import under way, if any: unmaps what it mapped. */
+void mokd_import_drop(mokd_registry *r);
 mokd_arena *mokd_arena_find(const mokd_registry *r, uint64_t id);
 /* Device memory goes once the work queued before the call has run (the loop
  * never waits for the GPU: see mokk_buffer_release); host memory goes at once. */

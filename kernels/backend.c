@@ -80,6 +80,33 @@ int mokk_buffer_import(mokk_backend *b, const mokk_import *src, mokk_buffer **ou
   return b->iface->buffer_import(b, src, out, err);
 }
 
+int mokk_buffer_import_begin(mokk_backend *b, mokk_import_kind kind, size_t bytes,
+                             mokk_buffer **out, char *err)
+{
+  *out = NULL;
+  if (kind == MOKK_IMPORT_HOST_FD)
+    return mokk_host_reserve(bytes, out, err);
+  if (kind != MOKK_IMPORT_CUMEM_FD || b->iface->import_begin == NULL)
+    return mokk_fail(err, MOK_ENOTSUP, "the %s backend imports no device memory made of "
+                     "several allocations", b->iface->name);
+  return b->iface->import_begin(b, bytes, out, err);
+}
+
+int mokk_buffer_import_chunk(mokk_backend *b, mokk_buffer *buf, int fd, size_t offset,
+                             size_t bytes, char *err)
+{
+  if (buf->device < 0)
+    return mokk_host_import_chunk(buf, fd, offset, bytes, err);
+  return b->iface->import_chunk(b, buf, fd, offset, bytes, err);
+}
+
+int mokk_buffer_import_commit(mokk_backend *b, mokk_buffer *buf, char *err)
+{
+  if (buf->device < 0)
+    return 0;
+  return b->iface->import_commit(b, buf, err);
+}
+
 int mokk_buffer_release(mokk_backend *b, mokk_buffer *buf, char *err)
 {
   if (buf == NULL)

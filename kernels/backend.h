@@ -78,6 +78,16 @@ uint64_t mokk_backend_mem_total(const mokk_backend *b);
  * client (the caller closes it). */
 int mokk_buffer_alloc(mokk_backend *b, size_t bytes, mokk_buffer **out, int *fd, char *err);
 int mokk_buffer_import(mokk_backend *b, const mokk_import *src, mokk_buffer **out, char *err);
+/* Client memory made of several allocations mapped back to back in one range
+ * (PyTorch's expandable_segments), kind MOKK_IMPORT_HOST_FD or
+ * MOKK_IMPORT_CUMEM_FD: _begin reserves bytes of address space, _chunk maps
+ * bytes of the allocation behind fd at offset, _commit makes the range usable
+ * once the chunks cover it. mokk_buffer_release undoes any part of it. */
+int mokk_buffer_import_begin(mokk_backend *b, mokk_import_kind kind, size_t bytes,
+                             mokk_buffer **out, char *err);
+int mokk_buffer_import_chunk(mokk_backend *b, mokk_buffer *buf, int fd, size_t offset,
+                             size_t bytes, char *err);
+int mokk_buffer_import_commit(mokk_backend *b, mokk_buffer *buf, char *err);
 /* Frees buf once the work queued on b so far has run (host memory: now); the
  * caller never waits. A nonzero return says the fence could not be made and
  * the buffer went after a wait for the device (err says why). */

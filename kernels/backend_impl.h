@@ -24,6 +24,11 @@ typedef struct mokk_backend_iface {
   /* device memory; host fds are always imported as host memory */
   int (*buffer_alloc)(mokk_backend *b, size_t bytes, mokk_buffer **out, int *fd, char *err);
   int (*buffer_import)(mokk_backend *b, const mokk_import *src, mokk_buffer **out, char *err);
+  /* chunked imports of device memory; NULL = none */
+  int (*import_begin)(mokk_backend *b, size_t bytes, mokk_buffer **out, char *err);
+  int (*import_chunk)(mokk_backend *b, mokk_buffer *buf, int fd, size_t offset, size_t bytes,
+                      char *err);
+  int (*import_commit)(mokk_backend *b, mokk_buffer *buf, char *err);
   int (*buffer_release)(mokk_backend *b, mokk_buffer *buf, char *err);
   int (*reap)(mokk_backend *b, int wait);
   uint64_t (*mem_total)(const mokk_backend *b);
@@ -44,6 +49,10 @@ struct mokk_backend {
 /* Host memory (kernels/cpu/hostmem.c): a sealed memfd mapped here. */
 int mokk_host_alloc(size_t bytes, mokk_buffer **out, int *fd, char *err);
 int mokk_host_import(int fd, size_t bytes, mokk_buffer **out, char *err);
+/* A chunked import of memfds: an inaccessible reservation, then each memfd
+ * mapped over its part; mokk_host_free unmaps it all. */
+int mokk_host_reserve(size_t bytes, mokk_buffer **out, char *err);
+int mokk_host_import_chunk(mokk_buffer *buf, int fd, size_t offset, size_t bytes, char *err);
 void mokk_host_free(mokk_buffer *buf);
 
 #ifdef __cplusplus

@@ -319,7 +319,7 @@ START_TEST(help_and_version_exit)
   char out[16384];
   char *argv[] = {"mokd", "--version"};
   ck_assert_int_eq(load_quietly(2, argv, out, sizeof out), MOKD_CONFIG_EXIT);
-  ck_assert_str_eq(out, "mokd " MOKD_VERSION " (protocol 1 to 2)\n");
+  ck_assert_str_eq(out, "mokd " MOKD_VERSION " (protocol 1 to 3)\n");
   char *argv2[] = {"mokd", "--help"};
   ck_assert_int_eq(load_quietly(2, argv2, out, sizeof out), MOKD_CONFIG_EXIT);
   ck_assert_msg(strncmp(out, "usage: mokd [options]\n", 22) == 0, "%.200s", out);

@@ -367,6 +367,50 @@ START_TEST(imports_are_limited_per_session)
 }
 END_TEST
 
+/* Each chunk of an import made of several allocations is a mapping of the
+ * daemon's: they count against max_arenas, and one that does not fit drops
+ * the whole import. Imported memfds count against the host quota. */
+START_TEST(chunked_imports_count_each_chunk)
+{
+  enum { N = 12 };
+  own_daemon d;
+  own_daemon_start(&d, "chunks", "--max-arenas=10 --session-quota-bytes=1M");
+  mok_client *c;
+  mok_arena_info a;
+  mok_stats st;
+  int fds[N];
+  size_t sizes[N];
+  for (int i = 0; i < N; i++) {
+    fds[i] = memfd_create("chunk", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    ck_assert_int_eq(ftruncate(fds[i], 64 << 10), 0);
+    ck_assert_int_eq(fcntl(fds[i], F_ADD_SEALS, F_SEAL_SHRINK), 0);
+    sizes[i] = 64 << 10;
+  }
+  ck_assert_int_eq(mok_connect(d.path, "chunks", &c), 0);
+  ck_assert_int_eq(mok_arena_import_chunks(c, fds, sizes, N, &a), MOK_EDQUOT);
+  ck_assert_msg(strstr(mok_last_error(c), "already holds 8 arenas (max_arenas), imported, "
+                       "created and of outputs together, each chunk of an import made of "
+                       "several allocations counted; 4 more do not fit") != NULL, "%s",
+                mok_last_error(c));
+  ck_assert_int_eq(mok_stats_get(c, &st), 0);
+  ck_assert_uint_eq(st.session.arenas, 0);
+  ck_assert_int_eq(mok_arena_import_chunks(c, fds, sizes, 10, &a), 0);
+  ck_assert_int_eq(mok_arena_create(c, 4096, &a), MOK_EDQUOT);
+  ck_assert_int_eq(mok_stats_get(c, &st), 0);
+  ck_assert_uint_eq(st.session.arenas, 10);
+  mok_close(c);
+  ck_assert_int_eq(mok_connect(d.path, "quota", &c), 0);
+  sizes[0] = 1 << 20;
+  ck_assert_int_eq(mok_arena_import_chunks(c, fds, sizes, 2, &a), MOK_EDQUOT);
+  ck_assert_msg(strstr(mok_last_error(c), "quota is 1048576 (session_quota_bytes)") != NULL,
+                "%s", mok_last_error(c));
+  mok_close(c);
+  for (int i = 0; i < N; i++)
+    close(fds[i]);
+  own_daemon_stop(&d);
+}
+END_TEST
+
 static mok_client *connect_as_job(const char *path, const char *job)
 {
   mok_client *c;
@@ -591,6 +635,7 @@ Suite *daemon_limits_suite(void)
   tcase_add_test(tc, silent_connections_are_closed);
   tcase_add_test(tc, refused_client_reads_the_reason);
   tcase_add_test(tc, imports_are_limited_per_session);
+  tcase_add_test(tc, chunked_imports_count_each_chunk);
   tcase_add_test(tc, default_quota_is_half_of_ram);
   tcase_add_test(tc, tenant_quota_bounds_a_jobs_sessions_together);
   tcase_add_test(tc, large_release_is_quick);

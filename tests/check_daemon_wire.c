@@ -162,7 +162,7 @@ START_TEST(protocol_versions_are_negotiated)
   r = hello_range(fd, 7, 5, 7);
   ck_assert_int_eq(r->status, MOK_EPROTO);
   ck_assert_str_eq(r->message, "client speaks protocol 5 to 7; this daemon (mokd 0.1.0) "
-                   "speaks 1 to 2: upgrade the daemon");
+                   "speaks 1 to 3: upgrade the daemon");
   mokd__response__free_unpacked(r, NULL);
   close(fd);
   fd = raw_connect();
@@ -532,6 +532,209 @@ START_TEST(hello_range_job_and_uuid_together)
 }
 END_TEST
 
+/* ---- imports made of several allocations ----------------------------------- */
+
+/* A sealed memfd of bytes holding `fill` bytes; or, unsealed, not. */
+static int chunk_fd(size_t bytes, int seal, int fill)
+{
+  int fd = memfd_create("chunk", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  ck_assert_int_ge(fd, 0);
+  ck_assert_int_eq(ftruncate(fd, (off_t)bytes), 0);
+  if (fill >= 0) {
+    char *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    ck_assert_ptr_ne(p, MAP_FAILED);
+    memset(p, fill, bytes);
+    munmap(p, bytes);
+  }
+  if (seal)
+    ck_assert_int_eq(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK), 0);
+  return fd;
+}
+
+/* One frame of a chunked import: n chunk sizes, nfds of fds riding along. */
+static void chunk_frame(int fd, uint64_t id, Mokd__ImportKind kind, uint64_t bytes,
+                        uint64_t continues, const uint64_t *sizes, size_t n, const int *fds,
+                        int nfds)
+{
+  Mokd__Request req = MOKD__REQUEST__INIT;
+  Mokd__ImportBuffer ib = MOKD__IMPORT_BUFFER__INIT;
+  uint8_t *buf;
+  size_t len;
+  ib.bytes = bytes, ib.kind = kind, ib.continues = continues;
+  ib.chunk_bytes = (uint64_t *)sizes, ib.n_chunk_bytes = n;
+  req.id = id, req.body_case = MOKD__REQUEST__BODY_IMPORT_BUFFER, req.import_buffer = &ib;
+  ck_assert_int_eq(mokw_pack(&req.base, &buf, &len), 0);
+  raw_send_fds(fd, buf, len, fds, nfds);
+  free(buf);
+}
+
+/* The reply to a frame that was taken: the import's id; incomplete as said */
+static uint64_t chunk_taken(int fd, int incomplete)
+{
+  Mokd__Response *r = raw_reply(fd);
+  ck_assert_ptr_nonnull(r);
+  ck_assert_msg(r->status == 0, "%s", r->message);
+  ck_assert_int_eq(r->body_case, MOKD__RESPONSE__BODY_BUFFER_IMPORTED);
+  ck_assert_int_eq(r->buffer_imported->incomplete, incomplete);
+  uint64_t id = r->buffer_imported->arena;
+  mokd__response__free_unpacked(r, NULL);
+  return id;
+}
+
+/* The session's arenas (mappings) and arena bytes, asked with Stats. */
+static void session_holds(int fd, uint64_t arenas, uint64_t bytes)
+{
+  Mokd__Request req = MOKD__REQUEST__INIT;
+  Mokd__Stats st = MOKD__STATS__INIT;
+  req.id = 77, req.body_case = MOKD__REQUEST__BODY_STATS, req.stats = &st;
+  raw_request(fd, &req, -1);
+  Mokd__Response *r = raw_reply(fd);
+  ck_assert(r != NULL && r->status == 0 && r->body_case == MOKD__RESPONSE__BODY_STATS);
+  ck_assert_uint_eq(r->stats->session->arenas, arenas);
+  ck_assert_uint_eq(r->stats->session->arena_bytes, bytes);
+  mokd__response__free_unpacked(r, NULL);
+}
+
+/* Through libmok: 20 memfds become one arena over three frames; both sides
+ * see each chunk at its offset, and the arena counts one mapping a chunk. */
+START_TEST(chunked_import_through_libmok)
+{
+  enum { N = 20, PAGE = 4096 };
+  mok_client *c = connect_ok();
+  mok_arena_info a;
+  mok_stats st;
+  int fds[N];
+  size_t sizes[N];
+  for (int i = 0; i < N; i++) {
+    sizes[i] = (size_t)PAGE * (1 + i % 3);
+    fds[i] = chunk_fd(sizes[i], 1, i + 1);
+  }
+  sizes[N - 1] = 100; /* the last may end anywhere */
+  ck_assert_msg(mok_arena_import_chunks(c, fds, sizes, N, &a) == 0, "%s", mok_last_error(c));
+  size_t off = 0;
+  for (int i = 0; i < N; off += sizes[i++])
+    ck_assert_int_eq(((unsigned char *)a.ptr)[off + sizes[i] - 1], i + 1);
+  ck_assert_uint_eq(a.bytes, off);
+  ((char *)a.ptr)[sizes[0]] = 99; /* the first byte of chunk 1 */
+  char *mine = mmap(NULL, sizes[1], PROT_READ, MAP_SHARED, fds[1], 0);
+  ck_assert_int_eq(mine[0], 99);
+  munmap(mine, sizes[1]);
+  ck_assert_int_eq(mok_stats_get(c, &st), 0);
+  ck_assert_uint_eq(st.session.arenas, N);
+  ck_assert_uint_eq(st.session.arena_bytes, off);
+  ck_assert_int_eq(mok_arena_destroy(c, a.id), 0);
+  ck_assert_int_eq(mok_stats_get(c, &st), 0);
+  ck_assert_uint_eq(st.session.arenas, 0);
+  ck_assert_int_eq(mok_arena_import_chunks(c, fds, sizes, 0, &a), MOK_EINVAL);
+  sizes[3] = 1000; /* chunk 4 would begin inside a page */
+  ck_assert_int_eq(mok_arena_import_chunks(c, fds, sizes, N, &a), MOK_EINVAL);
+  ck_assert_msg(strstr(mok_last_error(c), "not at a page boundary") != NULL, "%s",
+                mok_last_error(c));
+  ck_assert_int_eq(mok_stats_get(c, &st), 0);
+  ck_assert_uint_eq(st.session.arenas, 0);
+  for (int i = 0; i < N; i++)
+    close(fds[i]);
+  mok_close(c);
+}
+END_TEST
+
+/* Malformed frames of a chunked import are refused with what was wrong, and
+ * leave nothing behind. */
+START_TEST(chunked_import_bad_frames)
+{
+  const Mokd__ImportKind MEMFD = MOKD__IMPORT_KIND__IMPORT_MEMFD;
+  int fd = raw_connect(), f[9], pipefd[2];
+  uint64_t four[9] = {4096, 4096, 4096, 4096, 4096, 4096, 4096, 4096, 4096};
+  for (int i = 0; i < 9; i++)
+    f[i] = chunk_fd(4096, 1, -1);
+  hello(fd);
+
+  chunk_frame(fd, 2, MOKD__IMPORT_KIND__IMPORT_CUDA_IPC, 8192, 0, four, 2, f, 2);
+  expect_status(fd, MOK_EINVAL, "takes kind IMPORT_MEMFD or IMPORT_CUMEM_FD, not 1");
+  chunk_frame(fd, 3, MEMFD, 9 * 4096, 0, four, 9, f, 8);
+  expect_status(fd, MOK_EINVAL, "9 chunks on one frame; a frame carries at most 8 fds");
+  chunk_frame(fd, 4, MEMFD, 8192, 0, four, 2, f, 1);
+  expect_status(fd, MOK_EINVAL, "ImportBuffer needs exactly 2 fds (SCM_RIGHTS)");
+  chunk_frame(fd, 5, MEMFD, 8192, 0, four, 1, f, 2);
+  expect_status(fd, MOK_EINVAL, "ImportBuffer takes exactly one fd (SCM_RIGHTS) on its frame; "
+                "2 came");
+  chunk_frame(fd, 6, MEMFD, 4096, 0, four, 2, f, 2); /* 8192 bytes of chunks for 4096 */
+  expect_status(fd, MOK_ERANGE, "the chunks add up to more than the 4096 bytes of the import");
+  uint64_t zero[2] = {4096, 0};
+  chunk_frame(fd, 7, MEMFD, 8192, 0, zero, 2, f, 2);
+  expect_status(fd, MOK_EZEROSIZE, "chunk 1 of the import has size 0");
+  uint64_t odd[2] = {100, 4096};
+  chunk_frame(fd, 8, MEMFD, 4196, 0, odd, 2, f, 2);
+  expect_status(fd, MOK_EINVAL, "not at a page boundary");
+  uint64_t big[2] = {4096, 8192}; /* more than the second fd holds */
+  chunk_frame(fd, 9, MEMFD, 12288, 0, big, 2, f, 2);
+  expect_status(fd, MOK_ERANGE, "the fd holds 4096 bytes, fewer than the 8192 named");
+  ck_assert_int_eq(pipe(pipefd), 0);
+  int wrong[2] = {f[0], pipefd[0]};
+  chunk_frame(fd, 10, MEMFD, 8192, 0, four, 2, wrong, 2);
+  expect_status(fd, MOK_EINVAL, "is not a memfd or regular file");
+  int unsealed = chunk_fd(4096, 0, -1), loose[2] = {f[0], unsealed};
+  chunk_frame(fd, 11, MEMFD, 8192, 0, four, 2, loose, 2);
+  expect_status(fd, MOK_EINVAL, "F_SEAL_SHRINK");
+  chunk_frame(fd, 12, MOKD__IMPORT_KIND__IMPORT_CUMEM_FD, 8192, 0, four, 2, f, 2);
+  expect_status(fd, MOK_ENOTSUP, "it imports GPU memory only on the cuda backend");
+  chunk_frame(fd, 13, MEMFD, 8192, 12345, four, 2, f, 2);
+  expect_status(fd, MOK_ENOENT, "no import 12345 waits for chunks in this session");
+  chunk_frame(fd, 14, MEMFD, 8192, 12345, four, 0, NULL, 0);
+  expect_status(fd, MOK_EINVAL, "brings no chunks");
+  session_holds(fd, 0, 0);
+
+  /* begun, then interrupted: by another request, by a frame that lies about
+   * the size, by a chunk that does not fit; each drops the import whole */
+  chunk_frame(fd, 20, MEMFD, 16 * 4096, 0, four, 8, f, 8);
+  uint64_t id = chunk_taken(fd, 1);
+  session_holds(fd, 0, 0); /* the Stats request dropped it */
+  chunk_frame(fd, 21, MEMFD, 16 * 4096, id, four, 8, f, 8);
+  expect_status(fd, MOK_ENOENT, "an error, or another request in between, drops it");
+  chunk_frame(fd, 22, MEMFD, 16 * 4096, 0, four, 8, f, 8);
+  id = chunk_taken(fd, 1);
+  chunk_frame(fd, 23, MEMFD, 15 * 4096, id, four, 8, f, 8);
+  expect_status(fd, MOK_EINVAL, "the import continued names 61440 bytes; it began with 65536");
+  chunk_frame(fd, 24, MEMFD, 12 * 4096, 0, four, 8, f, 8);
+  id = chunk_taken(fd, 1);
+  chunk_frame(fd, 25, MEMFD, 12 * 4096, id, four, 5, f, 5);
+  expect_status(fd, MOK_ERANGE, "chunk 12 of 4096 bytes begins at 49152");
+  chunk_frame(fd, 26, MEMFD, 12 * 4096, id, four, 4, f, 4);
+  expect_status(fd, MOK_ENOENT, "no import");
+  session_holds(fd, 0, 0);
+  /* and a whole one after all that */
+  chunk_frame(fd, 27, MEMFD, 10 * 4096, 0, four, 8, f, 8);
+  id = chunk_taken(fd, 1);
+  chunk_frame(fd, 28, MEMFD, 10 * 4096, id, four, 2, f, 2);
+  ck_assert_uint_eq(chunk_taken(fd, 0), id);
+  session_holds(fd, 10, 10 * 4096);
+
+  for (int i = 0; i < 9; i++)
+    close(f[i]);
+  close(unsealed);
+  close(pipefd[0]), close(pipefd[1]);
+  close(fd);
+  still_serving();
+}
+END_TEST
+
+/* A session of protocol 2 never sent chunks; an older daemon would not know
+ * the fields: libmok says so before sending. */
+START_TEST(chunked_import_needs_protocol_3)
+{
+  int fd = raw_connect(), f[2] = {chunk_fd(4096, 1, -1), chunk_fd(4096, 1, -1)};
+  uint64_t sizes[2] = {4096, 4096};
+  Mokd__Response *r = hello_range(fd, 2, 1, 2);
+  ck_assert_uint_eq(r->welcome->protocol_version, 2);
+  mokd__response__free_unpacked(r, NULL);
+  chunk_frame(fd, 2, MOKD__IMPORT_KIND__IMPORT_MEMFD, 8192, 0, sizes, 2, f, 2);
+  expect_status(fd, MOK_EPROTO, "an ImportBuffer of several chunks needs protocol 3; this "
+                "session chose 2 at Hello (upgrade the client)");
+  close(fd);
+  close(f[0]), close(f[1]);
+}
+END_TEST
+
 Suite *daemon_wire_suite(void)
 {
   Suite *s = suite_create("daemon_wire");
@@ -551,6 +754,9 @@ Suite *daemon_wire_suite(void)
   tcase_add_test(tc, fd_where_none_is_expected);
   tcase_add_test(tc, too_many_fds_are_answered);
   tcase_add_test(tc, import_and_errors_through_libmok);
+  tcase_add_test(tc, chunked_import_through_libmok);
+  tcase_add_test(tc, chunked_import_bad_frames);
+  tcase_add_test(tc, chunked_import_needs_protocol_3);
   tcase_add_test(tc, busy_arena_counts_contexts);
   tcase_add_test(tc, device_on_cpu_backend_is_refused);
   tcase_add_test(tc, bad_gpu_uuid_is_refused);

@@ -341,6 +341,60 @@ START_TEST(imports_are_counted_and_charged)
 }
 END_TEST
 
+/* A chunked import is in no list and charged nothing beyond its quota until
+ * its chunks add up; whether it completes, fails or is dropped, what it held
+ * goes back. */
+START_TEST(chunked_imports_leave_nothing_behind)
+{
+  mokd_registry r;
+  mokd_arena *a;
+  mokd_limits lim = {.max_arena_bytes = 1u << 30, .quota = {8 * 4096, 0}, .max_arenas = 6};
+  int fd = memfd_create("t", MFD_CLOEXEC | MFD_ALLOW_SEALING), fds[4] = {fd, fd, fd, fd};
+  size_t pages[4] = {4096, 4096, 4096, 4096};
+
+  ck_assert_int_eq(ftruncate(fd, 4096), 0);
+  ck_assert_int_eq(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK), 0);
+  mokd_registry_init(&r, cpu, &next_id, &lim, &sess, &daemon_usage);
+  ck_assert_int_eq(mokd_import_chunks(&r, MOKK_IMPORT_HOST_FD, 0, 6 * 4096, fds, pages, 4,
+                                      &a, err), 0);
+  ck_assert_ptr_eq(a, r.pending);
+  ck_assert_ptr_null(mokd_arena_find(&r, a->id)); /* not usable yet */
+  ck_assert_uint_eq(r.held[MOKD_HOST], 6 * 4096);
+  ck_assert_uint_eq(r.narenas, 0);
+  /* 4 mapped and 4 more are over max_arenas: the whole import goes */
+  ck_assert_int_eq(mokd_import_chunks(&r, MOKK_IMPORT_HOST_FD, a->id, 6 * 4096, fds, pages, 4,
+                                      &a, err), MOK_EDQUOT);
+  ck_assert_ptr_null(r.pending);
+  ck_assert_uint_eq(r.held[MOKD_HOST], 0);
+  /* over the quota at the start */
+  ck_assert_int_eq(mokd_import_chunks(&r, MOKK_IMPORT_HOST_FD, 0, 9 * 4096, fds, pages, 4,
+                                      &a, err), MOK_EDQUOT);
+  ck_assert_ptr_null(r.pending);
+  /* GPU memory on the cpu backend */
+  ck_assert_int_eq(mokd_import_chunks(&r, MOKK_IMPORT_CUMEM_FD, 0, 8192, fds, pages, 2, &a,
+                                      err), MOK_ENOTSUP);
+  ck_assert_ptr_null(r.pending);
+  /* a whole one, then dropped while another is under way */
+  ck_assert_int_eq(mokd_import_chunks(&r, MOKK_IMPORT_HOST_FD, 0, 6 * 4096, fds, pages, 4,
+                                      &a, err), 0);
+  ck_assert_int_eq(mokd_import_chunks(&r, MOKK_IMPORT_HOST_FD, a->id, 6 * 4096, fds, pages, 2,
+                                      &a, err), 0);
+  ck_assert_ptr_null(r.pending);
+  ck_assert_ptr_eq(mokd_arena_find(&r, a->id), a);
+  ck_assert_int_eq(a->maps, 6);
+  ck_assert_uint_eq(r.narenas, 6);
+  ck_assert_uint_eq(sess.arena_bytes, 6 * 4096);
+  ck_assert_int_eq(mokd_import_chunks(&r, MOKK_IMPORT_HOST_FD, 0, 2 * 4096, fds, pages, 1,
+                                      &a, err), MOK_EDQUOT); /* quota: 6 + 2 pages fit, maps not */
+  ck_assert_ptr_null(r.pending);
+  mokd_registry_clear(&r);
+  ck_assert_uint_eq(r.held[MOKD_HOST], 0);
+  ck_assert_uint_eq(r.narenas, 0);
+  ck_assert_uint_eq(daemon_usage.arenas, 0);
+  close(fd);
+}
+END_TEST
+
 Suite *registry_suite(void)
 {
   Suite *s = suite_create("registry");
@@ -355,6 +409,7 @@ Suite *registry_suite(void)
   tcase_add_test(tc, tenant_records_go_with_their_last_session);
   tcase_add_test(tc, host_imports_must_be_sealed);
   tcase_add_test(tc, imports_are_counted_and_charged);
+  tcase_add_test(tc, chunked_imports_leave_nothing_behind);
   suite_add_tcase(s, tc);
   return s;
 }

@@ -22,8 +22,9 @@ extern "C" {
 
 /* The protocol versions this libmok speaks (Hello offers the range; the
  * daemon picks the newest both speak). 2: job ids, ListSessions, Evict, Health,
- * GPUs named by UUID, Backward.weights. */
-#define MOK_PROTOCOL_VERSION 2
+ * GPUs named by UUID, Backward.weights. 3: imports made of several
+ * allocations (ImportBuffer.chunk_bytes). */
+#define MOK_PROTOCOL_VERSION 3
 #define MOK_PROTOCOL_MIN 1
 /* libmok's own version (libmok.so.0.MINOR.PATCH; the soname changes with MAJOR) */
 #define MOK_VERSION_MAJOR 0
@@ -190,14 +191,21 @@ int mok_health(mok_client *c, int *ready, char *reason, size_t reason_len,
 int mok_arena_create(mok_client *c, size_t bytes, mok_arena_info *out);
 /* Hands a memfd (or any mmap-able fd) of `bytes` to the daemon; fd stays ours. */
 int mok_arena_import(mok_client *c, int fd, size_t bytes, mok_arena_info *out);
+/* Hands n sealed memfds to the daemon as one arena, mapped back to back in
+ * order (fds[i] holds sizes[i] bytes; every size but the last a multiple of
+ * the page size); the fds stay ours. Needs protocol 3. */
+int mok_arena_import_chunks(mok_client *c, const int *fds, const size_t *sizes, int n,
+                            mok_arena_info *out);
 /* Lets the daemon (cuda backend) read and write GPU memory of this process
  * in place: [ptr, ptr + bytes) must lie in one allocation from cudaMalloc
- * (sent as a CUDA IPC handle) or from cuMemCreate with POSIX-fd handles
- * (sent as its fd). The whole allocation becomes one arena, imported on the
- * first call and found again on later ones, so registering weights or
- * passing tensors of a caching allocator costs no request once seen; an
- * allocation freed and made again at the same address is imported anew.
- * *arena and *offset locate ptr for mok_tensor_make. */
+ * (sent as a CUDA IPC handle), or in cuMemCreate allocations with POSIX-fd
+ * handles (sent as their fds), one or several mapped back to back (PyTorch's
+ * expandable_segments; several need protocol 3). The whole allocations
+ * become one arena, imported on the first call and found again on later
+ * ones, so registering weights or passing tensors of a caching allocator
+ * costs no request once seen; an allocation freed and made again at the same
+ * address is imported anew. *arena and *offset locate ptr for
+ * mok_tensor_make. */
 int mok_arena_import_cuda(mok_client *c, const void *ptr, size_t bytes, uint64_t *arena,
                           uint64_t *offset);
 int mok_arena_destroy(mok_client *c, uint64_t arena);

@@ -54,13 +54,12 @@ fail:
   return rc;
 }
 
-int mokk_host_import(int fd, size_t bytes, mokk_buffer **out, char *err)
+/* fd is a memfd that cannot shrink and holds at least bytes. */
+static int check_memfd(int fd, size_t bytes, char *err)
 {
   struct stat st;
   int seals;
-  void *base;
 
-  *out = NULL;
   if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode))
     return mokk_fail(err, MOK_EINVAL, "the fd sent with ImportBuffer is not a memfd or "
                      "regular file");
@@ -77,10 +76,52 @@ int mokk_host_import(int fd, size_t bytes, mokk_buffer **out, char *err)
   if ((uint64_t)st.st_size < bytes)
     return mokk_fail(err, MOK_ERANGE, "the fd holds %lld bytes, fewer than the %zu named",
                      (long long)st.st_size, bytes);
+  return 0;
+}
+
+int mokk_host_import(int fd, size_t bytes, mokk_buffer **out, char *err)
+{
+  void *base;
+  int rc;
+
+  *out = NULL;
+  if ((rc = check_memfd(fd, bytes, err)) != 0)
+    return rc;
   base = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (base == MAP_FAILED)
     return mokk_fail(err, MOK_EINVAL, "cannot map the imported fd: %s", strerror(errno));
   return wrap(base, bytes, out, err);
+}
+
+int mokk_host_reserve(size_t bytes, mokk_buffer **out, char *err)
+{
+  void *base = mmap(NULL, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+
+  *out = NULL;
+  if (base == MAP_FAILED)
+    return mokk_fail(err, MOK_ENOMEM, "cannot reserve %zu bytes of address space: %s", bytes,
+                     strerror(errno));
+  return wrap(base, bytes, out, err);
+}
+
+int mokk_host_import_chunk(mokk_buffer *buf, int fd, size_t offset, size_t bytes, char *err)
+{
+  long page = sysconf(_SC_PAGESIZE);
+  int rc;
+
+  if (offset % (size_t)page != 0)
+    return mokk_fail(err, MOK_EINVAL, "a chunk begins %zu bytes into the import, not at a "
+                     "page boundary (%ld bytes): every chunk but the last must be a multiple "
+                     "of it", offset, page);
+  if (offset > buf->bytes || bytes > buf->bytes - offset)
+    return mokk_fail(err, MOK_ERANGE, "a chunk of %zu bytes at %zu runs past the %zu-byte "
+                     "import", bytes, offset, buf->bytes);
+  if ((rc = check_memfd(fd, bytes, err)) != 0)
+    return rc;
+  if (mmap((char *)buf->base + offset, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
+           fd, 0) == MAP_FAILED)
+    return mokk_fail(err, MOK_EINVAL, "cannot map a chunk of the import: %s", strerror(errno));
+  return 0;
 }
 
 void mokk_host_free(mokk_buffer *buf)

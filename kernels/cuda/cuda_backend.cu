@@ -60,6 +60,36 @@ static int cuda_buffer_import(mokk_backend *b, const mokk_import *src, mokk_buff
   return 0;
 }
 
+static int cuda_import_begin(mokk_backend *b, size_t bytes, mokk_buffer **out, char *err)
+{
+  cuda_buffer *buf = (cuda_buffer *)calloc(1, sizeof *buf);
+  int rc;
+
+  if (buf == NULL)
+    return mokk_fail(err, MOK_ENOMEM, "out of memory");
+  if ((rc = mokk_gpu_import_reserve(b->device, bytes, &buf->imp, err)) != 0) {
+    free(buf);
+    return rc;
+  }
+  buf->imported = 1;
+  buf->base = (mokk_buffer){buf->imp.ptr, bytes, b->device};
+  *out = &buf->base;
+  return 0;
+}
+
+static int cuda_import_chunk(mokk_backend *b, mokk_buffer *buf, int fd, size_t offset,
+                             size_t bytes, char *err)
+{
+  (void)b;
+  return mokk_gpu_import_chunk(&((cuda_buffer *)buf)->imp, fd, offset, bytes, err);
+}
+
+static int cuda_import_commit(mokk_backend *b, mokk_buffer *buf, char *err)
+{
+  (void)b;
+  return mokk_gpu_import_commit(&((cuda_buffer *)buf)->imp, err);
+}
+
 static void buffer_free_now(cuda_buffer *buf)
 {
   if (buf->imported)
@@ -199,6 +229,9 @@ static const mokk_backend_iface cuda_iface = {
     .destroy = cuda_destroy,
     .buffer_alloc = cuda_buffer_alloc,
     .buffer_import = cuda_buffer_import,
+    .import_begin = cuda_import_begin,
+    .import_chunk = cuda_import_chunk,
+    .import_commit = cuda_import_commit,
     .buffer_release = cuda_buffer_release,
     .reap = cuda_reap,
     .mem_total = cuda_mem_total,

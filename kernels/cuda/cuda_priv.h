@@ -71,11 +71,22 @@ typedef struct mokk_gpu_import {
   unsigned long long handle; /* cuMem imports */
   int device;
   int legacy;                /* opened with cudaIpcOpenMemHandle */
+  /* several cuMem allocations mapped back to back (an expandable segment):
+   * handles[i] at offset sum(sizes[0, i)) of a reservation of `reserved` */
+  int chunked, nchunks, capchunks;
+  unsigned long long *handles;
+  size_t *sizes;
+  size_t reserved;
 } mokk_gpu_import;
 
 int mokk_gpu_import_ipc(int device, const void *ipc_handle, size_t bytes, mokk_gpu_import *m,
                         char *err);
 int mokk_gpu_import_fd(int device, int fd, size_t bytes, mokk_gpu_import *m, char *err);
+/* A chunked import: a reservation of bytes, each chunk mapped at its offset
+ * (in order), then access set once over the whole range. */
+int mokk_gpu_import_reserve(int device, size_t bytes, mokk_gpu_import *m, char *err);
+int mokk_gpu_import_chunk(mokk_gpu_import *m, int fd, size_t offset, size_t bytes, char *err);
+int mokk_gpu_import_commit(mokk_gpu_import *m, char *err);
 /* Unmap and release now: the caller has made sure no queued work uses them. */
 void mokk_gpu_mem_free_now(mokk_gpu_mem *m);
 void mokk_gpu_import_free_now(mokk_gpu_import *m);

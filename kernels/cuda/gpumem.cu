@@ -292,18 +292,13 @@ int mokk_gpu_import_ipc(int device, const void *ipc_handle, size_t bytes,
   return 0;
 }
 
-int mokk_gpu_import_fd(int device, int fd, size_t bytes, mokk_gpu_import *m,
-                                  char *err)
+/* The cuMem allocation behind fd, which must be memory of device. */
+static int import_handle(int device, int fd, CUmemGenericAllocationHandle *out, char *err)
 {
   CUmemGenericAllocationHandle h = 0;
   CUmemAllocationProp prop;
-  CUdeviceptr va = 0;
   CUresult r;
-  int rc;
 
-  memset(m, 0, sizeof *m);
-  if ((rc = use_device(device, err)))
-    return rc;
   if ((r = drv.import(&h, (void *)(intptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)) !=
       CUDA_SUCCESS)
     return mokk_fail(err, MOK_EINVAL, "the fd is not an exported cuMem allocation "
@@ -324,6 +319,21 @@ int mokk_gpu_import_fd(int device, int fd, size_t bytes, mokk_gpu_import *m,
     drv.release(h);
     return check_on_device(prop.location.id, device, err);
   }
+  *out = h;
+  return 0;
+}
+
+int mokk_gpu_import_fd(int device, int fd, size_t bytes, mokk_gpu_import *m,
+                                  char *err)
+{
+  CUmemGenericAllocationHandle h = 0;
+  CUdeviceptr va = 0;
+  CUresult r;
+  int rc;
+
+  memset(m, 0, sizeof *m);
+  if ((rc = use_device(device, err)) || (rc = import_handle(device, fd, &h, err)))
+    return rc;
   if ((r = drv.reserve(&va, bytes, 0, 0, 0)) != CUDA_SUCCESS) {
     drv.release(h);
     return CU_FAIL(r, "cuMemAddressReserve");
@@ -343,12 +353,108 @@ int mokk_gpu_import_fd(int device, int fd, size_t bytes, mokk_gpu_import *m,
   return 0;
 }
 
+int mokk_gpu_import_reserve(int device, size_t bytes, mokk_gpu_import *m, char *err)
+{
+  CUmemAllocationProp prop;
+  CUdeviceptr va = 0;
+  size_t g = 0;
+  CUresult r;
+  int rc;
+
+  memset(m, 0, sizeof *m);
+  if ((rc = use_device(device, err)))
+    return rc;
+  memset(&prop, 0, sizeof prop);
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = device;
+  if ((r = drv.gran(&g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM)) != CUDA_SUCCESS)
+    return CU_FAIL(r, "cuMemGetAllocationGranularity");
+  if (bytes > SIZE_MAX - g)
+    return mokk_fail(err, MOK_EOVERFLOW, "an import of %zu bytes overflows", bytes);
+  m->reserved = (bytes + g - 1) / g * g;
+  if ((r = drv.reserve(&va, m->reserved, g, 0, 0)) != CUDA_SUCCESS)
+    return CU_FAIL(r, "cuMemAddressReserve");
+  m->ptr = (void *)va;
+  m->bytes = bytes;
+  m->device = device;
+  m->chunked = 1;
+  return 0;
+}
+
+int mokk_gpu_import_chunk(mokk_gpu_import *m, int fd, size_t offset, size_t bytes, char *err)
+{
+  CUmemGenericAllocationHandle h = 0;
+  CUresult r;
+  int rc;
+
+  if (offset > m->bytes || bytes > m->bytes - offset)
+    return mokk_fail(err, MOK_ERANGE, "a chunk of %zu bytes at %zu runs past the %zu-byte "
+                     "import", bytes, offset, m->bytes);
+  if (m->nchunks == m->capchunks) {
+    int cap = m->capchunks ? 2 * m->capchunks : 16;
+    void *hs = realloc(m->handles, (size_t)cap * sizeof *m->handles);
+    if (hs == NULL)
+      return mokk_fail(err, MOK_ENOMEM, "out of memory");
+    m->handles = (unsigned long long *)hs;
+    void *ss = realloc(m->sizes, (size_t)cap * sizeof *m->sizes);
+    if (ss == NULL)
+      return mokk_fail(err, MOK_ENOMEM, "out of memory");
+    m->sizes = (size_t *)ss;
+    m->capchunks = cap;
+  }
+  cudaSetDevice(m->device);
+  if ((rc = import_handle(m->device, fd, &h, err)))
+    return rc;
+  if ((r = drv.map((CUdeviceptr)m->ptr + offset, bytes, 0, h, 0)) != CUDA_SUCCESS) {
+    drv.release(h);
+    return mokk_fail(err, MOK_ERANGE, "cannot map chunk %d (%zu bytes at %zu) of the "
+                     "imported cuMem allocations (CUresult %d): is it smaller, or not a "
+                     "multiple of the granularity?", m->nchunks, bytes, offset, (int)r);
+  }
+  m->handles[m->nchunks] = h;
+  m->sizes[m->nchunks++] = bytes;
+  return 0;
+}
+
+int mokk_gpu_import_commit(mokk_gpu_import *m, char *err)
+{
+  CUmemAccessDesc acc;
+  CUresult r;
+
+  memset(&acc, 0, sizeof acc);
+  acc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  acc.location.id = m->device;
+  acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  cudaSetDevice(m->device);
+  if ((r = drv.access((CUdeviceptr)m->ptr, m->bytes, &acc, 1)) != CUDA_SUCCESS)
+    return CU_FAIL(r, "cuMemSetAccess over the imported chunks");
+  return 0;
+}
+
+/* Unmaps and releases every chunk mapped so far, then the reservation. */
+static void chunks_free(mokk_gpu_import *m)
+{
+  size_t off = 0;
+  for (int i = 0; i < m->nchunks; i++) {
+    drv.unmap((CUdeviceptr)m->ptr + off, m->sizes[i]);
+    drv.release(m->handles[i]);
+    off += m->sizes[i];
+  }
+  drv.afree((CUdeviceptr)m->ptr, m->reserved);
+  free(m->handles);
+  free(m->sizes);
+}
+
 void mokk_gpu_import_free_now(mokk_gpu_import *m)
 {
   if (m->ptr == NULL)
     return;
   cudaSetDevice(m->device);
-  if (m->legacy) {
+  if (m->chunked) {
+    if (drv.ready)
+      chunks_free(m);
+  } else if (m->legacy) {
     cudaIpcCloseMemHandle(m->ptr);
   } else if (drv.ready) {
     unmap_release((CUdeviceptr)m->ptr, m->bytes, m->handle);

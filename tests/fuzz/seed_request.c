@@ -86,6 +86,18 @@ static void import(seed *s, uint64_t bytes, int nfds, const uint8_t *kinds)
   request(s, &q, (uint8_t)nfds, kinds);
 }
 
+/* One frame of an import made of several allocations, its fds one a chunk. */
+static void import_chunks(seed *s, uint64_t bytes, uint64_t continues, uint64_t *sizes, int n,
+                          const uint8_t *kinds)
+{
+  Mokd__Request q = MOKD__REQUEST__INIT;
+  Mokd__ImportBuffer ib = MOKD__IMPORT_BUFFER__INIT;
+  ib.kind = MOKD__IMPORT_KIND__IMPORT_MEMFD, ib.bytes = bytes, ib.continues = continues;
+  ib.chunk_bytes = sizes, ib.n_chunk_bytes = (size_t)n;
+  q.body_case = MOKD__REQUEST__BODY_IMPORT_BUFFER, q.import_buffer = &ib;
+  request(s, &q, (uint8_t)n, kinds);
+}
+
 static void destroy_arena(seed *s, uint64_t arena)
 {
   Mokd__Request q = MOKD__REQUEST__INIT;
@@ -236,6 +248,20 @@ int main(int argc, char **argv)
   memset(&s, 0, sizeof s), hello(&s), import(&s, 4096, 2, two), ping(&s, 10, ten);
   ping(&s, 1, pipe1), import(&s, 4096, 0, NULL);
   save(argv[1], "fds_that_go_wrong", &s);
+
+  {
+    /* arena 2 in two frames of two chunks; import 3 interrupted by a ping;
+     * chunks that do not add up; fds of the wrong kinds */
+    static const uint8_t four[4] = {SEALED_4K, SEALED_4K, SEALED_16K, SEALED_4K},
+                         bad[2] = {PIPE, UNSEALED};
+    uint64_t pages[4] = {4096, 4096, 4096, 4096}, over[2] = {4096, 16384};
+    memset(&s, 0, sizeof s), hello(&s);
+    import_chunks(&s, 16384, 0, pages, 2, four), import_chunks(&s, 16384, 2, pages, 2, four);
+    import_chunks(&s, 32768, 0, pages, 4, four), ping(&s, 0, NULL);
+    import_chunks(&s, 32768, 3, pages, 4, four), import_chunks(&s, 8192, 0, over, 2, four);
+    import_chunks(&s, 8192, 0, pages, 2, bad), destroy_arena(&s, 2);
+    save(argv[1], "chunked_imports", &s);
+  }
 
   memset(&s, 0, sizeof s);
   ping(&s, 0, NULL); /* before Hello */

@@ -29,6 +29,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <cuda.h>
 #include <cuda_runtime_api.h>
 
 #include "cuda/cuda_backend.h"
@@ -667,6 +668,134 @@ static void to_dev(void *d, const void *h, size_t n)
   ck_assert_int_eq(cudaMemcpy(d, h, n, cudaMemcpyHostToDevice), cudaSuccess);
 }
 
+/* PyTorch's expandable_segments by hand: three cuMem allocations with POSIX-fd
+ * handles mapped back to back in one reservation. A range over all three is
+ * one arena of three chunks (counted three); x placed across the boundary of
+ * the first two is found in it, and a forward reading it there gives the bits
+ * of the same x in a daemon arena. A chunk freed and made again evicts the
+ * arena that maps the old one. Destroyed, the daemon lets go of every chunk:
+ * once ours are released too, the device has the memory back. */
+START_TEST(expandable_chunks)
+{
+  CUresult (*create)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *,
+                     unsigned long long);
+  CUresult (*gran)(size_t *, const CUmemAllocationProp *, CUmemAllocationGranularity_flags);
+  CUresult (*reserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
+  CUresult (*map)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,
+                  unsigned long long);
+  CUresult (*access)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
+  CUresult (*unmap)(CUdeviceptr, size_t);
+  CUresult (*release)(CUmemGenericAllocationHandle);
+  CUresult (*afree)(CUdeviceptr, size_t);
+  struct { const char *name; void **fn; } fns[] = {
+      {"cuMemCreate", (void **)&create}, {"cuMemGetAllocationGranularity", (void **)&gran},
+      {"cuMemAddressReserve", (void **)&reserve}, {"cuMemMap", (void **)&map},
+      {"cuMemSetAccess", (void **)&access}, {"cuMemUnmap", (void **)&unmap},
+      {"cuMemRelease", (void **)&release}, {"cuMemAddressFree", (void **)&afree}};
+  enum cudaDriverEntryPointQueryResult q;
+  for (size_t i = 0; i < sizeof fns / sizeof fns[0]; i++)
+    ck_assert_msg(cudaGetDriverEntryPointByVersion(fns[i].name, fns[i].fn, 12000,
+                                                   cudaEnableDefault, &q) == cudaSuccess &&
+                  q == cudaDriverEntryPointSuccess, "no %s", fns[i].name);
+
+  mokk_shape s = daemon_shape;
+  int64_t T = 300, H = s.H;
+  size_t nx = (size_t)(T * H) * 2, g = 0, free0, free1, total;
+  daemon_run dr;
+  mok_client *c = daemon_start(&dr, NULL, NULL);
+  int dev = mok_server_info(c)->device;
+  daemon_step st;
+  moe_case cs;
+  moe_out og;
+  case_make(&cs, &s, T, 21, ROUTE_RANDOM);
+  daemon_layer(c, &cs, dev, &og, &st);
+
+  CUmemAllocationProp prop;
+  CUmemAccessDesc acc;
+  CUmemGenericAllocationHandle h[3];
+  CUdeviceptr va = 0;
+  memset(&prop, 0, sizeof prop);
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = dev;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  memset(&acc, 0, sizeof acc);
+  acc.location = prop.location;
+  acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  ck_assert_int_eq(cudaSetDevice(dev), cudaSuccess);
+  ck_assert_int_eq(gran(&g, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED), CUDA_SUCCESS);
+  ck_assert_int_eq(reserve(&va, 3 * g, g, 0, 0), CUDA_SUCCESS);
+  for (int i = 0; i < 3; i++) {
+    ck_assert_int_eq(create(&h[i], g, &prop, 0), CUDA_SUCCESS);
+    ck_assert_int_eq(map(va + (size_t)i * g, g, 0, h[i], 0), CUDA_SUCCESS);
+  }
+  ck_assert_int_eq(access(va, 3 * g, &acc, 1), CUDA_SUCCESS);
+  size_t at = g - 4096; /* x runs from chunk 0 into chunk 1 */
+  to_dev((void *)(va + at), cs.x, nx);
+
+  mok_stats s0, s1;
+  uint64_t arena, off, arena2, off2;
+  ck_assert(mok_stats_get(c, &s0) == 0);
+  ck_assert_msg(mok_arena_import_cuda(c, (void *)(va + 16), 3 * g - 32, &arena, &off) == 0,
+                "%s", mok_last_error(c));
+  ck_assert_uint_eq(off, 16);
+  ck_assert(mok_stats_get(c, &s1) == 0);
+  ck_assert_uint_eq(s1.session.arenas, s0.session.arenas + 3);
+  ck_assert_uint_eq(s1.session.arena_bytes, s0.session.arena_bytes + 3 * g);
+  ck_assert_msg(mok_arena_import_cuda(c, (void *)(va + at), nx, &arena2, &off2) == 0, "%s",
+                mok_last_error(c));
+  ck_assert_uint_eq(arena2, arena); /* found in the arena of all three */
+  ck_assert_uint_eq(off2, at);
+  mok_tensor x = st.x;
+  x.arena = arena2, x.offset = off2;
+  mok_forward_result fr;
+  ck_assert_msg(mok_forward(c, st.layer, &x, &st.ids, &st.tw, 1, &fr) == 0, "%s",
+                mok_last_error(c));
+  uint16_t *out = xcalloc(T * H, 2);
+  ck_assert(mok_tensor_read(c, &fr.out, out) == 0);
+  ck_assert_msg(memcmp(out, og.out, nx) == 0, "out differs with x across two chunks");
+  ck_assert(mok_release(c, &fr.context, 1) == 0);
+
+  /* chunk 1 freed and made again at the same address: the arena that maps
+   * the old one goes, and x is imported anew over chunks 0 and 1 */
+  ck_assert_int_eq(unmap(va + g, g), CUDA_SUCCESS);
+  ck_assert_int_eq(release(h[1]), CUDA_SUCCESS);
+  ck_assert_int_eq(create(&h[1], g, &prop, 0), CUDA_SUCCESS);
+  ck_assert_int_eq(map(va + g, g, 0, h[1], 0), CUDA_SUCCESS);
+  ck_assert_int_eq(access(va + g, g, &acc, 1), CUDA_SUCCESS);
+  ck_assert_msg(mok_arena_import_cuda(c, (void *)(va + at), nx, &arena2, &off2) == 0, "%s",
+                mok_last_error(c));
+  ck_assert_uint_ne(arena2, arena);
+  ck_assert_uint_eq(off2, at);
+  ck_assert(mok_stats_get(c, &s1) == 0);
+  ck_assert_uint_eq(s1.session.arenas, s0.session.arenas + 2);
+  arena = arena2;
+
+  ck_assert_int_eq(cudaMemGetInfo(&free0, &total), cudaSuccess);
+  ck_assert_msg(mok_arena_destroy(c, arena) == 0, "%s", mok_last_error(c));
+  ck_assert(mok_stats_get(c, &s1) == 0);
+  ck_assert_uint_eq(s1.session.arenas, s0.session.arenas);
+  for (int i = 0; i < 3; i++) {
+    ck_assert_int_eq(unmap(va + (size_t)i * g, g), CUDA_SUCCESS);
+    ck_assert_int_eq(release(h[i]), CUDA_SUCCESS);
+  }
+  ck_assert_int_eq(afree(va, 3 * g), CUDA_SUCCESS);
+  for (int i = 0; i < 200; i++) { /* the daemon lets go once its fence has passed */
+    ck_assert_int_eq(cudaMemGetInfo(&free1, &total), cudaSuccess);
+    if (free1 + g / 2 >= free0 + 3 * g)
+      break;
+    mok_ping(c, NULL);
+    usleep(10000);
+  }
+  ck_assert_msg(free1 + g / 2 >= free0 + 3 * g, "%zu bytes free before, %zu after: the "
+                "daemon still holds chunks", free0, free1);
+  free(out);
+  mok_close(c);
+  daemon_stop(&dr);
+  out_free(&og), case_free(&cs);
+}
+END_TEST
+
 /* The inputs in one cudaMalloc block (as a caching allocator hands them out)
  * and the weights in a cuMem allocation with POSIX-fd handles: both imported,
  * read in place. Then stream ordering: a gate kernel holds our stream, the
@@ -1130,6 +1259,7 @@ static Suite *gpu_suite(void)
   tcase_set_timeout(tc, 120);
   tcase_add_test(tc, through_daemon);
   tcase_add_test(tc, stream_ordering);
+  tcase_add_test(tc, expandable_chunks);
   tcase_add_test(tc, gpu_quota);
   tcase_add_test(tc, two_gpus);
   suite_add_tcase(su, tc);

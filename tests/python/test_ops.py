@@ -85,7 +85,7 @@ class MetricsTest(unittest.TestCase):
     def test_values_follow_requests(self):
         m0 = self.scrape()
         self.assertEqual(m0['mokd_build_info{version="0.1.0",protocol_min="1",'
-                            'protocol_max="2",backend="cpu"}'], 1)
+                            'protocol_max="3",backend="cpu"}'], 1)
         self.assertEqual(m0["mokd_sessions"], 0)
         self.assertEqual(m0['mokd_requests_total{op="forward"}'], 0)
         os.environ["MOKD_JOB_ID"] = "job-42"
