@@ -28,7 +28,7 @@ extern "C" {
 #define MOK_PROTOCOL_MIN 1
 /* libmok's own version (libmok.so.0.MINOR.PATCH; the soname changes with MAJOR) */
 #define MOK_VERSION_MAJOR 0
-#define MOK_VERSION_MINOR 2
+#define MOK_VERSION_MINOR 3
 #define MOK_VERSION_PATCH 0
 #define MOK_MAX_DIMS 4
 /* A GPU UUID as nvidia-smi -L prints it, with its NUL */
