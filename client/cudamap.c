@@ -329,7 +329,9 @@ int mok_cuda_export_fd(uintptr_t base, int *fd, char *why, size_t n)
   cu.release(h); /* drops only the reference retain took */
   if (r != 0) {
     snprintf(why, n, "the cuMem allocation cannot be exported as a POSIX fd (CUresult %d); "
-             "create it with requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR", r);
+             "create it with requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR "
+             "(PyTorch's expandable_segments makes such allocations: where its build's are not "
+             "exportable, run without PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)", r);
     return -1;
   }
   return 0;

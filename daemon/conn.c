@@ -13,6 +13,9 @@
 #include "mokd.h"
 
 #define MAX_PENDING 64
+/* fds held by pending frames: a frame of a chunked import carries up to 8,
+ * and 64 of them must not take 512 of the daemon's fds */
+#define MAX_PENDING_FDS 64
 #define READ_CHUNK 65536
 /* Replies a peer has not read yet, beyond what its socket holds: past either
  * bound the session is not read from until they drain, so a client that
@@ -133,12 +136,17 @@ void mokd_session_fail(mokd_session *s, uint64_t id, int code, const char *msg)
 
 /* ---- lifetime ----------------------------------------------------------- */
 
+static int pending_full(const mokd_session *s)
+{
+  return s->npending >= MAX_PENDING || s->pending_fds >= MAX_PENDING_FDS;
+}
+
 void mokd_session_arm(mokd_session *s)
 {
   int ev = 0;
   if (s->closing || !s->handle_open)
     return;
-  if (s->npending < MAX_PENDING && !s->fatal && !mokd_session_out_full(s))
+  if (!pending_full(s) && !s->fatal && !mokd_session_out_full(s))
     ev |= UV_READABLE;
   if (s->out_head != NULL)
     ev |= UV_WRITABLE;
@@ -257,6 +265,7 @@ mokd_session *mokd_session_new(mokd_server *srv, int fd)
                      .max_arenas = (uint64_t)srv->cfg.max_arenas,
                      .daemon_max_arenas = srv->max_maps};
   mokd_registry_init(&s->reg, s->backend, &srv->next_id, &lim, &s->usage, &srv->usage);
+  s->reg.pending_all = &srv->pending_maps;
   if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &len) == 0)
     s->pid = cr.pid, s->uid = cr.uid, s->gid = cr.gid;
   mokw_framer_init(&s->rx, (size_t)srv->cfg.max_frame_bytes);
@@ -288,7 +297,9 @@ static void push_pending(mokd_session *s, mokd_pending *p)
     s->pend_head = p;
   s->pend_tail = p;
   s->npending++;
+  s->pending_fds += p->nfds;
 }
+
 
 static void take_rxfd(mokd_session *s, int i)
 {
@@ -404,7 +415,7 @@ static int read_some(mokd_session *s)
       return -1;
     }
     mokw_framer_commit(&s->rx, (size_t)n);
-    if (s->npending >= MAX_PENDING)
+    if (pending_full(s))
       return 0;
     if ((size_t)n < avail)
       return 0;

@@ -132,11 +132,15 @@ static int handle(mokd_session *s, const mokd_pending *p, char *err)
   }
   rc = admit(s, p, &r, err);
 
-  if (rc != 0) {
+  if (rc != 0)
     mokd_steps_refused(s, p->req, err); /* a step the rank's EP group waits for */
-    return rc;
+  else
+    rc = r->handler(s, p->req, p->fds, p->nfds, err);
+  if (rc != 0 && s->reg.pending != NULL) { /* any error drops a chunked import */
+    mokd_import_drop(&s->reg);
+    mokd_server_reap(s->srv);
   }
-  return r->handler(s, p->req, p->fds, p->nfds, err);
+  return rc;
 }
 
 void mokd_session_pump(mokd_session *s)
@@ -151,6 +155,7 @@ void mokd_session_pump(mokd_session *s)
     if (s->pend_head == NULL)
       s->pend_tail = NULL;
     s->npending--;
+    s->pending_fds -= p->nfds;
     s->usage.requests++;
     s->srv->usage.requests++;
     s->op = p->req != NULL && route_of(p->req) != NULL ? (int)p->req->body_case : 0;

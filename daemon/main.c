@@ -3,6 +3,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 
 #include "devices.h"
 #include "executor.h"
@@ -90,6 +91,21 @@ static int open_backend(mokd_server *s, char *err)
   return mokk_cpu_create((int)s->cfg.cpu_threads, &s->backend, err);
 }
 
+/* Every session holds fds (its socket, the fds of its frames and imports,
+ * the exports it is sent): the soft limit goes up to the hard one, which
+ * the administrator set (systemd's default soft limit is 1024). */
+static void raise_fd_limit(void)
+{
+  struct rlimit rl;
+  if (getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur >= rl.rlim_max)
+    return;
+  rlim_t was = rl.rlim_cur;
+  rl.rlim_cur = rl.rlim_max;
+  if (setrlimit(RLIMIT_NOFILE, &rl) == 0)
+    LOG_DEBUG(INIT, "open files: soft limit %llu -> %llu", (unsigned long long)was,
+              (unsigned long long)rl.rlim_max);
+}
+
 int main(int argc, char **argv)
 {
   char err[MOK_ERRLEN] = "", status[320];
@@ -105,6 +121,7 @@ int main(int argc, char **argv)
   }
   mokd_log_set((int)srv.cfg.log_level, (unsigned)srv.cfg.log_subsys);
   signal(SIGPIPE, SIG_IGN);
+  raise_fd_limit();
 
   if ((rc = open_backend(&srv, err)) != 0) {
     LOG_ERROR(INIT, "backend %s: %s", srv.cfg.backend, err);

@@ -145,6 +145,7 @@ struct mokd_session {
   int nrxfds;
   mokd_pending *pend_head, *pend_tail;
   int npending;
+  int pending_fds;      /* fds the pending frames hold */
   mokd_outbuf *out_head, *out_tail;
   size_t out_bytes;     /* replies queued here, not yet taken by the socket */
   int out_fds;          /* fds riding on them */
@@ -180,6 +181,7 @@ struct mokd_server {
   int nsessions;
   mokd_group *groups;   /* EP groups forming or formed */
   uint64_t next_id;     /* ids of sessions, arenas, layers, results: one counter */
+  uint64_t pending_maps; /* chunks mapped by chunked imports under way, all sessions */
   mok_usage usage;
   uv_timer_t reaper;    /* polls the GPUs' released memory while any waits */
   int reaper_on;

@@ -173,7 +173,8 @@ static int count_ok(const mokd_registry *r, uint64_t n, char *err)
 {
   uint64_t pend = r->pending != NULL ? (uint64_t)r->pending->maps : 0;
   uint64_t own = r->narenas + pend, all = (r->usage[1] != NULL ? r->usage[1]->arenas
-                                                                : r->narenas) + pend;
+                                                                : r->narenas) +
+                                          (r->pending_all != NULL ? *r->pending_all : pend);
 
   if (r->lim.max_arenas > 0 && own + n > r->lim.max_arenas)
     return mokk_fail(err, MOK_EDQUOT, "session already holds %llu arenas (max_arenas), "
@@ -257,6 +258,8 @@ void mokd_import_drop(mokd_registry *r)
   if (a == NULL)
     return;
   r->pending = NULL;
+  if (r->pending_all != NULL)
+    *r->pending_all -= (uint64_t)a->maps;
   mokd_quota_give(r, a->charged, a->which);
   if (mokk_buffer_release(r->backend, a->buf, why) != 0)
     LOG_WARN(SESS, "%s; dropped import %llu after a device wait", why,
@@ -298,7 +301,14 @@ static int import_begin(mokd_registry *r, mokk_import_kind kind, size_t bytes, c
   a->charged = charge;
   a->which = MOKD_HOST;
   r->pending = a;
+  r->pending_kind = (int)kind;
   return 0;
+}
+
+static const char *import_kind_name(mokk_import_kind kind)
+{
+  return kind == MOKK_IMPORT_HOST_FD ? "memfd" : kind == MOKK_IMPORT_CUMEM_FD ? "cuMem fd"
+                                                                             : "CUDA IPC";
 }
 
 /* The chunks of one frame mapped after those before; 0 when all fit. */
@@ -320,6 +330,8 @@ static int import_fill(mokd_registry *r, const int *fds, const size_t *sizes, in
       return rc;
     a->filled += sizes[i];
     a->maps++;
+    if (r->pending_all != NULL)
+      ++*r->pending_all;
   }
   return 0;
 }
@@ -346,6 +358,12 @@ int mokd_import_chunks(mokd_registry *r, mokk_import_kind kind, uint64_t continu
                    bytes, r->pending->bytes);
     mokd_import_drop(r);
     return rc;
+  } else if ((int)kind != r->pending_kind) {
+    rc = mokk_fail(err, MOK_EINVAL, "the import continued with chunks of another kind (%s) "
+                   "than it began with (%s)", import_kind_name(kind),
+                   import_kind_name((mokk_import_kind)r->pending_kind));
+    mokd_import_drop(r);
+    return rc;
   }
   a = r->pending;
   if ((rc = import_fill(r, fds, sizes, n, err)) ||
@@ -355,6 +373,8 @@ int mokd_import_chunks(mokd_registry *r, mokk_import_kind kind, uint64_t continu
   }
   if (a->filled == a->bytes) {
     r->pending = NULL;
+    if (r->pending_all != NULL) /* from the imports under way to the arenas */
+      *r->pending_all -= (uint64_t)a->maps;
     a->next = r->arenas;
     r->arenas = a;
     account(r, a, +1);

@@ -85,6 +85,10 @@ typedef struct mokd_registry {
   mokd_tenant *tenant;     /* its session's tenant, from Hello; NULL before */
   mokd_arena *arenas;
   mokd_arena *pending;     /* a chunked import waiting for chunks; not in arenas */
+  int pending_kind;        /* its mokk_import_kind: the continuations' must match */
+  /* chunks mapped by the imports under way of every session (the daemon's
+   * count, next to usage[1]'s arenas); NULL: this session's only */
+  uint64_t *pending_all;
 } mokd_registry;
 
 void mokd_registry_init(mokd_registry *r, mokk_backend *b, uint64_t *next_id,

@@ -701,6 +701,21 @@ START_TEST(chunked_import_bad_frames)
   expect_status(fd, MOK_ERANGE, "chunk 12 of 4096 bytes begins at 49152");
   chunk_frame(fd, 26, MEMFD, 12 * 4096, id, four, 4, f, 4);
   expect_status(fd, MOK_ENOENT, "no import");
+  /* a continuation refused before its handler (fds that do not match its
+   * chunks) drops the import too: the next one finds none */
+  chunk_frame(fd, 29, MEMFD, 16 * 4096, 0, four, 8, f, 8);
+  id = chunk_taken(fd, 1);
+  chunk_frame(fd, 30, MEMFD, 16 * 4096, id, four, 4, f, 3);
+  expect_status(fd, MOK_EINVAL, "ImportBuffer needs exactly 4 fds (SCM_RIGHTS)");
+  chunk_frame(fd, 31, MEMFD, 16 * 4096, id, four, 8, f, 8);
+  expect_status(fd, MOK_ENOENT, "no import");
+  /* and one continued with chunks of another kind */
+  chunk_frame(fd, 32, MEMFD, 16 * 4096, 0, four, 8, f, 8);
+  id = chunk_taken(fd, 1);
+  chunk_frame(fd, 33, MOKD__IMPORT_KIND__IMPORT_CUMEM_FD, 16 * 4096, id, four, 8, f, 8);
+  expect_status(fd, MOK_EINVAL, "another kind (cuMem fd) than it began with (memfd)");
+  chunk_frame(fd, 34, MEMFD, 16 * 4096, id, four, 8, f, 8);
+  expect_status(fd, MOK_ENOENT, "no import");
   session_holds(fd, 0, 0);
   /* and a whole one after all that */
   chunk_frame(fd, 27, MEMFD, 10 * 4096, 0, four, 8, f, 8);

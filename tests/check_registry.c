@@ -395,6 +395,50 @@ START_TEST(chunked_imports_leave_nothing_behind)
 }
 END_TEST
 
+/* The chunks an import under way has mapped are the daemon's mappings too:
+ * another session meets them in the daemon's count, and they leave it when
+ * the import completes (as arenas) or is dropped. */
+START_TEST(pending_chunks_count_for_the_daemon)
+{
+  mokd_registry r, other;
+  mokd_arena *a, *b;
+  uint64_t all = 0;
+  mokd_limits lim = {.max_arena_bytes = 1u << 30, .quota = {0, 0}, .daemon_max_arenas = 5};
+  int fd = memfd_create("t", MFD_CLOEXEC | MFD_ALLOW_SEALING), fds[4] = {fd, fd, fd, fd};
+  size_t pages[4] = {4096, 4096, 4096, 4096};
+
+  ck_assert_int_eq(ftruncate(fd, 4096), 0);
+  ck_assert_int_eq(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK), 0);
+  mokd_registry_init(&r, cpu, &next_id, &lim, &sess, &daemon_usage);
+  mokd_registry_init(&other, cpu, &next_id, &lim, NULL, &daemon_usage);
+  r.pending_all = other.pending_all = &all;
+  ck_assert_int_eq(mokd_import_chunks(&r, MOKK_IMPORT_HOST_FD, 0, 8 * 4096, fds, pages, 4,
+                                      &a, err), 0);
+  ck_assert_uint_eq(all, 4);
+  ck_assert_int_eq(mokd_arena_new(&other, 4096, ARENA_DAEMON, &b, err), 0); /* 4 + 1 */
+  ck_assert_int_eq(mokd_arena_new(&other, 4096, ARENA_DAEMON, &b, err), MOK_EDQUOT);
+  ck_assert_msg(strstr(err, "mokd holds 5 arenas for all sessions") != NULL, "%s", err);
+  /* a continuation of another kind drops the import and its count */
+  ck_assert_int_eq(mokd_import_chunks(&r, MOKK_IMPORT_CUMEM_FD, a->id, 8 * 4096, fds, pages, 4,
+                                      &a, err), MOK_EINVAL);
+  ck_assert_msg(strstr(err, "another kind (cuMem fd) than it began with (memfd)") != NULL, "%s",
+                err);
+  ck_assert_ptr_null(r.pending);
+  ck_assert_uint_eq(all, 0);
+  ck_assert_int_eq(mokd_arena_new(&other, 4096, ARENA_DAEMON, &b, err), 0);
+  /* completed, its chunks move to the arenas */
+  ck_assert_int_eq(mokd_import_chunks(&r, MOKK_IMPORT_HOST_FD, 0, 3 * 4096, fds, pages, 3, &a,
+                                      err), 0);
+  ck_assert_ptr_null(r.pending);
+  ck_assert_uint_eq(all, 0);
+  ck_assert_uint_eq(daemon_usage.arenas, 5);
+  mokd_registry_clear(&r);
+  mokd_registry_clear(&other);
+  ck_assert_uint_eq(daemon_usage.arenas, 0);
+  close(fd);
+}
+END_TEST
+
 Suite *registry_suite(void)
 {
   Suite *s = suite_create("registry");
@@ -410,6 +454,7 @@ Suite *registry_suite(void)
   tcase_add_test(tc, host_imports_must_be_sealed);
   tcase_add_test(tc, imports_are_counted_and_charged);
   tcase_add_test(tc, chunked_imports_leave_nothing_behind);
+  tcase_add_test(tc, pending_chunks_count_for_the_daemon);
   suite_add_tcase(s, tc);
   return s;
 }
