@@ -30,7 +30,9 @@ missing=$(comm -13 <(echo "$exported") <(echo "$declared"))
 [ -z "$missing" ] || fail "declared in mok.h but not exported:" "$missing"
 echo "$exported" | grep -qv '^mok_' && fail "a symbol without the mok_ prefix is exported"
 
-got=$(python3 -c 'import ctypes, sys
+# an ASan build's library needs its runtime loaded first in the interpreter
+preload=$(ldd "$real" | awk '/libasan|libubsan/ {printf "%s%s", sep, $3; sep=":"}')
+got=$(LD_PRELOAD=$preload ASAN_OPTIONS=detect_leaks=0 python3 -c 'import ctypes, sys
 lib = ctypes.CDLL(sys.argv[1])
 lib.mok_version.restype = ctypes.c_char_p
 a, b, c = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
