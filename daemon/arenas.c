@@ -165,7 +165,7 @@ int mokd_h_destroy_arena(mokd_session *s, const Mokd__Request *q, const int *fds
     return mokk_fail(err, MOK_EPERM, "arena %llu holds daemon outputs; release their "
                      "contexts and results instead", (unsigned long long)a->id);
   if (a->users > 0)
-    return mokk_fail(err, MOK_EBUSY, "arena %llu holds weights of %d live forward "
+    return mokk_fail(err, MOK_EBUSY, "arena %llu holds weights or inputs of %d live forward "
                      "context%s; release %s first", (unsigned long long)a->id, a->users,
                      a->users == 1 ? "" : "s", a->users == 1 ? "it" : "them");
   mokd_arena_free(&s->reg, a);

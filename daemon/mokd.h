@@ -81,7 +81,9 @@ typedef struct mokd_result {
   int64_t T;
   mokd_arena *out_arena;  /* block of daemon-allocated outputs */
   mokd_span out;
-  mokd_arena *pinned[MOKK_NWEIGHTS]; /* weight arenas the saved state points into */
+  /* arenas the saved state points into: the weights', and x's (the CUDA
+   * backend's backward reads x again, for the shared expert's gradients) */
+  mokd_arena *pinned[MOKK_NWEIGHTS + 1];
   int npinned;
   uint64_t ctx_bytes;      /* charged to the quota and counted in usage */
   uint64_t mark;          /* Release: the request that named it last */

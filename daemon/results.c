@@ -75,8 +75,8 @@ void mokd_result_free(mokd_session *s, mokd_result *r)
   free(r);
 }
 
-/* The context reads the weights in a until the backward: a stays. Each arena
- * counts a context once, however many of its weights lie there. */
+/* The context reads the weights (or x) in a until the backward: a stays. Each
+ * arena counts a context once, however many of its tensors lie there. */
 void mokd_result_pin(mokd_result *r, mokd_arena *a)
 {
   for (int i = 0; i < r->npinned; i++)

@@ -485,7 +485,7 @@ static int forward_step(mokd_session *s, const Mokd__Request *q, mokd_layer *l, 
                         char *err)
 {
   const Mokd__Forward *f = q->forward;
-  mokd_arena *warenas[MOKK_NWEIGHTS];
+  mokd_arena *warenas[MOKK_NWEIGHTS], *xa;
   int64_t dx[2], di[2];
   void *px, *pi, *pw;
   mokd_step *j;
@@ -502,7 +502,7 @@ static int forward_step(mokd_session *s, const Mokd__Request *q, mokd_layer *l, 
     return mokk_fail(err, MOK_EINVAL, "layer %llu has no weights; send SetWeights first",
                      (unsigned long long)l->id);
   dx[0] = -1, dx[1] = l->shape.H;
-  if ((rc = mokd_ref_resolve(&s->reg, "x", f->x, MOKD__DTYPE__DTYPE_BF16, 2, dx, &px, NULL,
+  if ((rc = mokd_ref_resolve(&s->reg, "x", f->x, MOKD__DTYPE__DTYPE_BF16, 2, dx, &px, &xa,
                              err)))
     return rc;
   di[0] = dx[0], di[1] = l->shape.K;
@@ -552,9 +552,11 @@ static int forward_step(mokd_session *s, const Mokd__Request *q, mokd_layer *l, 
     goto fail;
   }
   set_ready(j, &f->ready_event);
-  if (j->want_ctx)
+  if (j->want_ctx) {
     for (int i = 0; i < mokd_weight_count(&l->shape); i++)
       mokd_result_pin(r, warenas[i]);
+    mokd_result_pin(r, xa);
+  }
   if (l->shape.P > 1) {
     j->rank = l->rank;
     j->group = mokd_group_serial(l);
