@@ -51,7 +51,8 @@ static int bench(mok_client *c, const mok_layer_desc *d, int64_t T, int iters)
   uint64_t *fw = calloc((size_t)iters, sizeof *fw), *bw = calloc((size_t)iters, sizeof *bw);
   if (fw == NULL || bw == NULL) {
     fprintf(stderr, "mokctl: bench: no memory for %d timings\n", iters);
-    free(fw), free(bw);
+    free(fw);
+    free(bw);
     mok_close(c);
     return 1;
   }
@@ -84,7 +85,8 @@ static int bench(mok_client *c, const mok_layer_desc *d, int64_t T, int iters)
          pct(fw, iters, .9), pct(fw, iters, .99), fl / (pct(fw, iters, .5) * 1e6));
   printf("backward ms p50 %.2f p90 %.2f p99 %.2f   %.1f GFLOP/s at p50\n", pct(bw, iters, .5),
          pct(bw, iters, .9), pct(bw, iters, .99), 2 * fl / (pct(bw, iters, .5) * 1e6));
-  free(fw), free(bw);
+  free(fw);
+  free(bw);
   mok_close(c);
   return 0;
 }

@@ -161,7 +161,8 @@ int mok_testbed_setup(mok_client *c, const mok_layer_desc *d, int64_t T, uint64_
   int32_t *ids = malloc((size_t)(T * K) * sizeof *ids);
   float *tw = malloc((size_t)(T * K) * sizeof *tw);
   if (ids == NULL || tw == NULL) {
-    free(ids), free(tw);
+    free(ids);
+    free(tw);
     snprintf(tb->err, sizeof tb->err, "no memory for the routing of %lld tokens", (long long)T);
     return MOK_ENOMEM;
   }
@@ -181,7 +182,8 @@ int mok_testbed_setup(mok_client *c, const mok_layer_desc *d, int64_t T, uint64_
   rc = mok_tensor_write(c, &tb->ids, ids);
   if (rc == 0)
     rc = mok_tensor_write(c, &tb->tw, tw);
-  free(ids), free(tw);
+  free(ids);
+  free(tw);
   if (rc != 0)
     return call_failed(c, tb, "writing the routing", rc);
   if ((rc = mok_layer_set_weights(c, tb->layer, tb->w)) != 0)

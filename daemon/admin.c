@@ -30,7 +30,8 @@ int mokd_h_list_sessions(mokd_session *s, const Mokd__Request *q, const int *fds
   info = calloc((size_t)srv->nsessions + 1, sizeof *info);
   ptrs = calloc((size_t)srv->nsessions + 1, sizeof *ptrs);
   if (info == NULL || ptrs == NULL) {
-    free(info), free(ptrs);
+    free(info);
+    free(ptrs);
     return mokk_fail(err, MOK_ENOMEM, "out of memory listing %d sessions", srv->nsessions);
   }
   /* a tenant sees its own uid's sessions only */
@@ -58,7 +59,8 @@ int mokd_h_list_sessions(mokd_session *s, const Mokd__Request *q, const int *fds
   r.body_case = MOKD__RESPONSE__BODY_SESSION_LIST;
   r.session_list = &list;
   mokd_send(s, &r, NULL, 0);
-  free(info), free(ptrs);
+  free(info);
+  free(ptrs);
   return 0;
 }
 

@@ -605,7 +605,8 @@ Mokd__TensorRef *mokd_ref_new(uint64_t arena, uint64_t offset, Mokd__DType dtype
   Mokd__TensorRef *r = malloc(sizeof *r);
   int64_t *sh = malloc((size_t)ndim * sizeof *sh);
   if (r == NULL || sh == NULL) {
-    free(r), free(sh);
+    free(r);
+    free(sh);
     return NULL;
   }
   mokd__tensor_ref__init(r);
