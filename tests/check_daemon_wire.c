@@ -630,6 +630,22 @@ static void session_holds(int fd, uint64_t arenas, uint64_t bytes)
   mokd__response__free_unpacked(r, NULL);
 }
 
+/* A memfd import of `bytes` begun with 8 one-page chunks: its id. */
+static uint64_t import_begun(int fd, uint64_t req, uint64_t bytes, const int *f)
+{
+  static const uint64_t pages[8] = {4096, 4096, 4096, 4096, 4096, 4096, 4096, 4096};
+  chunk_frame(fd, req, MOKD__IMPORT_KIND__IMPORT_MEMFD, bytes, 0, pages, 8, f, 8);
+  return chunk_taken(fd, 1);
+}
+
+/* A continuation of import id finds it dropped. */
+static void import_gone(int fd, uint64_t req, uint64_t bytes, uint64_t id, const int *f)
+{
+  static const uint64_t pages[8] = {4096, 4096, 4096, 4096, 4096, 4096, 4096, 4096};
+  chunk_frame(fd, req, MOKD__IMPORT_KIND__IMPORT_MEMFD, bytes, id, pages, 8, f, 8);
+  expect_status(fd, MOK_ENOENT, "no import");
+}
+
 /* Through libmok: 20 memfds become one arena over three frames; both sides
  * see each chunk at its offset, and the arena counts one mapping a chunk. */
 START_TEST(chunked_import_through_libmok)
@@ -720,41 +736,31 @@ START_TEST(chunked_import_bad_frames)
   session_holds(fd, 0, 0);
 
   /* begun, then interrupted: by another request, by a frame that lies about
-   * the size, by a chunk that does not fit; each drops the import whole */
-  chunk_frame(fd, 20, MEMFD, 16 * 4096, 0, four, 8, f, 8);
-  uint64_t id = chunk_taken(fd, 1);
+   * the size, by a chunk that does not fit, by a continuation refused before
+   * its handler (fds that do not match its chunks), by chunks of another
+   * kind; each drops the import whole, and the next continuation finds none */
+  uint64_t id = import_begun(fd, 20, 16 * 4096, f);
   session_holds(fd, 0, 0); /* the Stats request dropped it */
   chunk_frame(fd, 21, MEMFD, 16 * 4096, id, four, 8, f, 8);
   expect_status(fd, MOK_ENOENT, "an error, or another request in between, drops it");
-  chunk_frame(fd, 22, MEMFD, 16 * 4096, 0, four, 8, f, 8);
-  id = chunk_taken(fd, 1);
+  id = import_begun(fd, 22, 16 * 4096, f);
   chunk_frame(fd, 23, MEMFD, 15 * 4096, id, four, 8, f, 8);
   expect_status(fd, MOK_EINVAL, "the import continued names 61440 bytes; it began with 65536");
-  chunk_frame(fd, 24, MEMFD, 12 * 4096, 0, four, 8, f, 8);
-  id = chunk_taken(fd, 1);
+  id = import_begun(fd, 24, 12 * 4096, f);
   chunk_frame(fd, 25, MEMFD, 12 * 4096, id, four, 5, f, 5);
   expect_status(fd, MOK_ERANGE, "chunk 12 of 4096 bytes begins at 49152");
-  chunk_frame(fd, 26, MEMFD, 12 * 4096, id, four, 4, f, 4);
-  expect_status(fd, MOK_ENOENT, "no import");
-  /* a continuation refused before its handler (fds that do not match its
-   * chunks) drops the import too: the next one finds none */
-  chunk_frame(fd, 29, MEMFD, 16 * 4096, 0, four, 8, f, 8);
-  id = chunk_taken(fd, 1);
+  import_gone(fd, 26, 12 * 4096, id, f);
+  id = import_begun(fd, 29, 16 * 4096, f);
   chunk_frame(fd, 30, MEMFD, 16 * 4096, id, four, 4, f, 3);
   expect_status(fd, MOK_EINVAL, "ImportBuffer needs exactly 4 fds (SCM_RIGHTS)");
-  chunk_frame(fd, 31, MEMFD, 16 * 4096, id, four, 8, f, 8);
-  expect_status(fd, MOK_ENOENT, "no import");
-  /* and one continued with chunks of another kind */
-  chunk_frame(fd, 32, MEMFD, 16 * 4096, 0, four, 8, f, 8);
-  id = chunk_taken(fd, 1);
+  import_gone(fd, 31, 16 * 4096, id, f);
+  id = import_begun(fd, 32, 16 * 4096, f);
   chunk_frame(fd, 33, MOKD__IMPORT_KIND__IMPORT_CUMEM_FD, 16 * 4096, id, four, 8, f, 8);
   expect_status(fd, MOK_EINVAL, "another kind (cuMem fd) than it began with (memfd)");
-  chunk_frame(fd, 34, MEMFD, 16 * 4096, id, four, 8, f, 8);
-  expect_status(fd, MOK_ENOENT, "no import");
+  import_gone(fd, 34, 16 * 4096, id, f);
   session_holds(fd, 0, 0);
   /* and a whole one after all that */
-  chunk_frame(fd, 27, MEMFD, 10 * 4096, 0, four, 8, f, 8);
-  id = chunk_taken(fd, 1);
+  id = import_begun(fd, 27, 10 * 4096, f);
   chunk_frame(fd, 28, MEMFD, 10 * 4096, id, four, 2, f, 2);
   ck_assert_uint_eq(chunk_taken(fd, 0), id);
   session_holds(fd, 10, 10 * 4096);
