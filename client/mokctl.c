@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -89,6 +90,156 @@ static int bench(mok_client *c, const mok_layer_desc *d, int64_t T, int iters)
   free(bw);
   mok_close(c);
   return 0;
+}
+
+/* ---- bench --ep P ----------------------------------------------------------
+ * P client processes, each rank r of one EP group with T tokens of its own
+ * and experts [r E/P, (r + 1) E/P), time their round trips; a step of the
+ * group lasts as long as its slowest rank's. Each sends the parent what it
+ * saw through a pipe of its own: a status, then its timings. */
+
+typedef struct rank_report {
+  int rc;
+  char err[MOK_ERRLEN];
+} rank_report;
+
+static int write_all(int fd, const void *p, size_t n)
+{
+  for (const char *q = p; n > 0;) {
+    ssize_t w = write(fd, q, n);
+    if (w <= 0)
+      return -1;
+    q += w, n -= (size_t)w;
+  }
+  return 0;
+}
+
+static int read_all(int fd, void *p, size_t n)
+{
+  for (char *q = p; n > 0;) {
+    ssize_t r = read(fd, q, n);
+    if (r <= 0)
+      return -1;
+    q += r, n -= (size_t)r;
+  }
+  return 0;
+}
+
+/* One rank, in a child process: 0 when its report and timings went out. */
+static int run_rank(const mokctl_opts *o, uint64_t group, int rank, int out)
+{
+  rank_report rep = {0, ""};
+  uint64_t *t = calloc(2 * (size_t)o->iters, sizeof *t);
+  mok_layer_desc d = o->layer;
+  mok_client *c = NULL;
+  mok_testbed tb;
+
+  if (t == NULL) {
+    rep.rc = MOK_ENOMEM;
+    snprintf(rep.err, sizeof rep.err, "no memory for %d timings", o->iters);
+  } else if ((rep.rc = mok_connect(o->socket, "mokctl bench", &c)) != 0 ||
+             (rep.rc = mok_layer_desc_ep(&d, group, (uint32_t)o->ep, (uint32_t)rank)) != 0) {
+    snprintf(rep.err, sizeof rep.err, "%s", c != NULL ? mok_last_error(c) : "connect");
+  } else if ((rep.rc = mok_testbed_setup(c, &d, o->T, 1 + (uint64_t)rank, &tb)) != 0) {
+    snprintf(rep.err, sizeof rep.err, "%s", tb.err);
+  }
+  for (int it = 0; rep.rc == 0 && it < o->iters; it++) {
+    mok_forward_result f;
+    mok_backward_result b;
+    uint64_t t0 = mono_ns(), t1;
+    if ((rep.rc = mok_forward(c, tb.layer, &tb.x, &tb.ids, &tb.tw, 0, &f)) != 0)
+      break;
+    t1 = mono_ns();
+    if ((rep.rc = mok_backward(c, f.context, &tb.d_out, NULL, 0, &b)) != 0)
+      break;
+    t[it] = t1 - t0;
+    t[o->iters + it] = mono_ns() - t1;
+    uint64_t ids[2] = {f.context, b.result};
+    rep.rc = mok_release(c, ids, 2);
+  }
+  if (rep.rc != 0 && rep.err[0] == 0)
+    snprintf(rep.err, sizeof rep.err, "%s", mok_last_error(c));
+  int bad = write_all(out, &rep, sizeof rep) != 0 ||
+            (rep.rc == 0 && write_all(out, t, 2 * (size_t)o->iters * sizeof *t) != 0);
+  free(t);
+  mok_close(c);
+  return bad || rep.rc != 0;
+}
+
+static int bench_ep(const mokctl_opts *o)
+{
+  int P = o->ep, iters = o->iters, failed = 0;
+  uint64_t group = (mono_ns() << 16 ^ (uint64_t)getpid()) | 1; /* per user; 0 = none */
+  int *in = calloc((size_t)P, sizeof *in);
+  pid_t *kids = calloc((size_t)P, sizeof *kids);
+  uint64_t *fw = calloc((size_t)iters, sizeof *fw), *bw = calloc((size_t)iters, sizeof *bw);
+  uint64_t *t = calloc(2 * (size_t)iters, sizeof *t);
+
+  if (in == NULL || kids == NULL || fw == NULL || bw == NULL || t == NULL) {
+    fprintf(stderr, "mokctl: bench: no memory for %d ranks' timings\n", P);
+    return 1;
+  }
+  fflush(stdout);
+  for (int r = 0; r < P; r++) {
+    int p[2];
+    if (pipe(p) != 0 || (kids[r] = fork()) < 0) {
+      perror("mokctl: bench: starting a rank");
+      failed = 1;
+      P = r;
+      break;
+    }
+    if (kids[r] == 0) {
+      close(p[0]);
+      for (int q = 0; q < r; q++)
+        close(in[q]);
+      _exit(run_rank(o, group, r, p[1]));
+    }
+    close(p[1]);
+    in[r] = p[0];
+  }
+  for (int r = 0; r < P; r++) {
+    rank_report rep;
+    if (read_all(in[r], &rep, sizeof rep) != 0) {
+      fprintf(stderr, "mokctl: bench: rank %d ended without a report\n", r);
+      failed = 1;
+    } else if (rep.rc != 0) {
+      fprintf(stderr, "mokctl: bench: rank %d: %s (%s)\n", r, rep.err, mok_strerror(rep.rc));
+      failed = 1;
+    } else if (read_all(in[r], t, 2 * (size_t)iters * sizeof *t) != 0) {
+      fprintf(stderr, "mokctl: bench: rank %d's timings were cut short\n", r);
+      failed = 1;
+    } else {
+      for (int it = 0; it < iters; it++) { /* the group's step: its slowest rank */
+        fw[it] = t[it] > fw[it] ? t[it] : fw[it];
+        bw[it] = t[iters + it] > bw[it] ? t[iters + it] : bw[it];
+      }
+    }
+    close(in[r]);
+  }
+  for (int r = 0; r < P; r++)
+    waitpid(kids[r], NULL, 0);
+  if (!failed) {
+    mok_layer_desc d = o->layer;
+    mok_testbed one = {.d = d, .T = o->T};
+    double fl = mok_testbed_flops(&one) * o->ep;
+    qsort(fw, (size_t)iters, sizeof *fw, cmp_u64);
+    qsort(bw, (size_t)iters, sizeof *bw, cmp_u64);
+    printf("layer T=%lld a rank H=%lld I=%lld E=%lld K=%lld I_s=%lld, EP group of %d ranks "
+           "(%lld experts each), %d iterations\n", (long long)o->T, (long long)d.hidden,
+           (long long)d.intermediate, (long long)d.experts, (long long)d.top_k,
+           (long long)d.shared_intermediate, o->ep, (long long)(d.experts / o->ep), iters);
+    printf("group step round trips (the slowest rank's), GFLOP/s of all ranks:\n");
+    printf("forward  ms p50 %.2f p90 %.2f p99 %.2f   %.1f GFLOP/s at p50\n", pct(fw, iters, .5),
+           pct(fw, iters, .9), pct(fw, iters, .99), fl / (pct(fw, iters, .5) * 1e6));
+    printf("backward ms p50 %.2f p90 %.2f p99 %.2f   %.1f GFLOP/s at p50\n", pct(bw, iters, .5),
+           pct(bw, iters, .9), pct(bw, iters, .99), 2 * fl / (pct(bw, iters, .5) * 1e6));
+  }
+  free(in);
+  free(kids);
+  free(fw);
+  free(bw);
+  free(t);
+  return failed;
 }
 
 /* health must answer even when the daemon does not: a stuck daemon is not ready */
@@ -226,10 +377,14 @@ int main(int argc, char **argv)
   }
   if (o.cmd == MOKCTL_BENCH) {
     size_t bytes; /* before connecting: nothing to ask the daemon about a bad shape */
-    if (mok_testbed_check(&o.layer, o.T, &bytes, err, sizeof err) != 0) {
+    mok_layer_desc d = o.layer;
+    d.ep_size = (uint32_t)o.ep;
+    if (mok_testbed_check(&d, o.T, &bytes, err, sizeof err) != 0) {
       fprintf(stderr, "mokctl: bench: %s\n", err);
       return 2;
     }
+    if (o.ep > 1)
+      return bench_ep(&o);
   }
   if (o.cmd == MOKCTL_HEALTH) {
     start_health_alarm(o.timeout_s);

@@ -11,7 +11,7 @@
 #include "layer.h"
 
 enum { OPT_T = 256, OPT_H, OPT_I, OPT_E, OPT_K, OPT_SHARED, OPT_ITERS, OPT_TIMEOUT, OPT_JOB,
-       OPT_SESSION };
+       OPT_SESSION, OPT_EP };
 
 static const struct option global_opts[] = {
   {"socket", required_argument, NULL, 's'},
@@ -29,6 +29,7 @@ static const struct option bench_opts[] = {
   {"K", required_argument, NULL, OPT_K},
   {"shared", required_argument, NULL, OPT_SHARED},
   {"iters", required_argument, NULL, OPT_ITERS},
+  {"ep", required_argument, NULL, OPT_EP},
   {NULL, 0, NULL, 0},
 };
 
@@ -153,6 +154,11 @@ static int parse_bench(int argc, char **argv, mokctl_opts *o, char *err, size_t 
         return MOK_EINVAL;
       o->iters = (int)v;
       break;
+    case OPT_EP:
+      if (parse_int(name, optarg, 1, MOKCTL_EP_MAX, &v, err, errlen))
+        return MOK_EINVAL;
+      o->ep = (int)v;
+      break;
     default:
       return bad_option(c, bench_opts, argv, "bench: ", err, errlen);
     }
@@ -162,6 +168,9 @@ static int parse_bench(int argc, char **argv, mokctl_opts *o, char *err, size_t 
   if (o->layer.top_k > o->layer.experts)
     return fail(err, errlen, "bench: --K %lld is larger than --E %lld; each token picks K "
                 "distinct experts", (long long)o->layer.top_k, (long long)o->layer.experts);
+  if (o->layer.experts % o->ep != 0)
+    return fail(err, errlen, "bench: --E %lld does not divide by --ep %d; each of the %d ranks "
+                "holds E / %d experts", (long long)o->layer.experts, o->ep, o->ep, o->ep);
   return 0;
 }
 
@@ -241,6 +250,7 @@ int mokctl_parse(int argc, char **argv, mokctl_opts *o, char *err, size_t errlen
   o->layer = (mok_layer_desc){.hidden = 1024, .intermediate = 512, .experts = 16, .top_k = 2};
   o->T = 1024;
   o->iters = 20;
+  o->ep = 1;
   o->timeout_s = 10;
   opterr = 0;
   optind = 0;
@@ -282,6 +292,9 @@ static const char bench_help[] =
   "  --K n        experts per token, at most E        default    2, in [1, 16777216]\n"
   "  --shared n   shared expert intermediate size     default    0 (none)\n"
   "  --iters n    forward+backward steps to time      default   20, in [1, 1000000]\n"
+  "  --ep P       an EP group of P ranks, one client  default    1, in [1, 256];\n"
+  "               process each, T tokens and E/P experts a rank: the times are\n"
+  "               of the group's steps (the slowest rank's round trip)\n"
   "\n"
   "The daemon holds one arena with the weights (bf16), the inputs and fp32\n"
   "gradient buffers: about (3 E H I + 3 H I_s) x 6 + T H x 4 + T K x 8 bytes;\n"

@@ -18,6 +18,7 @@ typedef enum {
 #define MOKCTL_TIMEOUT_MAX 3600
 
 #define MOKCTL_ITERS_MAX 1000000
+#define MOKCTL_EP_MAX 256
 
 typedef struct mokctl_opts {
   const char *socket;  /* NULL: mok_default_socket() */
@@ -26,6 +27,7 @@ typedef struct mokctl_opts {
   mok_layer_desc layer; /* bench */
   int64_t T;
   int iters;
+  int ep;              /* bench --ep: ranks of the EP group, 1 = none */
   int timeout_s;       /* health: no answer in this long is not ready; evict: wait this
                         * long for the sessions to be gone */
   const char *job;     /* evict --job */

@@ -65,7 +65,9 @@ static mok_tensor place(uint64_t arena, size_t *at, int *ovf, mok_dtype dt, int 
 static size_t layout(mok_testbed *tb, uint64_t arena, int *ovf)
 {
   int64_t T = tb->T, H = tb->d.hidden, I = tb->d.intermediate, K = tb->d.top_k;
-  int64_t E = tb->d.experts, Is = tb->d.shared_intermediate;
+  int64_t Is = tb->d.shared_intermediate;
+  /* an EP rank holds its E / P experts (the ids name all E) */
+  int64_t E = tb->d.experts / (tb->d.ep_size > 1 ? (int64_t)tb->d.ep_size : 1);
   size_t at = 0;
 
   tb->x = place(arena, &at, ovf, MOK_DTYPE_BF16, 2, T, H, 0);
@@ -105,6 +107,11 @@ int mok_testbed_check(const mok_layer_desc *d, int64_t T, size_t *bytes, char *e
   if (d->top_k > d->experts) {
     snprintf(err, errlen, "%s: K is larger than E; each token picks K distinct experts", what);
     return MOK_ESHAPE;
+  }
+  if (d->ep_size > 1 && d->experts % d->ep_size != 0) {
+    snprintf(err, errlen, "%s: E does not divide by the EP group's %u ranks", what,
+             d->ep_size);
+    return MOK_EEPSIZE;
   }
   *bytes = layout(&tb, 0, &ovf);
   if (ovf) {
@@ -154,6 +161,13 @@ int mok_testbed_setup(mok_client *c, const mok_layer_desc *d, int64_t T, uint64_
     return fill_failed(c, tb, "writing the inputs", rc);
   for (int w = 0; w < tb->nweights; w++) {
     int64_t fan_in = w == MOK_W_DOWN ? I : w == MOK_S_DOWN ? Is : H;
+    if (w >= MOK_S_GATE && d->ep_size > 1) { /* the shared expert: the same on every rank */
+      uint64_t shared_seed = 0x5eed + (uint64_t)w;
+      if ((rc = fill_random(c, &tb->w[w], 2.0f / sqrtf((float)fan_in), &shared_seed)) ||
+          (rc = fill_random(c, &tb->g32[w], 0.0f, &shared_seed)))
+        return fill_failed(c, tb, "writing the weights", rc);
+      continue;
+    }
     if ((rc = fill_random(c, &tb->w[w], 2.0f / sqrtf((float)fan_in), &seed)) ||
         (rc = fill_random(c, &tb->g32[w], 0.0f, &seed)))
       return fill_failed(c, tb, "writing the weights", rc);

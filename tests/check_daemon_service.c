@@ -385,6 +385,15 @@ START_TEST(mokctl_bench_runs_and_says_what_failed)
   ck_assert_msg(rc == 0, "exit %d: %s", rc, out);
   ck_assert_msg(strstr(out, "layer T=4 H=64 I=32 E=4 K=4 I_s=0 on cpu, 3 iterations"), "%s",
                 out);
+  /* an EP group of two client processes, two experts each */
+  rc = run_mokctl("--socket %s bench --T 4 --H 64 --I 32 --E 4 --K 2 --shared 32 --iters 3 "
+                  "--ep 2", out, sizeof out);
+  ck_assert_msg(rc == 0, "exit %d: %s", rc, out);
+  ck_assert_msg(strstr(out, "layer T=4 a rank H=64 I=32 E=4 K=2 I_s=32, EP group of 2 ranks "
+                       "(2 experts each), 3 iterations\ngroup step round trips") != NULL, "%s",
+                out);
+  ck_assert_msg(strstr(out, "\nforward  ms p50 ") && strstr(out, "\nbackward ms p50 "), "%s",
+                out);
   /* 18 PB: the daemon refuses the arena; the message says at which step */
   rc = run_mokctl("--socket %s bench --H 1000000 --I 1000000 --E 1000", out, sizeof out);
   ck_assert_msg(rc == 1, "exit %d: %s", rc, out);

@@ -44,14 +44,14 @@ START_TEST(defaults_and_every_flag)
   ck_assert_ptr_null(o.socket);
   ck_assert(o.T == 1024 && o.layer.hidden == 1024 && o.layer.intermediate == 512 &&
             o.layer.experts == 16 && o.layer.top_k == 2 && o.layer.shared_intermediate == 0 &&
-            o.iters == 20 && !o.help);
+            o.iters == 20 && o.ep == 1 && !o.help);
   ck_assert_int_eq(parse(&o, err, "--socket", "/tmp/a.sock", "bench", "--T", "7", "--H=64",
                          "--I", "128", "--E", "8", "--K", "8", "--shared", "32", "--iters", "3",
-                         (char *)NULL), 0);
+                         "--ep", "4", (char *)NULL), 0);
   ck_assert_str_eq(o.socket, "/tmp/a.sock");
   ck_assert(o.T == 7 && o.layer.hidden == 64 && o.layer.intermediate == 128 &&
             o.layer.experts == 8 && o.layer.top_k == 8 && o.layer.shared_intermediate == 32 &&
-            o.iters == 3);
+            o.iters == 3 && o.ep == 4);
   /* --socket after the command too, and the plain commands */
   ck_assert_int_eq(parse(&o, err, "ping", "--socket=/tmp/b.sock", (char *)NULL), 0);
   ck_assert_int_eq(o.cmd, MOKCTL_PING);
@@ -97,7 +97,7 @@ START_TEST(help_names_every_bench_flag)
   mokctl_usage(f, MOKCTL_NONE);
   fclose(f);
   const char *want[] = {"ping", "status", "stats", "bench", "--socket", "--help", "--T n",
-                        "--H n", "--I n", "--E n", "--K n", "--shared n", "--iters n",
+                        "--H n", "--I n", "--E n", "--K n", "--shared n", "--iters n", "--ep P",
                         "at most E", "max_arena_bytes", "Exit status"};
   for (size_t i = 0; i < sizeof want / sizeof want[0]; i++)
     ck_assert_msg(strstr(text, want[i]) != NULL, "help lacks \"%s\"", want[i]);
@@ -116,6 +116,9 @@ START_TEST(commands_and_arguments)
   REFUSED("unknown option \"--T\"", "--T", "4", "bench");
   REFUSED("unknown option \"-x\"", "-x", "ping");
   REFUSED("bench: unknown option \"--tokens\"", "bench", "--tokens=4");
+  REFUSED("bench: --E 16 does not divide by --ep 3; each of the 3 ranks holds E / 3 experts",
+          "bench", "--ep", "3");
+  REFUSED("--ep: 0 is out of range; it must be in [1, 256]", "bench", "--ep", "0");
   REFUSED("stats: unknown option \"--T\"", "stats", "--T", "4");
   REFUSED("evict: name exactly one of --job ID and --session N", "evict");
   REFUSED("evict: name exactly one of --job ID and --session N", "evict", "--job", "7",
