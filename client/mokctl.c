@@ -39,8 +39,53 @@ static double pct(const uint64_t *v, int n, double p)
   return (double)v[i] * 1e-6;
 }
 
+/* iters steps of forward, backward and release, their request round trips
+ * in fw and bw: without a stream, libmok returns once the step is complete
+ * (the CUDA backend replies before its GPU work ends). 0, or the code of the
+ * call that failed and its name in *what. */
+static int time_steps(mok_client *c, const mok_testbed *tb, int iters, uint64_t *fw,
+                      uint64_t *bw, const char **what)
+{
+  int rc;
+  for (int it = 0; it < iters; it++) {
+    mok_forward_result f;
+    mok_backward_result b;
+    uint64_t t0 = mono_ns(), t1;
+    if ((rc = mok_forward(c, tb->layer, &tb->x, &tb->ids, &tb->tw, 0, &f)) != 0) {
+      *what = "forward";
+      return rc;
+    }
+    t1 = mono_ns();
+    if ((rc = mok_backward(c, f.context, &tb->d_out, NULL, 0, &b)) != 0) {
+      *what = "backward";
+      return rc;
+    }
+    fw[it] = t1 - t0;
+    bw[it] = mono_ns() - t1;
+    uint64_t ids[2] = {f.context, b.result};
+    if ((rc = mok_release(c, ids, 2)) != 0) {
+      *what = "release";
+      return rc;
+    }
+  }
+  return 0;
+}
+
+/* The percentiles of fw and bw (sorted here), and the GFLOP/s of fl FLOPs a
+ * forward at their medians. */
+static void print_times(uint64_t *fw, uint64_t *bw, int iters, double fl)
+{
+  qsort(fw, (size_t)iters, sizeof *fw, cmp_u64);
+  qsort(bw, (size_t)iters, sizeof *bw, cmp_u64);
+  printf("forward  ms p50 %.2f p90 %.2f p99 %.2f   %.1f GFLOP/s at p50\n", pct(fw, iters, .5),
+         pct(fw, iters, .9), pct(fw, iters, .99), fl / (pct(fw, iters, .5) * 1e6));
+  printf("backward ms p50 %.2f p90 %.2f p99 %.2f   %.1f GFLOP/s at p50\n", pct(bw, iters, .5),
+         pct(bw, iters, .9), pct(bw, iters, .99), 2 * fl / (pct(bw, iters, .5) * 1e6));
+}
+
 static int bench(mok_client *c, const mok_layer_desc *d, int64_t T, int iters)
 {
+  const char *what = "";
   int rc;
   mok_testbed tb;
 
@@ -57,35 +102,14 @@ static int bench(mok_client *c, const mok_layer_desc *d, int64_t T, int iters)
     mok_close(c);
     return 1;
   }
-  /* request round trips: without a stream, libmok returns once the step is
-   * complete (the CUDA backend replies before its GPU work ends) */
-  for (int it = 0; it < iters; it++) {
-    mok_forward_result f;
-    mok_backward_result b;
-    uint64_t t0 = mono_ns(), t1;
-    if ((rc = mok_forward(c, tb.layer, &tb.x, &tb.ids, &tb.tw, 0, &f)) != 0)
-      return die(c, "forward", rc);
-    t1 = mono_ns();
-    if ((rc = mok_backward(c, f.context, &tb.d_out, NULL, 0, &b)) != 0)
-      return die(c, "backward", rc);
-    fw[it] = t1 - t0;
-    bw[it] = mono_ns() - t1;
-    uint64_t ids[2] = {f.context, b.result};
-    if ((rc = mok_release(c, ids, 2)) != 0)
-      return die(c, "release", rc);
-  }
-  qsort(fw, (size_t)iters, sizeof *fw, cmp_u64);
-  qsort(bw, (size_t)iters, sizeof *bw, cmp_u64);
-  double fl = mok_testbed_flops(&tb);
+  if ((rc = time_steps(c, &tb, iters, fw, bw, &what)) != 0)
+    return die(c, what, rc);
   printf("layer T=%lld H=%lld I=%lld E=%lld K=%lld I_s=%lld on %s, %d iterations\n",
          (long long)T, (long long)d->hidden, (long long)d->intermediate, (long long)d->experts,
          (long long)d->top_k, (long long)d->shared_intermediate, mok_server_info(c)->backend,
          iters);
   printf("request round trips:\n");
-  printf("forward  ms p50 %.2f p90 %.2f p99 %.2f   %.1f GFLOP/s at p50\n", pct(fw, iters, .5),
-         pct(fw, iters, .9), pct(fw, iters, .99), fl / (pct(fw, iters, .5) * 1e6));
-  printf("backward ms p50 %.2f p90 %.2f p99 %.2f   %.1f GFLOP/s at p50\n", pct(bw, iters, .5),
-         pct(bw, iters, .9), pct(bw, iters, .99), 2 * fl / (pct(bw, iters, .5) * 1e6));
+  print_times(fw, bw, iters, mok_testbed_flops(&tb));
   free(fw);
   free(bw);
   mok_close(c);
@@ -143,21 +167,8 @@ static int run_rank(const mokctl_opts *o, uint64_t group, int rank, int out)
   } else if ((rep.rc = mok_testbed_setup(c, &d, o->T, 1 + (uint64_t)rank, &tb)) != 0) {
     snprintf(rep.err, sizeof rep.err, "%s", tb.err);
   }
-  for (int it = 0; rep.rc == 0 && it < o->iters; it++) {
-    mok_forward_result f;
-    mok_backward_result b;
-    uint64_t t0 = mono_ns(), t1;
-    if ((rep.rc = mok_forward(c, tb.layer, &tb.x, &tb.ids, &tb.tw, 0, &f)) != 0)
-      break;
-    t1 = mono_ns();
-    if ((rep.rc = mok_backward(c, f.context, &tb.d_out, NULL, 0, &b)) != 0)
-      break;
-    t[it] = t1 - t0;
-    t[o->iters + it] = mono_ns() - t1;
-    uint64_t ids[2] = {f.context, b.result};
-    rep.rc = mok_release(c, ids, 2);
-  }
-  if (rep.rc != 0 && rep.err[0] == 0)
+  const char *what = "";
+  if (rep.rc == 0 && (rep.rc = time_steps(c, &tb, o->iters, t, t + o->iters, &what)) != 0)
     snprintf(rep.err, sizeof rep.err, "%s", mok_last_error(c));
   int bad = write_all(out, &rep, sizeof rep) != 0 ||
             (rep.rc == 0 && write_all(out, t, 2 * (size_t)o->iters * sizeof *t) != 0);
@@ -222,17 +233,12 @@ static int bench_ep(const mokctl_opts *o)
     mok_layer_desc d = o->layer;
     mok_testbed one = {.d = d, .T = o->T};
     double fl = mok_testbed_flops(&one) * o->ep;
-    qsort(fw, (size_t)iters, sizeof *fw, cmp_u64);
-    qsort(bw, (size_t)iters, sizeof *bw, cmp_u64);
     printf("layer T=%lld a rank H=%lld I=%lld E=%lld K=%lld I_s=%lld, EP group of %d ranks "
            "(%lld experts each), %d iterations\n", (long long)o->T, (long long)d.hidden,
            (long long)d.intermediate, (long long)d.experts, (long long)d.top_k,
            (long long)d.shared_intermediate, o->ep, (long long)(d.experts / o->ep), iters);
     printf("group step round trips (the slowest rank's), GFLOP/s of all ranks:\n");
-    printf("forward  ms p50 %.2f p90 %.2f p99 %.2f   %.1f GFLOP/s at p50\n", pct(fw, iters, .5),
-           pct(fw, iters, .9), pct(fw, iters, .99), fl / (pct(fw, iters, .5) * 1e6));
-    printf("backward ms p50 %.2f p90 %.2f p99 %.2f   %.1f GFLOP/s at p50\n", pct(bw, iters, .5),
-           pct(bw, iters, .9), pct(bw, iters, .99), 2 * fl / (pct(bw, iters, .5) * 1e6));
+    print_times(fw, bw, iters, fl);
   }
   free(in);
   free(kids);
