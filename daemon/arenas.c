@@ -102,11 +102,8 @@ static int import_chunks(mokd_session *s, const Mokd__Request *q, const int *fds
   for (size_t i = 0; rc == 0 && i < ib->n_chunk_bytes; i++)
     if ((sizes[i] = (size_t)ib->chunk_bytes[i]) != ib->chunk_bytes[i] || sizes[i] > SIZE_MAX / 2)
       rc = mokk_fail(err, MOK_EOVERFLOW, "chunk size overflows");
-  if (rc != 0) {
-    mokd_import_drop(&s->reg);
-    mokd_server_reap(s->srv);
-    return rc;
-  }
+  if (rc != 0)
+    return rc; /* dispatch drops an import under way on any error */
   kind = ib->kind == MOKD__IMPORT_KIND__IMPORT_MEMFD ? MOKK_IMPORT_HOST_FD : MOKK_IMPORT_CUMEM_FD;
   if ((rc = mokd_import_chunks(&s->reg, kind, ib->continues, (size_t)ib->bytes, fds, sizes,
                                nfds, &a, err))) {
