@@ -656,16 +656,26 @@ __device__ __forceinline__ void pingpong(const params &p, int64_t tiles, unsigne
       bar_wait(&full[s], ph);
       if (LAYOUT == L_TN && kb == nk - 1 && x.rows % BK != 0)
         zero_rows<BN, BM>(sa + s * A_BYTES, sb + s * B_BYTES, x.rows % BK, ct, 128, 2 + cw);
-      acc_fence(acc0);
-      acc_fence(acc1);
-      wgmma_fence();
-      mma_stage<TA, TB, BN>(acc0, sa0 + s * A_BYTES, sb0 + s * B_BYTES, 0);
-      if (lower)
+      /* each branch a straight run (see cooperative): an MMA under a
+       * condition of its own makes ptxas serialise every one */
+      if (lower) {
+        acc_fence(acc0);
+        acc_fence(acc1);
+        wgmma_fence();
+        mma_stage<TA, TB, BN>(acc0, sa0 + s * A_BYTES, sb0 + s * B_BYTES, 0);
         mma_stage<TA, TB, BN>(acc1, sa0 + s * A_BYTES, sb0 + s * B_BYTES, 1);
-      wgmma_commit();
-      wgmma_wait<1>();
-      acc_fence(acc0);
-      acc_fence(acc1);
+        wgmma_commit();
+        wgmma_wait<1>();
+        acc_fence(acc0);
+        acc_fence(acc1);
+      } else {
+        acc_fence(acc0);
+        wgmma_fence();
+        mma_stage<TA, TB, BN>(acc0, sa0 + s * A_BYTES, sb0 + s * B_BYTES, 0);
+        wgmma_commit();
+        wgmma_wait<1>();
+        acc_fence(acc0);
+      }
       if (prev >= 0 && lane == 0)
         bar_arrive(&empty[prev]);
       prev = s;
