@@ -508,6 +508,27 @@ __device__ __forceinline__ void out_issue(const params &p, const tile &x, const 
   tma_store_commit();
 }
 
+/* d_h's epilogue reads the fp32 g and u of its rows and columns, 2 x 1 KiB
+ * a row of a 128 x 256 tile, element by element: asked for a few k-blocks
+ * ahead, they come from the L2 when it runs. The four threads of a row take
+ * its lines in turn. */
+template <int BN, int BM>
+__device__ __forceinline__ void dh_prefetch(const gemm_args &a, const tile &x, int blk, int warp,
+                                            int lane)
+{
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    int ml = x.mt * BM + blk * 64 + warp * 16 + lane / 4 + 8 * r;
+    if (ml >= x.rows)
+      continue;
+    int64_t at = (x.rb + ml) * a.lds + (int64_t)x.nt * BN;
+    for (int l = lane & 3; l < BN / 32 && x.nt * BN + l * 32 < a.N; l += 4) {
+      prefetch_l2(a.sg + at + l * 32);
+      prefetch_l2(a.su + at + l * 32);
+    }
+  }
+}
+
 /* The cooperative consumer: both warpgroups on one BM x BN tile, BM / 2 rows
  * each, as one (BM = 128) or two (BM = 256) 64-row blocks. */
 template <int LAYOUT, int EPI, int BN, int BM, int CL>
@@ -547,6 +568,8 @@ __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsi
      * kb - 1's are waited for and its stage handed back */
     int prev = -1;
     for (int kb = 0; kb < nk; kb++) {
+      if (EPI == E_DH && a.prefetch && kb == (nk > 4 ? nk - 4 : 0))
+        dh_prefetch<BN, BM>(a, x, b0, warp, lane);
       bar_wait(&full[s], ph);
       if (LAYOUT == L_TN && kb == nk - 1 && x.rows % BK != 0)
         zero_rows<BN, BM>(sa + s * A_BYTES, sb + s * B_BYTES, x.rows % BK, ct, 256, 1);
@@ -850,9 +873,11 @@ static int gemm(const gemm_args *a, int64_t a_rows, int grid, cudaStream_t strea
   const int smem = cfg<BN, BM, PP, stores_tiles<EPI>()>::SMEM;
   void (*kernel)(params) = k_gemm90<LAYOUT, EPI, BN, PP, BM, CL>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (e == cudaSuccess && CL == 1) {
-    kernel<<<grid, THREADS, smem, stream>>>(p);
-    e = cudaGetLastError();
+  if constexpr (CL == 1) {
+    if (e == cudaSuccess) {
+      kernel<<<grid, THREADS, smem, stream>>>(p);
+      e = cudaGetLastError();
+    }
   } else if (e == cudaSuccess) {
     cudaLaunchConfig_t lc = {};
     cudaLaunchAttribute at = {};
@@ -865,16 +890,16 @@ static int gemm(const gemm_args *a, int64_t a_rows, int grid, cudaStream_t strea
     lc.stream = stream;
     lc.attrs = &at;
     lc.numAttrs = 1;
-    int fit = 0;
     lc.gridDim = dim3(CL * 64);
-    e = cudaOccupancyMaxActiveClusters(&fit, kernel, &lc);
-    if (e == cudaSuccess && fit < 1)
-      e = cudaErrorInvalidConfiguration;
-    if (e == cudaSuccess) {
-      int n = grid / CL < fit ? grid / CL : fit;
-      lc.gridDim = dim3(CL * (n < 1 ? 1 : n));
-      e = cudaLaunchKernelEx(&lc, kernel, p);
+    int fit = 0;
+    if (cudaOccupancyMaxActiveClusters(&fit, kernel, &lc) != cudaSuccess || fit < 1) {
+      /* no cluster of two fits (a GPU partition of few SMs): single blocks */
+      cudaGetLastError();
+      return gemm<LAYOUT, EPI, BN, PP, BM, 1>(a, a_rows, grid, stream, err);
     }
+    int n = grid / CL < fit ? grid / CL : fit;
+    lc.gridDim = dim3(CL * (n < 1 ? 1 : n));
+    e = cudaLaunchKernelEx(&lc, kernel, p);
   }
   if (e != cudaSuccess)
     return mokk_fail(err, MOK_EDEVICE, "GEMM (sm90) launch: %s (%s)", cudaGetErrorString(e),
