@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# experiments.sh BUILD - the branch's kernel experiments in one device call:
+# the GEMM core check (the ping-pong variant now runs NT/NN MMAs unserialised),
+# bench_gemm, and the layer on dsv3 and mid with d_h on 128 x 256 tiles, on
+# ping-pong tiles, and with its g and u prefetched, then Nsight Compute's
+# d_h time for each. Prints what to compare; decides nothing.
+set -u -o pipefail
+B=${1:?usage: experiments.sh BUILD}
+export CK_FORK=no
+env CK_RUN_CASE=gemm_core timeout 150 "$B/tests/check_gpu" 2>&1 | tail -8 | cut -c1-300
+for c in vs_cpu determinism; do
+  env CK_RUN_CASE=$c timeout 90 "$B/tests/check_gpu" 2>&1 | tail -1
+done
+timeout 150 "$B/bench_gemm" 2>&1 | tail -24
+for v in "" MOKD_GEMM_DH_PINGPONG=1 MOKD_GEMM_DH_PREFETCH=1; do
+  echo "== d_h: ${v:-128x256}"
+  env $v timeout 120 "$B/bench_gpu" --iters 10 --shapes dsv3,mid 2>&1 | tail -2
+  env $v timeout 120 ncu --clock-control none --kernel-name-base demangled \
+    -k 'regex:k_gemm90<.int.1, .int.3' --launch-skip 2 --launch-count 1 \
+    --metrics gpu__time_duration.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed \
+    "$B/bench_gpu" --iters 1 --shapes dsv3 2>&1 | grep -E "k_gemm90|duration|hmma"
+done
