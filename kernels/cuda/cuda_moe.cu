@@ -281,7 +281,7 @@ static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
   int64_t H = s->H, I = s->I, E = s->E, K = s->K, Is = s->I_s, TG = P * T, TK = TG * K;
   int train = out_ctx != NULL, rc;
   size_t off = 0, o_ids, o_count, o_rs, o_to, o_slot, o_src, o_rw, o_xr, o_g = 0, o_u = 0, o_h, o_y,
-         o_gs = 0, o_us = 0, o_hs = 0, o_ys = 0, o_in_ids = 0, o_in_tw = 0, o_x = 0;
+         o_gs = 0, o_us = 0, o_hs = 0, o_ys = 0, o_in = 0, in_x = 0;
   const void *px[ROUTE_MAX_RANKS];
   cuda_ctx *c;
 
@@ -329,11 +329,12 @@ static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
     o_hs = carve(&off, TG * Is * 2);
     o_ys = carve(&off, TG * H * 2);
   }
-  if (P > 1) { /* the ranks' routing back to back; x too for the shared weight gradient */
-    o_in_ids = carve(&off, TK * sizeof(int32_t));
-    o_in_tw = carve(&off, TK * sizeof(float));
-    if (train && Is)
-      o_x = carve(&off, TG * H * 2);
+  if (P > 1) {
+    /* the ranks' ids and router weights back to back, then (for the shared
+     * weight gradient) their x: one carve, which keeps the context inside
+     * mokk_ctx_bytes_bound's alignment slop */
+    in_x = (TK * (sizeof(int32_t) + sizeof(float)) + 15) & ~(size_t)15;
+    o_in = carve(&off, in_x + (train && Is ? TG * H * 2 : 0));
   }
   cudaError_t e = cudaMallocAsync(&c->block, off, cb->stream);
   if (e != cudaSuccess) {
@@ -366,13 +367,13 @@ static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
     const void *pi[ROUTE_MAX_RANKS], *pw[ROUTE_MAX_RANKS];
     for (int r = 0; r < P; r++)
       pi[r] = ranks[r].topk_ids, pw[r] = ranks[r].topk_weights;
-    ids = (const int32_t *)(base + o_in_ids);
-    tw = (const float *)(base + o_in_tw);
+    ids = (const int32_t *)(base + o_in);
+    tw = (const float *)(base + o_in + TK * sizeof(int32_t));
     if ((rc = concat(cb, (void *)ids, pi, P, T * K * sizeof(int32_t), err)) ||
         (rc = concat(cb, (void *)tw, pw, P, T * K * sizeof(float), err)))
       goto fail;
     if (train && Is) {
-      c->x = (const bf16 *)(base + o_x);
+      c->x = (const bf16 *)(base + o_in + in_x);
       if ((rc = concat(cb, (void *)c->x, px, P, T * H * 2, err)))
         goto fail;
     }
