@@ -1237,8 +1237,8 @@ static int gpu_run_ranks(const moe_case *c, int P, mokk_grad_mode mode, float se
 {
   mokk_shape s = c->s;
   int64_t T = c->T / P, H = s.H, K = s.K, El = s.E / P;
-  mokk_fwd_rank fr[MOKK_DEVICE_MAX_RANKS] = {0};
-  mokk_bwd_rank br[MOKK_DEVICE_MAX_RANKS] = {0};
+  mokk_fwd_rank fr[2 * MOKK_DEVICE_MAX_RANKS] = {0}; /* room to ask for too many */
+  mokk_bwd_rank br[2 * MOKK_DEVICE_MAX_RANKS] = {0};
   void *dev[64] = {0}, *w[MOKK_NWEIGHTS] = {0}, *g16[MOKK_NWEIGHTS] = {0},
        *g32[MOKK_NWEIGHTS] = {0};
   mokk_ctx *ctx = NULL;
@@ -1377,6 +1377,18 @@ START_TEST(ep_ranks_bitwise)
                 MOKK_GRAD_BF16, 63);
   ranks_bitwise((mokk_shape){.H = 128, .I = 64, .E = 8, .K = 3, .I_s = 64, .P = 1}, 8 * 7,
                 ROUTE_DROPS, MOKK_GRAD_FP32_ACCUM, 64);
+
+  /* more virtual ranks than the backend runs on one GPU */
+  char err[2 * MOK_ERRLEN] = "";
+  moe_case cs;
+  moe_out o;
+  case_make(&cs, &(mokk_shape){.H = 128, .I = 64, .E = 18, .K = 2, .P = 1}, 9 * 4,
+            ROUTE_RANDOM, 65);
+  ck_assert_int_eq(gpu_run_ranks(&cs, 9, MOKK_GRAD_BF16, 0, &o, err), MOK_ENOTSUP);
+  ck_assert_msg(strstr(err, "at most 8 EP ranks on one GPU; P = 9") != NULL, "%s", err);
+  printf("ep_ranks_bitwise: P = 9: %s\n", err);
+  out_free(&o);
+  case_free(&cs);
 }
 END_TEST
 
