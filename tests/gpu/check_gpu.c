@@ -1335,6 +1335,21 @@ static void ranks_bitwise(mokk_shape s, int64_t T, route_kind route, mokk_grad_m
 
   case_make(&cs, &s, T, seed, route);
   ck_assert_msg(gpu_run_ranks(&cs, 1, mode, 0.25f, &base, err) == 0, "%s", err);
+  /* P = 1 itself against the CPU engine: the ranks must match real results,
+   * not two runs that wrote nothing */
+  moe_out oc;
+  ck_assert_msg(case_run(cpu, &cs, 1, 1, mode, 0.25f, &oc, err) == 0, "cpu: %s", err);
+  expect_close_bf16(oc.out, base.out, T * H, TOL_FWD, "P=1: out");
+  expect_close_bf16(oc.d_x, base.d_x, T * H, TOL_BWD, "P=1: d_x");
+  expect_close_f32(oc.d_tw, base.d_tw, T * K, TOL_FWD, "P=1: d_topk_weights");
+  for (int w = 0; w < (s.I_s > 0 ? MOKK_NWEIGHTS : MOKK_S_GATE); w++) {
+    int64_t n = case_weight_elems(&cs, w);
+    if (fp32)
+      expect_close_f32(oc.g_f32[w], base.g_f32[w], n, TOL_BWD, wname[w]);
+    else
+      expect_close_bf16(oc.g_bf16[w], base.g_bf16[w], n, TOL_BWD, wname[w]);
+  }
+  out_free(&oc);
   for (int P = 2; P <= MOKK_DEVICE_MAX_RANKS; P *= 2) {
     ck_assert_msg(gpu_run_ranks(&cs, P, mode, 0.25f, &o, err) == 0, "P=%d: %s", P, err);
     ck_assert_msg(memcmp(o.out, base.out, (size_t)(T * H) * 2) == 0, "P=%d: out", P);
