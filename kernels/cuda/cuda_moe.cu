@@ -15,6 +15,9 @@
 #include "gemm_sm90.cuh"
 #include "route.h"
 
+/* the gathers' per-rank pointers hold every rank the backend runs */
+static_assert(ROUTE_MAX_RANKS >= MOKK_DEVICE_MAX_RANKS, "route_rows holds too few ranks");
+
 /* ---- launch helpers ------------------------------------------------------ */
 
 static int grid_for(const cuda_backend *cb, int64_t work, int per_sm)
@@ -161,8 +164,8 @@ static mlp mlp_shared(const cuda_ctx *c, int64_t T, int r)
   const mokk_shape *s = &c->hdr.shape;
   int64_t at = (int64_t)r * T * s->I_s;
   mlp m = {dense(c, T), T, c->w[r][MOKK_S_GATE], c->w[r][MOKK_S_UP], c->w[r][MOKK_S_DOWN],
-           s->I_s, 0, c->g != NULL ? c->gs + at : NULL, c->u != NULL ? c->us + at : NULL,
-           c->hs + at};
+           s->I_s, 0, c->gs != NULL ? c->gs + at : NULL, c->us != NULL ? c->us + at : NULL,
+           c->hs != NULL ? c->hs + at : NULL};
   return m;
 }
 
