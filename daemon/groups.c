@@ -109,6 +109,22 @@ static int same_layer(const mokd_group *g, const mokd_layer *l, char *err)
                    (double)b->swiglu_limit, (int)l->mode);
 }
 
+/* A group's step runs on one backend: on a device backend, all its ranks'
+ * sessions use the same GPU (virtual ranks of one device). */
+static int same_device(const mokd_group *g, const mokd_session *s, char *err)
+{
+  for (int i = 0; i < g->P; i++) {
+    const mokd_session *m = g->member[i] != NULL ? g->member[i]->owner : NULL;
+    if (m != NULL && m->backend != s->backend)
+      return mokk_fail(err, MOK_ENOTSUP, "EP group %llu runs on %s %d (rank %d's session); "
+                       "this rank's session is on %s %d: ranks on different GPUs are not "
+                       "supported yet; it was not joined (the others wait on)",
+                       (unsigned long long)g->id, mokk_backend_name(m->backend), m->device, i,
+                       mokk_backend_name(s->backend), s->device);
+  }
+  return 0;
+}
+
 int mokd_group_join(mokd_session *s, mokd_layer *l, const Mokd__EpGroup *ep, uint64_t req_id,
                     char *err)
 {
@@ -125,6 +141,8 @@ int mokd_group_join(mokd_session *s, mokd_layer *l, const Mokd__EpGroup *ep, uin
                        "was not joined (the others wait on)", (unsigned long long)ep->id, g->P,
                        (long long)l->shape.P);
     if ((rc = same_layer(g, l, err)))
+      return rc;
+    if ((rc = same_device(g, s, err)))
       return rc;
     if (g->member[r] != NULL)
       return mokk_fail(err, MOK_EEXIST, "rank %d of EP group %llu is taken already (session "

@@ -96,10 +96,11 @@ static int ep_check(const mokd_session *s, const Mokd__EpGroup *ep, int64_t *P, 
   if (ep->rank >= *P)
     return mokk_fail(err, MOK_EINVAL, "EP rank %u is outside a group of size %lld (ranks "
                      "0..%lld)", ep->rank, (long long)*P, (long long)*P - 1);
-  if (*P > 1 && s->device >= 0)
-    return mokk_fail(err, MOK_ENOTSUP, "EP groups run on the cpu backend only: the %s "
-                     "backend runs one EP rank per step; create the layer with ep.size 1, or "
-                     "run mokd --backend cpu", mokk_backend_name(s->backend));
+  if (*P > MOKK_DEVICE_MAX_RANKS && s->device >= 0)
+    return mokk_fail(err, MOK_ENOTSUP, "the %s backend runs an EP group of at most %d ranks "
+                     "(virtual ranks on one GPU); this group has %lld; use a smaller group, "
+                     "or run mokd --backend cpu", mokk_backend_name(s->backend),
+                     MOKK_DEVICE_MAX_RANKS, (long long)*P);
   return 0;
 }
 

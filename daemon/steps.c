@@ -146,7 +146,7 @@ static void step_work(mokd_work *w)
     rc = mokk_forward(j->backend, &j->shape, j->T, &j->fr, j->want_ctx ? &j->ctx : NULL,
                       j->err);
   if (rc == 0 && *j->events != NULL &&
-      (rc = mokk_step_end(j->backend, *j->events, j->status, j->done, j->err)) == 0)
+      (rc = mokk_step_end(j->backend, *j->events, j->status, 1, j->done, j->err)) == 0)
     j->has_done = 1;
   if (rc != 0 && !j->backward && j->ctx != NULL) {
     mokk_ctx_free(j->backend, j->ctx);
@@ -243,29 +243,70 @@ static void step_done(mokd_work *w)
 
 /* ---- a step of an EP group ------------------------------------------------ */
 
+/* A group step on a device backend (every rank's session on the same one):
+ * the step waits for every rank's ready event, and each rank gets its
+ * status word and its done event, as a step of one rank does. */
+static int group_begin(mokd_step *j0)
+{
+  for (int r = 0; r < j0->P; r++) {
+    mokd_step *j = j0->ranks[r];
+    int rc = mokk_step_begin(j0->backend, j->events, j->has_ready ? j->ready : NULL, j0->err);
+    if (rc != 0)
+      return rc;
+  }
+  return 0;
+}
+
+static int group_end(mokd_step *j0)
+{
+  for (int r = 0; r < j0->P; r++) {
+    mokd_step *j = j0->ranks[r];
+    int rc;
+    if (*j->events == NULL)
+      continue;
+    rc = mokk_step_end(j0->backend, *j->events, j->status, r == j0->P - 1, j->done, j0->err);
+    if (rc != 0)
+      return rc;
+    j->has_done = 1;
+  }
+  return 0;
+}
+
 /* On an executor thread: one step over the P ranks (the CPU engine moves the
- * rows between them as a dispatch and combine would). */
+ * rows between them as a dispatch and combine would; the CUDA backend runs
+ * them as virtual ranks of its one device). */
 static void group_work(mokd_work *w)
 {
   mokd_step *j = (mokd_step *)w;
   mokk_fwd_rank *fr = NULL;
   mokk_bwd_rank *br = NULL;
+  int rc = group_begin(j);
 
+  if (rc != 0) {
+    j->rc = rc;
+    return;
+  }
   if (j->backward && (br = malloc((size_t)j->P * sizeof *br)) != NULL) {
     for (int r = 0; r < j->P; r++)
       br[r] = j->ranks[r]->br;
-    j->rc = mokk_backward(j->backend, j->gctx->ctx, j->mode, br, j->err);
+    rc = mokk_backward(j->backend, j->gctx->ctx, j->mode, br, j->err);
   } else if (!j->backward && (fr = malloc((size_t)j->P * sizeof *fr)) != NULL) {
     for (int r = 0; r < j->P; r++)
       fr[r] = j->ranks[r]->fr;
     /* group_match made every rank ask what rank 0 asks */
-    j->rc = mokk_forward(j->backend, &j->shape, j->T, fr, j->want_ctx ? &j->ctx : NULL,
-                         j->err);
+    rc = mokk_forward(j->backend, &j->shape, j->T, fr, j->want_ctx ? &j->ctx : NULL, j->err);
   } else {
-    j->rc = mokk_fail(j->err, MOK_ENOMEM, "out of memory for a step of %d EP ranks", j->P);
+    rc = mokk_fail(j->err, MOK_ENOMEM, "out of memory for a step of %d EP ranks", j->P);
   }
   free(fr);
   free(br);
+  if (rc == 0)
+    rc = group_end(j);
+  if (rc != 0 && !j->backward && j->ctx != NULL) {
+    mokk_ctx_free(j->backend, j->ctx);
+    j->ctx = NULL;
+  }
+  j->rc = rc;
 }
 
 /* The state of a group forward, shared by the contexts of the ranks that

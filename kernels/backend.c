@@ -140,11 +140,12 @@ int mokk_step_begin(mokk_backend *b, mokk_events **ev, const void *ready, char *
   return b->iface->step_begin(b, *ev, ready, err);
 }
 
-int mokk_step_end(mokk_backend *b, mokk_events *ev, int32_t *status, void *done, char *err)
+int mokk_step_end(mokk_backend *b, mokk_events *ev, int32_t *status, int last, void *done,
+                  char *err)
 {
   if (ev == NULL || b->iface->step_end == NULL)
     return 0;
-  return b->iface->step_end(b, ev, status, done, err);
+  return b->iface->step_end(b, ev, status, last, done, err);
 }
 
 void mokk_events_free(mokk_backend *b, mokk_events *ev)

@@ -22,6 +22,10 @@ struct mokk_ctx {
   int64_t T;
 };
 
+/* Most EP ranks a device backend runs in one step, as virtual ranks on its
+ * one device. */
+#define MOKK_DEVICE_MAX_RANKS 8
+
 /* An interprocess event or memory handle (cudaIpc*Handle_t), in bytes. */
 #define MOKK_IPC_BYTES 64
 
@@ -108,8 +112,12 @@ int mokk_step_begin(mokk_backend *b, mokk_events **ev, const void *ready, char *
 /* After a step (ev from mokk_step_begin, not NULL): queues the write of the
  * step's status to status (a device int32: 0, or MOK_EEXPERT when an expert
  * id was out of range) and records the done event, whose IPC handle goes to
- * done (MOKK_IPC_BYTES). Reports launch errors only. */
-int mokk_step_end(mokk_backend *b, mokk_events *ev, int32_t *status, void *done, char *err);
+ * done (MOKK_IPC_BYTES). A step over several ranks calls it once per rank,
+ * with each rank's ev, status and done, last != 0 on the last call only:
+ * every rank reads the same status, which the last call then clears.
+ * Reports launch errors only. */
+int mokk_step_end(mokk_backend *b, mokk_events *ev, int32_t *status, int last, void *done,
+                  char *err);
 void mokk_events_free(mokk_backend *b, mokk_events *ev);
 
 #ifdef __cplusplus

@@ -36,7 +36,8 @@ typedef struct mokk_backend_iface {
   int (*events_new)(mokk_backend *b, mokk_events **out, char *err);
   void (*events_free)(mokk_backend *b, mokk_events *ev);
   int (*step_begin)(mokk_backend *b, mokk_events *ev, const void *ready, char *err);
-  int (*step_end)(mokk_backend *b, mokk_events *ev, int32_t *status, void *done, char *err);
+  int (*step_end)(mokk_backend *b, mokk_events *ev, int32_t *status, int last, void *done,
+                  char *err);
   /* health, on the executor thread: a sticky device error, or 0; NULL = none */
   int (*check)(mokk_backend *b, char *err);
 } mokk_backend_iface;

@@ -161,21 +161,24 @@ static int cuda_step_begin(mokk_backend *b, mokk_events *ev, const void *ready, 
   return ready != NULL ? mokk_cuda_wait(b, ev, ready, err) : 0;
 }
 
-/* The step's status as the client reads it, then a clean flag for the next. */
-__global__ void k_status(int *flag, int32_t *out)
+/* The step's status as the client reads it; after the step's last rank, a
+ * clean flag for the next step. */
+__global__ void k_status(int *flag, int32_t *out, int last)
 {
-  *out = *flag ? MOK_EEXPERT : 0;
-  *flag = 0;
+  if (out != NULL)
+    *out = *flag ? MOK_EEXPERT : 0;
+  if (last)
+    *flag = 0;
 }
 
-static int cuda_step_end(mokk_backend *b, mokk_events *ev, int32_t *status, void *done,
-                         char *err)
+static int cuda_step_end(mokk_backend *b, mokk_events *ev, int32_t *status, int last,
+                         void *done, char *err)
 {
   cuda_backend *cb = (cuda_backend *)b;
 
   CUDA_CHECK(cudaSetDevice(cb->device));
-  if (status != NULL) {
-    k_status<<<1, 1, 0, cb->stream>>>(cb->status, status);
+  if (status != NULL || last) {
+    k_status<<<1, 1, 0, cb->stream>>>(cb->status, status, last);
     CUDA_CHECK(cudaGetLastError());
   }
   return mokk_cuda_events_record(ev, cb->stream, done, err);

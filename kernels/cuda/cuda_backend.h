@@ -5,7 +5,8 @@
  * id outside [0, E): those pairs are dropped) travel in each step's status
  * word, which mokk_step_end queues for the client to read; a caller that uses
  * the backend directly gets them from mokk_cuda_sync(). Requires H, I and I_s
- * to be multiples of 64 and one EP rank per step. */
+ * to be multiples of 64 and at most MOKK_DEVICE_MAX_RANKS EP ranks per step
+ * (virtual ranks of its one GPU). */
 #ifndef MOKK_CUDA_BACKEND_H
 #define MOKK_CUDA_BACKEND_H
 

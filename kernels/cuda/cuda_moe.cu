@@ -16,6 +16,9 @@
 #include "gemm_sm90.cuh"
 #include "route.h"
 
+/* the gathers' per-rank pointers hold every rank the backend runs */
+static_assert(ROUTE_MAX_RANKS >= MOKK_DEVICE_MAX_RANKS, "route_rows holds too few ranks");
+
 /* ---- launch helpers ------------------------------------------------------ */
 
 static int grid_for(const cuda_backend *cb, int64_t work, int per_sm)
@@ -68,7 +71,9 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
    * MOKD_GEMM_CLUSTERS=0 force a choice, to measure them against each other. */
   if (cb->arch == 90) {
     int grid = grid_for(cb, gemm_tiles(a, LAYOUT), 1);
-    int64_t rows_per_group = a->count != NULL ? a_rows / a->groups : a->K;
+    /* over the whole schedule, so that a rank's slice of the experts takes
+     * the tiles that one rank running them all would (the same bits) */
+    int64_t rows_per_group = a->count != NULL ? a_rows / a->groups_all : a->K;
     if constexpr (LAYOUT == L_TN) {
       if (rows_per_group >= 1024 || cb->tiles == MOKK_TILES_WIDE)
         return sm90::gemm<LAYOUT, EPI, 128, true>(a, a_rows, grid, cb->stream, err);
@@ -114,18 +119,23 @@ static int launched(char *err, const char *what)
   return e == cudaSuccess ? 0 : cuda_fail(err, e, what);
 }
 
-/* Grouped args over the schedule of a context (routed experts). */
-static gemm_args routed(const cuda_ctx *c, int64_t TK)
+/* Grouped args over rank r's slice of a context's schedule: its E_local
+ * experts, whose rows (absolute, rank 0's first) sit in the buffers of all
+ * ranks' rows. TK: the rows of every rank together. */
+static gemm_args routed(const cuda_ctx *c, int64_t TK, int r)
 {
+  const mokk_shape *s = &c->hdr.shape;
+  int El = (int)(s->E / s->P), e0 = r * El;
   gemm_args a;
   memset(&a, 0, sizeof a);
-  a.groups = (int)c->hdr.shape.E;
-  a.count = c->count;
-  a.row_start = c->row_start;
-  a.tile_off = c->tile_off;
-  a.tile_off_tall = c->tile_off + a.groups + 1;
-  a.tiles_max = (int)(TK / G_BM + (TK < a.groups ? TK : a.groups));
-  a.limit = c->hdr.shape.swiglu_limit;
+  a.groups = El;
+  a.groups_all = (int)s->E;
+  a.count = c->count + e0;
+  a.row_start = c->row_start + e0;
+  a.tile_off = c->tile_off + e0;
+  a.tile_off_tall = c->tile_off + s->E + 1 + e0;
+  a.tiles_max = (int)(TK / G_BM + (TK < El ? TK : El));
+  a.limit = s->swiglu_limit;
   return a;
 }
 
@@ -134,6 +144,7 @@ static gemm_args dense(const cuda_ctx *c, int64_t T)
   gemm_args a;
   memset(&a, 0, sizeof a);
   a.groups = 1;
+  a.groups_all = 1;
   a.M = (int)T;
   a.limit = c->hdr.shape.swiglu_limit;
   return a;
@@ -150,19 +161,23 @@ typedef struct mlp {
   bf16 *h;
 } mlp;
 
-static mlp mlp_routed(const cuda_ctx *c, int64_t TK)
+/* Rank r's experts over the rows of all ranks (TK of them). */
+static mlp mlp_routed(const cuda_ctx *c, int64_t TK, int r)
 {
   const mokk_shape *s = &c->hdr.shape;
-  mlp m = {routed(c, TK), TK, c->w[MOKK_W_GATE], c->w[MOKK_W_UP], c->w[MOKK_W_DOWN],
-           s->I, s->I * s->H, c->g, c->u, c->h};
+  mlp m = {routed(c, TK, r), TK, c->w[r][MOKK_W_GATE], c->w[r][MOKK_W_UP],
+           c->w[r][MOKK_W_DOWN], s->I, s->I * s->H, c->g, c->u, c->h};
   return m;
 }
 
-static mlp mlp_shared(const cuda_ctx *c, int64_t T)
+/* The shared expert over rank r's T tokens, rows r T.. of the saved state. */
+static mlp mlp_shared(const cuda_ctx *c, int64_t T, int r)
 {
   const mokk_shape *s = &c->hdr.shape;
-  mlp m = {dense(c, T), T, c->w[MOKK_S_GATE], c->w[MOKK_S_UP], c->w[MOKK_S_DOWN],
-           s->I_s, 0, c->gs, c->us, c->hs};
+  int64_t at = (int64_t)r * T * s->I_s;
+  mlp m = {dense(c, T), T, c->w[r][MOKK_S_GATE], c->w[r][MOKK_S_UP], c->w[r][MOKK_S_DOWN],
+           s->I_s, 0, c->gs != NULL ? c->gs + at : NULL, c->us != NULL ? c->us + at : NULL,
+           c->hs != NULL ? c->hs + at : NULL};
   return m;
 }
 
@@ -221,16 +236,16 @@ static int aligned16(const void *p)
 
 static int check_shape(const mokk_shape *s, int64_t T, char *err)
 {
-  if (s->P != 1)
-    return mokk_fail(err, MOK_ENOTSUP, "the cuda backend runs one EP rank per step; "
-                     "P = %lld", (long long)s->P);
+  if (s->P > MOKK_DEVICE_MAX_RANKS)
+    return mokk_fail(err, MOK_ENOTSUP, "the cuda backend runs at most %d EP ranks on one "
+                     "GPU; P = %lld", MOKK_DEVICE_MAX_RANKS, (long long)s->P);
   if (s->H % 64 || s->I % 64 || s->I_s % 64)
     return mokk_fail(err, MOK_ESHAPE, "the cuda backend needs H, I and I_s to be "
                      "multiples of 64; H = %lld, I = %lld, I_s = %lld", (long long)s->H,
                      (long long)s->I, (long long)s->I_s);
-  if (T * s->K >= (1ll << 30) || T * s->H >= (1ll << 40))
-    return mokk_fail(err, MOK_EOVERFLOW, "T * K = %lld rows is more than the cuda "
-                     "backend indexes", (long long)(T * s->K));
+  if (s->P * T * s->K >= (1ll << 30) || s->P * T * s->H >= (1ll << 40))
+    return mokk_fail(err, MOK_EOVERFLOW, "P * T * K = %lld rows is more than the cuda "
+                     "backend indexes", (long long)(s->P * T * s->K));
   return 0;
 }
 
@@ -242,33 +257,70 @@ static size_t carve(size_t *off, size_t n)
   return at;
 }
 
+/* Rows of the P ranks' [T, H] tensors, as the gathers read them. */
+static route_rows rows_of(const void *const *p, int P, int64_t T)
+{
+  route_rows x;
+  memset(&x, 0, sizeof x);
+  for (int r = 0; r < P; r++)
+    x.p[r] = (const bf16 *)p[r];
+  x.T = T > 0 ? T : 1;
+  return x;
+}
+
+/* P ranks' [n] arrays of elem bytes each, back to back in dst (rank 0's first). */
+static int concat(cuda_backend *cb, void *dst, const void *const *src, int P, size_t n,
+                  char *err)
+{
+  for (int r = 0; r < P; r++) {
+    cudaError_t e = cudaMemcpyAsync((char *)dst + (size_t)r * n, src[r], n,
+                                    cudaMemcpyDeviceToDevice, cb->stream);
+    if (e != cudaSuccess)
+      return cuda_fail(err, e, "copy of the ranks' rows");
+  }
+  return 0;
+}
+
+/* One step over P ranks of T tokens (virtual ranks: one device, one
+ * stream). The ranks' pairs are scheduled together, as one rank with P T
+ * tokens (rank 0's first) and all E experts would: rows of an expert by
+ * global token, then k. Each rank's GEMMs run over its experts' slice of
+ * that schedule, with its own weights, and the shared expert and the
+ * combine over its own tokens; so every rank's bits are those of the one
+ * rank running the concatenated batch. */
 static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
                         const mokk_fwd_rank *ranks, mokk_ctx **out_ctx, char *err)
 {
   cuda_backend *cb = (cuda_backend *)b;
-  const mokk_fwd_rank *f = &ranks[0];
-  int64_t H = s->H, I = s->I, E = s->E, K = s->K, Is = s->I_s, TK = T * K;
+  const int P = (int)s->P;
+  int64_t H = s->H, I = s->I, E = s->E, K = s->K, Is = s->I_s, TG = P * T, TK = TG * K;
   int train = out_ctx != NULL, rc;
   size_t off = 0, o_ids, o_count, o_rs, o_to, o_slot, o_src, o_rw, o_xr, o_g = 0, o_u = 0, o_h, o_y,
-         o_gs = 0, o_us = 0, o_hs = 0, o_ys = 0;
+         o_gs = 0, o_us = 0, o_hs = 0, o_ys = 0, o_in = 0, in_x = 0;
+  const void *px[ROUTE_MAX_RANKS];
   cuda_ctx *c;
 
   if ((rc = check_shape(s, T, err)))
     return rc;
-  if (!aligned16(f->x) || !aligned16(f->out))
-    return mokk_fail(err, MOK_EINVAL, "x and out must be 16-byte aligned");
-  for (int w = 0; w < (Is ? MOKK_NWEIGHTS : MOKK_S_GATE); w++)
-    if (!aligned16(f->w[w]))
-      return mokk_fail(err, MOK_EINVAL, "weight %d is not 16-byte aligned", w);
+  for (int r = 0; r < P; r++) {
+    const mokk_fwd_rank *f = &ranks[r];
+    if (!aligned16(f->x) || !aligned16(f->out))
+      return mokk_fail(err, MOK_EINVAL, "x and out must be 16-byte aligned");
+    for (int w = 0; w < (Is ? MOKK_NWEIGHTS : MOKK_S_GATE); w++)
+      if (!aligned16(f->w[w]))
+        return mokk_fail(err, MOK_EINVAL, "weight %d is not 16-byte aligned", w);
+    px[r] = f->x;
+  }
   CK(cudaSetDevice(cb->device));
 
   if ((c = (cuda_ctx *)calloc(1, sizeof *c)) == NULL)
     return mokk_fail(err, MOK_ENOMEM, "out of memory");
   c->hdr.shape = *s;
   c->hdr.T = T;
-  c->x = (const bf16 *)f->x;
-  for (int w = 0; w < MOKK_NWEIGHTS; w++)
-    c->w[w] = (const bf16 *)f->w[w];
+  c->x = P == 1 ? (const bf16 *)ranks[0].x : NULL;
+  for (int r = 0; r < P; r++)
+    for (int w = 0; w < MOKK_NWEIGHTS; w++)
+      c->w[r][w] = (const bf16 *)ranks[r].w[w];
 
   o_ids = carve(&off, TK * sizeof(int32_t));
   o_count = carve(&off, E * sizeof(int));
@@ -286,11 +338,18 @@ static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
   o_y = carve(&off, TK * H * 2);
   if (Is) {
     if (train) {
-      o_gs = carve(&off, T * Is * 4);
-      o_us = carve(&off, T * Is * 4);
+      o_gs = carve(&off, TG * Is * 4);
+      o_us = carve(&off, TG * Is * 4);
     }
-    o_hs = carve(&off, T * Is * 2);
-    o_ys = carve(&off, T * H * 2);
+    o_hs = carve(&off, TG * Is * 2);
+    o_ys = carve(&off, TG * H * 2);
+  }
+  if (P > 1) {
+    /* the ranks' ids and router weights back to back, then (for the shared
+     * weight gradient) their x: one carve, which keeps the context inside
+     * mokk_ctx_bytes_bound's alignment slop */
+    in_x = (TK * (sizeof(int32_t) + sizeof(float)) + 15) & ~(size_t)15;
+    o_in = carve(&off, in_x + (train && Is ? TG * H * 2 : 0));
   }
   cudaError_t e = cudaMallocAsync(&c->block, off, cb->stream);
   if (e != cudaSuccess) {
@@ -317,26 +376,48 @@ static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
     c->hs = (bf16 *)(base + o_hs);
   }
   bf16 *ys = Is ? (bf16 *)(base + o_ys) : NULL;
-  mlp routed_mlp = mlp_routed(c, TK), shared_mlp = mlp_shared(c, T);
+  const int32_t *ids = ranks[0].topk_ids;
+  const float *tw = ranks[0].topk_weights;
+  if (P > 1) {
+    const void *pi[ROUTE_MAX_RANKS], *pw[ROUTE_MAX_RANKS];
+    for (int r = 0; r < P; r++)
+      pi[r] = ranks[r].topk_ids, pw[r] = ranks[r].topk_weights;
+    ids = (const int32_t *)(base + o_in);
+    tw = (const float *)(base + o_in + TK * sizeof(int32_t));
+    if ((rc = concat(cb, (void *)ids, pi, P, T * K * sizeof(int32_t), err)) ||
+        (rc = concat(cb, (void *)tw, pw, P, T * K * sizeof(float), err)))
+      goto fail;
+    if (train && Is) {
+      c->x = (const bf16 *)(base + o_in + in_x);
+      if ((rc = concat(cb, (void *)c->x, px, P, T * H * 2, err)))
+        goto fail;
+    }
+  }
 
-  /* schedule */
-  route_schedule(cb->stream, f->topk_ids, f->topk_weights, TK, (int)E,
-                 (int32_t *)(base + o_ids), c->count, c->row_start,
-                 c->tile_off, c->slot, c->src, c->row_w, cb->status);
+  /* schedule of every rank's pairs */
+  route_schedule(cb->stream, ids, tw, TK, (int)E, (int32_t *)(base + o_ids), c->count,
+                 c->row_start, c->tile_off, c->slot, c->src, c->row_w, cb->status);
   if ((rc = launched(err, "schedule")))
     goto fail;
-  route_gather(cb->stream, grid_for(cb, TK, 16), c->x, c->src, c->row_start + E, (int)K, H,
-               c->xr, NULL, NULL);
+  route_gather(cb->stream, grid_for(cb, TK, 16), rows_of(px, P, T), c->src, c->row_start + E,
+               (int)K, H, c->xr, NULL, NULL);
   if ((rc = launched(err, "dispatch")))
     goto fail;
-  if ((rc = mlp_forward(cb, &routed_mlp, c->xr, H, c->y, err)))
-    goto fail;
-  if (Is && (rc = mlp_forward(cb, &shared_mlp, c->x, H, ys, err)))
-    goto fail;
-  route_combine_out(cb->stream, grid_for(cb, T, 16), c->y, c->slot, f->topk_weights, ys, T,
-                    (int)K, H, (bf16 *)f->out);
-  if ((rc = launched(err, "combine")))
-    goto fail;
+  for (int r = 0; r < P; r++) {
+    mlp routed_mlp = mlp_routed(c, TK, r);
+    if ((rc = mlp_forward(cb, &routed_mlp, c->xr, H, c->y, err)))
+      goto fail;
+  }
+  for (int r = 0; r < P; r++) {
+    mlp shared_mlp = mlp_shared(c, T, r);
+    bf16 *ys_r = Is ? ys + r * T * H : NULL;
+    if (Is && (rc = mlp_forward(cb, &shared_mlp, (const bf16 *)ranks[r].x, H, ys_r, err)))
+      goto fail;
+    route_combine_out(cb->stream, grid_for(cb, T, 16), c->y, c->slot + r * T * K,
+                      tw + r * T * K, ys_r, T, (int)K, H, (bf16 *)ranks[r].out);
+    if ((rc = launched(err, "combine")))
+      goto fail;
+  }
   if (train)
     *out_ctx = &c->hdr;
   else
@@ -349,88 +430,39 @@ fail:
 
 /* ---- backward ------------------------------------------------------------ */
 
-static int cuda_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
-                         const mokk_bwd_rank *ranks, char *err)
+/* Rank r's weights for the backward: where they are now if they moved. */
+static void moved_weights(mlp *m, const mokk_bwd_rank *b, int first)
 {
-  cuda_backend *cb = (cuda_backend *)b;
-  cuda_ctx *c = (cuda_ctx *)ctx;
-  const mokk_shape *s = &ctx->shape;
-  const mokk_bwd_rank *r = &ranks[0];
-  int64_t T = ctx->T, H = s->H, I = s->I, K = s->K, Is = s->I_s, TK = T * K, E = s->E;
-  int accum = mode == MOKK_GRAD_FP32_ACCUM, rc = 0;
-  size_t off = 0, o_dor, o_dy, o_dgu, o_dxr, o_dgus = 0, o_dxs = 0;
-  void *block = NULL;
+  if (b->w[MOKK_W_GATE] == NULL)
+    return;
+  m->wg = (const bf16 *)b->w[first];
+  m->wu = (const bf16 *)b->w[first + 1];
+  m->wd = (const bf16 *)b->w[first + 2];
+}
 
-  if (c->g == NULL)
-    return mokk_fail(err, MOK_ECONTEXT, "the forward kept no state for a backward");
-  if (!aligned16(r->d_out) || !aligned16(r->d_x))
-    return mokk_fail(err, MOK_EINVAL, "d_out and d_x must be 16-byte aligned");
-  for (int w = 0; w < (Is ? MOKK_NWEIGHTS : MOKK_S_GATE); w++)
-    if (!aligned16(r->w[w]))
-      return mokk_fail(err, MOK_EINVAL, "weight %d is not 16-byte aligned", w);
-  CK(cudaSetDevice(cb->device));
+/* The weight gradients of rank r: its experts' over its slice of the
+ * schedule, and the shared expert's over every rank's tokens in global
+ * order (the same GEMM for every rank, so every rank gets the same bits).
+ * dy, dgu: per row; d_out, dgus: per token, [P T, ...]. */
+static int weight_grads(cuda_backend *cb, const cuda_ctx *c, const mokk_bwd_rank *br, int r,
+                        int accum, const bf16 *dy, const bf16 *dgu, const bf16 *d_out,
+                        const bf16 *dgus, char *err)
+{
+  const mokk_shape *s = &c->hdr.shape;
+  int64_t H = s->H, I = s->I, Is = s->I_s, TG = s->P * c->hdr.T, TK = TG * s->K;
+  int rc;
 
-  o_dor = carve(&off, TK * H * 2);
-  o_dy = carve(&off, TK * H * 2);
-  o_dgu = carve(&off, TK * 2 * I * 2);
-  o_dxr = carve(&off, TK * H * 4);
-  if (Is) {
-    o_dgus = carve(&off, T * 2 * Is * 2);
-    o_dxs = carve(&off, T * H * 4);
-  }
-  cudaError_t e = cudaMallocAsync(&block, off, cb->stream);
-  if (e != cudaSuccess)
-    return mokk_fail(err, MOK_ENOMEM, "cannot allocate %zu bytes of GPU memory for the "
-                     "backward: %s", off, cudaGetErrorString(e));
-  char *base = (char *)block;
-  bf16 *dor = (bf16 *)(base + o_dor), *dy = (bf16 *)(base + o_dy);
-  bf16 *dgu = (bf16 *)(base + o_dgu);
-  float *dxr = (float *)(base + o_dxr);
-  bf16 *dgus = Is ? (bf16 *)(base + o_dgus) : NULL;
-  float *dxs = Is ? (float *)(base + o_dxs) : NULL;
-  const bf16 *d_out = (const bf16 *)r->d_out;
-  mlp routed_mlp = mlp_routed(c, TK), shared_mlp = mlp_shared(c, T);
-  if (r->w[MOKK_W_GATE] != NULL) { /* the weights moved since the forward */
-    routed_mlp.wg = (const bf16 *)r->w[MOKK_W_GATE];
-    routed_mlp.wu = (const bf16 *)r->w[MOKK_W_UP];
-    routed_mlp.wd = (const bf16 *)r->w[MOKK_W_DOWN];
-    shared_mlp.wg = (const bf16 *)r->w[MOKK_S_GATE];
-    shared_mlp.wu = (const bf16 *)r->w[MOKK_S_UP];
-    shared_mlp.wd = (const bf16 *)r->w[MOKK_S_DOWN];
-  }
-
-  route_gather(cb->stream, grid_for(cb, TK, 16), d_out, c->src, c->row_start + E, (int)K, H,
-               dor, c->row_w, dy);
-  if ((rc = launched(err, "backward dispatch")))
-    goto out;
-  route_dtw(cb->stream, grid_for(cb, (TK + 7) / 8, 16), d_out, c->y, c->slot, TK, (int)K, H,
-            r->d_topk_weights);
-  if ((rc = launched(err, "d_topk_weights")))
-    goto out;
-  if ((rc = mlp_backward(cb, &routed_mlp, dor, c->row_w, H, dgu, dxr, err)))
-    goto out;
-  if (Is && (rc = mlp_backward(cb, &shared_mlp, d_out, NULL, H, dgus, dxs, err)))
-    goto out;
-  route_combine_dx(cb->stream, grid_for(cb, T, 16), dxr, c->slot, dxs, T, (int)K, H,
-                   (bf16 *)r->d_x);
-  if ((rc = launched(err, "d_x combine")))
-    goto out;
-
-  /* weight gradients: sums over rows, in row order, one block per tile */
   for (int part = 0; part < (Is ? 4 : 2); part++) {
     int shared = part >= 2, down = part & 1;
     int wa = shared ? (down ? MOKK_S_DOWN : MOKK_S_GATE) : (down ? MOKK_W_DOWN : MOKK_W_GATE);
     int64_t Ie = shared ? Is : I;
-    gemm_args a = shared ? dense(c, T) : routed(c, TK);
+    gemm_args a = shared ? dense(c, TG) : routed(c, TK, r);
     if (shared) {
       a.M = 0;
-      a.K = (int)T;
-    } else {
-      a.count = c->count;
-      a.row_start = c->row_start;
+      a.K = (int)TG;
     }
     a.accum = accum;
-    void *g1 = accum ? (void *)r->g_f32[wa] : (void *)r->g_bf16[wa];
+    void *g1 = accum ? (void *)br->g_f32[wa] : (void *)br->g_bf16[wa];
     if (down) { /* d_W_down[H, Ie] = dy^T h */
       a.A = shared ? d_out : dy;
       a.lda = H;
@@ -449,14 +481,106 @@ static int cuda_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
       a.M = (int)(2 * Ie);
       a.N = (int)H;
       a.C = g1;
-      a.C2 = accum ? (void *)r->g_f32[wa + 1] : (void *)r->g_bf16[wa + 1];
+      a.C2 = accum ? (void *)br->g_f32[wa + 1] : (void *)br->g_bf16[wa + 1];
       a.split = Ie;
       a.ldc = H;
       a.c_stride = Ie * H;
     }
-    if ((rc = gemm<L_TN, E_WGRAD>(cb, &a, shared ? T : TK, err, "weight-gradient GEMM")))
+    if ((rc = gemm<L_TN, E_WGRAD>(cb, &a, shared ? TG : TK, err, "weight-gradient GEMM")))
+      return rc;
+  }
+  return 0;
+}
+
+static int cuda_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
+                         const mokk_bwd_rank *ranks, char *err)
+{
+  cuda_backend *cb = (cuda_backend *)b;
+  cuda_ctx *c = (cuda_ctx *)ctx;
+  const mokk_shape *s = &ctx->shape;
+  const int P = (int)s->P;
+  int64_t T = ctx->T, H = s->H, I = s->I, K = s->K, Is = s->I_s, E = s->E, TG = P * T,
+          TK = TG * K;
+  int accum = mode == MOKK_GRAD_FP32_ACCUM, rc = 0;
+  size_t off = 0, o_dor, o_dy, o_dgu, o_dxr, o_dgus = 0, o_dxs = 0, o_dout = 0;
+  const void *pd[ROUTE_MAX_RANKS];
+  void *block = NULL;
+
+  if (c->g == NULL)
+    return mokk_fail(err, MOK_ECONTEXT, "the forward kept no state for a backward");
+  for (int r = 0; r < P; r++) {
+    const mokk_bwd_rank *br = &ranks[r];
+    if (!aligned16(br->d_out) || !aligned16(br->d_x))
+      return mokk_fail(err, MOK_EINVAL, "d_out and d_x must be 16-byte aligned");
+    for (int w = 0; w < (Is ? MOKK_NWEIGHTS : MOKK_S_GATE); w++)
+      if (!aligned16(br->w[w]))
+        return mokk_fail(err, MOK_EINVAL, "weight %d is not 16-byte aligned", w);
+    pd[r] = br->d_out;
+  }
+  CK(cudaSetDevice(cb->device));
+
+  o_dor = carve(&off, TK * H * 2);
+  o_dy = carve(&off, TK * H * 2);
+  o_dgu = carve(&off, TK * 2 * I * 2);
+  o_dxr = carve(&off, TK * H * 4);
+  if (Is) {
+    o_dgus = carve(&off, TG * 2 * Is * 2);
+    o_dxs = carve(&off, TG * H * 4);
+    if (P > 1) /* every rank's d_out back to back, for the shared weight gradient */
+      o_dout = carve(&off, TG * H * 2);
+  }
+  cudaError_t e = cudaMallocAsync(&block, off, cb->stream);
+  if (e != cudaSuccess)
+    return mokk_fail(err, MOK_ENOMEM, "cannot allocate %zu bytes of GPU memory for the "
+                     "backward: %s", off, cudaGetErrorString(e));
+  char *base = (char *)block;
+  bf16 *dor = (bf16 *)(base + o_dor), *dy = (bf16 *)(base + o_dy);
+  bf16 *dgu = (bf16 *)(base + o_dgu);
+  float *dxr = (float *)(base + o_dxr);
+  bf16 *dgus = Is ? (bf16 *)(base + o_dgus) : NULL;
+  float *dxs = Is ? (float *)(base + o_dxs) : NULL;
+  const bf16 *d_out = (const bf16 *)ranks[0].d_out;
+  if (Is && P > 1) {
+    d_out = (const bf16 *)(base + o_dout);
+    if ((rc = concat(cb, (void *)d_out, pd, P, T * H * 2, err)))
       goto out;
   }
+
+  route_gather(cb->stream, grid_for(cb, TK, 16), rows_of(pd, P, T), c->src, c->row_start + E,
+               (int)K, H, dor, c->row_w, dy);
+  if ((rc = launched(err, "backward dispatch")))
+    goto out;
+  for (int r = 0; r < P; r++) {
+    const mokk_bwd_rank *br = &ranks[r];
+    route_dtw(cb->stream, grid_for(cb, (T * K + 7) / 8, 16), (const bf16 *)br->d_out, c->y,
+              c->slot + r * T * K, T * K, (int)K, H, br->d_topk_weights);
+    if ((rc = launched(err, "d_topk_weights")))
+      goto out;
+  }
+  for (int r = 0; r < P; r++) {
+    mlp routed_mlp = mlp_routed(c, TK, r);
+    moved_weights(&routed_mlp, &ranks[r], MOKK_W_GATE);
+    if ((rc = mlp_backward(cb, &routed_mlp, dor, c->row_w, H, dgu, dxr, err)))
+      goto out;
+  }
+  for (int r = 0; r < P; r++) {
+    const mokk_bwd_rank *br = &ranks[r];
+    mlp shared_mlp = mlp_shared(c, T, r);
+    float *dxs_r = Is ? dxs + r * T * H : NULL;
+    moved_weights(&shared_mlp, br, MOKK_S_GATE);
+    if (Is && (rc = mlp_backward(cb, &shared_mlp, (const bf16 *)br->d_out, NULL, H,
+                                 dgus + r * T * 2 * Is, dxs_r, err)))
+      goto out;
+    route_combine_dx(cb->stream, grid_for(cb, T, 16), dxr, c->slot + r * T * K, dxs_r, T,
+                     (int)K, H, (bf16 *)br->d_x);
+    if ((rc = launched(err, "d_x combine")))
+      goto out;
+  }
+
+  /* weight gradients: sums over rows, in row order, one block per tile */
+  for (int r = 0; r < P; r++)
+    if ((rc = weight_grads(cb, c, &ranks[r], r, accum, dy, dgu, d_out, dgus, err)))
+      goto out;
 out:
   cudaFreeAsync(block, cb->stream);
   return rc;

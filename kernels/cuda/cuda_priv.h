@@ -28,17 +28,19 @@ typedef struct cuda_backend {
 } cuda_backend;
 
 typedef struct cuda_ctx {
-  mokk_ctx hdr;
+  mokk_ctx hdr;               /* T: tokens per rank; shape.P ranks (virtual, one device) */
+  /* x of every rank's tokens, [P T, H], rank 0's first, for the shared
+   * expert's weight gradient: the client's for P = 1, a copy otherwise */
   const __nv_bfloat16 *x;
-  const __nv_bfloat16 *w[MOKK_NWEIGHTS];
-  int *count, *row_start, *tile_off, *slot, *src;
+  const __nv_bfloat16 *w[MOKK_DEVICE_MAX_RANKS][MOKK_NWEIGHTS]; /* each rank's */
+  int *count, *row_start, *tile_off, *slot, *src; /* over all ranks' pairs, TK = P T K */
   float *row_w;              /* [TK] router weight of each row */
   __nv_bfloat16 *xr;         /* [TK, H] dispatched rows */
   float *g, *u;              /* [TK, I] gate and up before the clamp */
   __nv_bfloat16 *h;          /* [TK, I] */
   __nv_bfloat16 *y;          /* [TK, H] expert output per row */
-  float *gs, *us;            /* [T, I_s] */
-  __nv_bfloat16 *hs;         /* [T, I_s] */
+  float *gs, *us;            /* [P T, I_s] */
+  __nv_bfloat16 *hs;         /* [P T, I_s] */
   void *block;               /* one allocation holding all of the above */
   size_t bytes;
 } cuda_ctx;

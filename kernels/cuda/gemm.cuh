@@ -50,9 +50,11 @@ typedef struct gemm_args {
   int groups;
   const int *count;     /* [groups] rows per group; NULL: one dense group */
   const int *row_start; /* [groups] first row of each group */
-  const int *tile_off;  /* [groups + 1] m-tile prefix (NT, NN grouped) */
+  const int *tile_off;  /* [groups + 1] m-tile prefix (NT, NN grouped), counted from
+                         * tile_off[0]: groups may be a slice of a longer schedule */
   const int *tile_off_tall; /* the same for m-tiles of 256 rows (the Hopper core) */
   int tiles_max;        /* worst-case m-tiles (NT, NN) */
+  int groups_all;       /* groups of the whole schedule (every EP rank's experts) */
   void *C, *C2;
   int64_t ldc, c_stride;
   float *sg, *su;       /* gate and up before the clamp, [rows, lds] */
@@ -164,18 +166,19 @@ __global__ void __launch_bounds__(G_THREADS) k_gemm(gemm_args a)
       nt = (int)(t % ntn);
       Kg = a.K;
       if (a.count != NULL) {
-        if (mt >= a.tile_off[a.groups])
+        int t0 = a.tile_off[0];
+        if (mt >= a.tile_off[a.groups] - t0)
           break; /* tiles only grow from here */
         int lo = 0, hi = a.groups - 1; /* last group whose first tile <= mt */
         while (lo < hi) {
           int mid = (lo + hi + 1) >> 1;
-          if (a.tile_off[mid] <= mt)
+          if (a.tile_off[mid] - t0 <= mt)
             lo = mid;
           else
             hi = mid - 1;
         }
         g = lo;
-        m0 = (mt - a.tile_off[g]) * G_BM;
+        m0 = (mt - (a.tile_off[g] - t0)) * G_BM;
         Mg = a.count[g];
         rb = a.row_start[g];
       } else {

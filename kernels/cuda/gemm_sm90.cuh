@@ -111,7 +111,7 @@ __device__ __forceinline__ int64_t tile_count(const gemm_args &a)
   if (LAYOUT == L_TN)
     return a.groups * mtn * ntn;
   if (a.count != NULL)
-    return a.tile_off[a.groups] * ntn;
+    return (int64_t)(a.tile_off[a.groups] - a.tile_off[0]) * ntn;
   return mtn * ntn;
 }
 
@@ -130,15 +130,15 @@ __device__ __forceinline__ tile tile_at(const gemm_args &a, int64_t t)
     x.rows = a.count != NULL ? a.count[x.g] : a.K;
     x.rb = a.row_start != NULL ? a.row_start[x.g] : 0;
   } else if (a.count != NULL) {
-    int key = (int)(t / ntn), lo = 0, hi = a.groups - 1;
+    int key = (int)(t / ntn), lo = 0, hi = a.groups - 1, t0 = a.tile_off[0];
     while (lo < hi) { /* the last group whose first m-tile is <= key */
       int mid = (lo + hi + 1) >> 1;
-      if (a.tile_off[mid] <= key)
+      if (a.tile_off[mid] - t0 <= key)
         lo = mid;
       else
         hi = mid - 1;
     }
-    int first = a.tile_off[lo], mtg = a.tile_off[lo + 1] - first;
+    int first = a.tile_off[lo] - t0, mtg = a.tile_off[lo + 1] - a.tile_off[lo];
     int local = (int)(t - (int64_t)first * ntn);
     x.g = lo;
     x.nt = local / mtg;

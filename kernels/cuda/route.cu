@@ -114,12 +114,13 @@ __global__ void k_slots(const int32_t *ids, const float *tw, int64_t TK, const i
 /* ---- dispatch and combine -------------------------------------------------- */
 
 /* xr[row] = x[token of row]; with scale, also dy[row] = w * x[token] (bf16). */
-__global__ void k_gather(const bf16 *x, const int *src, const int *total, int K, int64_t H,
+__global__ void k_gather(route_rows x, const int *src, const int *total, int K, int64_t H,
                          bf16 *xr, const float *row_w, bf16 *dy)
 {
   int rows = *total;
   for (int row = blockIdx.x; row < rows; row += gridDim.x) {
-    const bf16 *s = x + (int64_t)(src[row] / K) * H;
+    int64_t t = src[row] / K;
+    const bf16 *s = x.p[t / x.T] + (t % x.T) * H;
     for (int64_t c = threadIdx.x * 8; c < H; c += blockDim.x * 8) {
       uint4 v = *(const uint4 *)(s + c);
       *(uint4 *)(xr + (int64_t)row * H + c) = v;
@@ -229,7 +230,7 @@ void route_schedule(cudaStream_t st, const int32_t *ids, const float *tw, int64_
   k_slots<<<E, SCHED_THREADS, 0, st>>>(own_ids, tw, TK, row_start, slot, src, row_w);
 }
 
-void route_gather(cudaStream_t st, int grid, const bf16 *x, const int *src, const int *total,
+void route_gather(cudaStream_t st, int grid, route_rows x, const int *src, const int *total,
                   int K, int64_t H, bf16 *xr, const float *row_w, bf16 *dy)
 {
   k_gather<<<grid, 128, 0, st>>>(x, src, total, K, H, xr, row_w, dy);

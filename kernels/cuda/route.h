@@ -19,8 +19,18 @@ typedef __nv_bfloat16 bf16;
 void route_schedule(cudaStream_t st, const int32_t *ids, const float *tw, int64_t TK, int E,
                     int32_t *own_ids, int *count, int *row_start, int *tile_off, int *slot,
                     int *src, float *row_w, int *status);
+/* Most EP ranks one step runs on one device (virtual ranks). */
+#define ROUTE_MAX_RANKS 8
+
+/* Rows of P ranks' [T, H] tensors as one [P T, H]: global token t is row
+ * t % T of rank t / T's. Passed by value: no copy of the rows. */
+typedef struct route_rows {
+  const bf16 *p[ROUTE_MAX_RANKS];
+  int64_t T;
+} route_rows;
+
 /* xr[row] = x[token of row]; with dy, also dy[row] = bf16(row_w[row] x[token]). */
-void route_gather(cudaStream_t st, int grid, const bf16 *x, const int *src, const int *total,
+void route_gather(cudaStream_t st, int grid, route_rows x, const int *src, const int *total,
                   int K, int64_t H, bf16 *xr, const float *row_w, bf16 *dy);
 /* out[t] = bf16(sum_k tw[t,k] y[slot[t,k]] (k ascending) + ys[t]); ys may be NULL. */
 void route_combine_out(cudaStream_t st, int grid, const bf16 *y, const int *slot,

@@ -1226,6 +1226,391 @@ START_TEST(import_on_another_gpu)
 }
 END_TEST
 
+/* ---- EP groups: virtual ranks of one GPU --------------------------------- */
+
+/* The case over P ranks on the GPU, laid out as case_run lays it out: rank
+ * r's tokens at r T, its experts' slices of the global weights and
+ * gradients, and its own copy of the shared expert's gradients
+ * (g_shared_copy, [P][n]). The backend's own entry, no daemon. */
+static int gpu_run_ranks(const moe_case *c, int P, mokk_grad_mode mode, float seed_grad,
+                         moe_out *o, char *err)
+{
+  mokk_shape s = c->s;
+  int64_t T = c->T / P, H = s.H, K = s.K, El = s.E / P;
+  mokk_fwd_rank fr[2 * MOKK_DEVICE_MAX_RANKS] = {0}; /* room to ask for too many */
+  mokk_bwd_rank br[2 * MOKK_DEVICE_MAX_RANKS] = {0};
+  void *dev[64] = {0}, *w[MOKK_NWEIGHTS] = {0}, *g16[MOKK_NWEIGHTS] = {0},
+       *g32[MOKK_NWEIGHTS] = {0};
+  mokk_ctx *ctx = NULL;
+  int nd = 0, rc;
+
+  s.P = P;
+  memset(o, 0, sizeof *o);
+  o->out = xcalloc(c->T * H, 2);
+  o->d_x = xcalloc(c->T * H, 2);
+  o->d_tw = xcalloc(c->T * K, 4);
+  uint16_t *x = dev[nd++] = dev_copy(c->x, c->T * H * 2);
+  int32_t *ids = dev[nd++] = dev_copy(c->ids, c->T * K * 4);
+  float *tw = dev[nd++] = dev_copy(c->tw, c->T * K * 4);
+  uint16_t *out = dev[nd++] = dev_copy(NULL, c->T * H * 2);
+  uint16_t *dout = dev[nd++] = dev_copy(c->d_out, c->T * H * 2);
+  uint16_t *dx = dev[nd++] = dev_copy(NULL, c->T * H * 2);
+  float *dtw = dev[nd++] = dev_copy(NULL, c->T * K * 4);
+  for (int i = 0; i < MOKK_NWEIGHTS; i++) {
+    int64_t n = case_weight_elems(c, i), copies = i >= MOKK_S_GATE ? P : 1;
+    if (i >= MOKK_S_GATE && s.I_s == 0)
+      continue;
+    o->g_bf16[i] = xcalloc(n, 2);
+    o->g_f32[i] = xcalloc(n, 4);
+    float *seed = xcalloc(n * copies, 4);
+    for (int64_t j = 0; j < n * copies; j++)
+      seed[j] = seed_grad;
+    for (int64_t j = 0; j < n; j++)
+      o->g_f32[i][j] = seed_grad;
+    if (i >= MOKK_S_GATE) {
+      o->g_shared_copy[i] = xcalloc(n * P, 2);
+      o->g_shared_copy32[i] = xcalloc(n * P, 4);
+    }
+    w[i] = dev[nd++] = dev_copy(c->w[i], n * 2);
+    g16[i] = dev[nd++] = dev_copy(NULL, n * copies * 2);
+    g32[i] = dev[nd++] = dev_copy(seed, n * copies * 4);
+    free(seed);
+  }
+  for (int r = 0; r < P; r++) {
+    fr[r].x = x + r * T * H;
+    fr[r].topk_ids = ids + r * T * K;
+    fr[r].topk_weights = tw + r * T * K;
+    fr[r].out = out + r * T * H;
+    br[r].d_out = dout + r * T * H;
+    br[r].d_x = dx + r * T * H;
+    br[r].d_topk_weights = dtw + r * T * K;
+    for (int i = 0; i < MOKK_NWEIGHTS; i++) {
+      if (w[i] == NULL)
+        continue;
+      /* routed: rank r's slice; shared: the same weights, a gradient each */
+      int64_t at = i < MOKK_S_GATE ? r * El * s.I * H : 0;
+      int64_t gat = i < MOKK_S_GATE ? at : r * case_weight_elems(c, i);
+      fr[r].w[i] = (uint16_t *)w[i] + at;
+      br[r].g_bf16[i] = (uint16_t *)g16[i] + gat;
+      br[r].g_f32[i] = (float *)g32[i] + gat;
+    }
+  }
+  rc = mokk_forward(gpu, &s, T, fr, &ctx, err);
+  if (rc == 0)
+    rc = mokk_backward(gpu, ctx, mode, br, err);
+  mokk_ctx_free(gpu, ctx);
+  if (rc == 0)
+    rc = mokk_cuda_sync(gpu, err);
+  else
+    mokk_cuda_sync(gpu, err + strlen(err));
+  host_copy(o->out, out, c->T * H * 2);
+  host_copy(o->d_x, dx, c->T * H * 2);
+  host_copy(o->d_tw, dtw, c->T * K * 4);
+  for (int i = 0; i < MOKK_NWEIGHTS; i++) {
+    int64_t n = case_weight_elems(c, i);
+    if (w[i] == NULL)
+      continue;
+    host_copy(o->g_bf16[i], g16[i], n * 2);
+    host_copy(o->g_f32[i], g32[i], n * 4);
+    if (i >= MOKK_S_GATE) {
+      host_copy(o->g_shared_copy[i], g16[i], n * P * 2);
+      host_copy(o->g_shared_copy32[i], g32[i], n * P * 4);
+    }
+  }
+  for (int i = 0; i < nd; i++)
+    cudaFree(dev[i]);
+  return rc;
+}
+
+/* P = 2, 4, 8 virtual ranks against P = 1, bit for bit (DESIGN §2.3). */
+static void ranks_bitwise(mokk_shape s, int64_t T, route_kind route, mokk_grad_mode mode,
+                          uint64_t seed)
+{
+  char err[2 * MOK_ERRLEN] = "";
+  int64_t H = s.H, K = s.K;
+  moe_case cs;
+  moe_out base, o;
+  int fp32 = mode == MOKK_GRAD_FP32_ACCUM;
+  size_t es = fp32 ? 4 : 2;
+
+  case_make(&cs, &s, T, seed, route);
+  ck_assert_msg(gpu_run_ranks(&cs, 1, mode, 0.25f, &base, err) == 0, "%s", err);
+  /* P = 1 itself against the CPU engine: the ranks must match real results,
+   * not two runs that wrote nothing */
+  moe_out oc;
+  ck_assert_msg(case_run(cpu, &cs, 1, 1, mode, 0.25f, &oc, err) == 0, "cpu: %s", err);
+  expect_close_bf16(oc.out, base.out, T * H, TOL_FWD, "P=1: out");
+  expect_close_bf16(oc.d_x, base.d_x, T * H, TOL_BWD, "P=1: d_x");
+  expect_close_f32(oc.d_tw, base.d_tw, T * K, TOL_FWD, "P=1: d_topk_weights");
+  for (int w = 0; w < (s.I_s > 0 ? MOKK_NWEIGHTS : MOKK_S_GATE); w++) {
+    int64_t n = case_weight_elems(&cs, w);
+    if (fp32)
+      expect_close_f32(oc.g_f32[w], base.g_f32[w], n, TOL_BWD, wname[w]);
+    else
+      expect_close_bf16(oc.g_bf16[w], base.g_bf16[w], n, TOL_BWD, wname[w]);
+  }
+  out_free(&oc);
+  for (int P = 2; P <= MOKK_DEVICE_MAX_RANKS; P *= 2) {
+    ck_assert_msg(gpu_run_ranks(&cs, P, mode, 0.25f, &o, err) == 0, "P=%d: %s", P, err);
+    ck_assert_msg(memcmp(o.out, base.out, (size_t)(T * H) * 2) == 0, "P=%d: out", P);
+    ck_assert_msg(memcmp(o.d_x, base.d_x, (size_t)(T * H) * 2) == 0, "P=%d: d_x", P);
+    ck_assert_msg(memcmp(o.d_tw, base.d_tw, (size_t)(T * K) * 4) == 0,
+                  "P=%d: d_topk_weights", P);
+    for (int w = 0; w < (s.I_s > 0 ? MOKK_NWEIGHTS : MOKK_S_GATE); w++) {
+      size_t n = (size_t)case_weight_elems(&cs, w) * es;
+      const void *want = fp32 ? (const void *)base.g_f32[w] : (const void *)base.g_bf16[w];
+      if (w < MOKK_S_GATE) {
+        const void *got = fp32 ? (const void *)o.g_f32[w] : (const void *)o.g_bf16[w];
+        ck_assert_msg(memcmp(got, want, n) == 0, "P=%d: gradient %s", P, wname[w]);
+        continue;
+      }
+      for (int r = 0; r < P; r++) {
+        const char *got = fp32 ? (const char *)o.g_shared_copy32[w]
+                               : (const char *)o.g_shared_copy[w];
+        ck_assert_msg(memcmp(got + r * n, want, n) == 0, "P=%d: rank %d's gradient %s", P,
+                      r, wname[w]);
+      }
+    }
+    out_free(&o);
+  }
+  printf("ranks_bitwise: T=%lld H=%lld I=%lld E=%lld K=%lld I_s=%lld: P = 2, 4, 8 give the "
+         "bits of P = 1\n", (long long)T, (long long)H, (long long)s.I, (long long)s.E,
+         (long long)K, (long long)s.I_s);
+  out_free(&base);
+  case_free(&cs);
+}
+
+START_TEST(ep_ranks_bitwise)
+{
+  ranks_bitwise((mokk_shape){.H = 256, .I = 128, .E = 16, .K = 4, .I_s = 128, .P = 1,
+                             .swiglu_limit = 0.8f},
+                8 * 75, ROUTE_RANDOM, MOKK_GRAD_BF16, 61);
+  /* 600 rows an expert: m-tiles that straddle ranks' tokens, several per expert */
+  ranks_bitwise((mokk_shape){.H = 128, .I = 192, .E = 8, .K = 8, .I_s = 64, .P = 1},
+                8 * 75, ROUTE_RANDOM, MOKK_GRAD_FP32_ACCUM, 62);
+  ranks_bitwise((mokk_shape){.H = 128, .I = 64, .E = 16, .K = 2, .P = 1}, 8 * 9, ROUTE_HALF,
+                MOKK_GRAD_BF16, 63);
+  ranks_bitwise((mokk_shape){.H = 128, .I = 64, .E = 8, .K = 3, .I_s = 64, .P = 1}, 8 * 7,
+                ROUTE_DROPS, MOKK_GRAD_FP32_ACCUM, 64);
+
+  /* more virtual ranks than the backend runs on one GPU */
+  char err[2 * MOK_ERRLEN] = "";
+  moe_case cs;
+  moe_out o;
+  case_make(&cs, &(mokk_shape){.H = 128, .I = 64, .E = 18, .K = 2, .P = 1}, 9 * 4,
+            ROUTE_RANDOM, 65);
+  ck_assert_int_eq(gpu_run_ranks(&cs, 9, MOKK_GRAD_BF16, 0, &o, err), MOK_ENOTSUP);
+  ck_assert_msg(strstr(err, "at most 8 EP ranks on one GPU; P = 9") != NULL, "%s", err);
+  printf("ep_ranks_bitwise: P = 9: %s\n", err);
+  out_free(&o);
+  case_free(&cs);
+}
+END_TEST
+
+/* The cases the rank processes of ep_daemon_bitwise rebuild, by index. */
+static const struct {
+  mokk_shape s;
+  int64_t T; /* global tokens */
+  route_kind route;
+  uint64_t seed;
+} ep_cases[] = {
+    {{.H = 256, .I = 128, .E = 16, .K = 4, .I_s = 128, .P = 1, .swiglu_limit = 0.8f}, 4 * 60,
+     ROUTE_RANDOM, 71},
+    {{.H = 128, .I = 64, .E = 8, .K = 2, .I_s = 64, .P = 1}, 4 * 9, ROUTE_HALF, 72},
+};
+
+/* What one rank's process writes to its file: out, d_x, d_topk_weights of
+ * its tokens, then its gradients (bf16, its experts' and the shared ones). */
+static size_t ep_rank_bytes(const moe_case *c, int P)
+{
+  int64_t T = c->T / P;
+  size_t n = (size_t)(T * c->s.H) * 4 + (size_t)(T * c->s.K) * 4;
+  for (int w = 0; w < MOK_NWEIGHTS; w++)
+    n += (size_t)(case_weight_elems(c, w) / (w < MOK_S_GATE ? P : 1)) * 2;
+  return n;
+}
+
+#define EP_TRY(call, cl)                                                                   \
+  do {                                                                                     \
+    int rc_ = (call);                                                                      \
+    if (rc_ != 0) {                                                                        \
+      fprintf(stderr, "ep rank: %s: %d %s\n", #call, rc_, mok_last_error(cl));              \
+      return 1;                                                                            \
+    }                                                                                      \
+  } while (0)
+
+/* A rank process of ep_daemon_bitwise (check_gpu --ep-rank, a fresh process:
+ * CUDA was initialised in the parent before its fork). Its settings come
+ * in MOKD_EP_* variables. */
+static int ep_rank_main(void)
+{
+  const char *sock = getenv("MOKD_EP_SOCK"), *path = getenv("MOKD_EP_OUT");
+  int which = atoi(getenv("MOKD_EP_CASE")), P = atoi(getenv("MOKD_EP_P")),
+      r = atoi(getenv("MOKD_EP_RANK"));
+  uint64_t group = strtoull(getenv("MOKD_EP_GROUP"), NULL, 10);
+  moe_case c;
+  mok_client *cl = NULL;
+  mok_tensor x, ids, tw, dout, w[MOK_NWEIGHTS];
+  mok_arena_info ar = {0};
+  mok_forward_result fr;
+  mok_backward_result br;
+  uint64_t layer;
+  size_t at = 0;
+
+  case_make(&c, &ep_cases[which].s, ep_cases[which].T, ep_cases[which].seed,
+            ep_cases[which].route);
+  const mokk_shape s = c.s;
+  int64_t T = c.T / P, H = s.H, K = s.K, El = s.E / P;
+  EP_TRY(mok_connect(sock, "ep-rank", &cl), cl);
+  for (int pass = 0; pass < 2; pass++) {
+    uint64_t id = pass ? ar.id : 0;
+    at = 0;
+    x = place(id, &at, MOK_DTYPE_BF16, 2, T, H, 0);
+    dout = place(id, &at, MOK_DTYPE_BF16, 2, T, H, 0);
+    ids = place(id, &at, MOK_DTYPE_I32, 2, T, K, 0);
+    tw = place(id, &at, MOK_DTYPE_F32, 2, T, K, 0);
+    w[MOK_W_GATE] = place(id, &at, MOK_DTYPE_BF16, 3, El, s.I, H);
+    w[MOK_W_UP] = place(id, &at, MOK_DTYPE_BF16, 3, El, s.I, H);
+    w[MOK_W_DOWN] = place(id, &at, MOK_DTYPE_BF16, 3, El, H, s.I);
+    w[MOK_S_GATE] = place(id, &at, MOK_DTYPE_BF16, s.I_s ? 2 : 0, s.I_s, H, 0);
+    w[MOK_S_UP] = place(id, &at, MOK_DTYPE_BF16, s.I_s ? 2 : 0, s.I_s, H, 0);
+    w[MOK_S_DOWN] = place(id, &at, MOK_DTYPE_BF16, s.I_s ? 2 : 0, H, s.I_s, 0);
+    if (pass == 0)
+      EP_TRY(mok_arena_create(cl, at, &ar), cl);
+  }
+  EP_TRY(mok_tensor_write(cl, &x, c.x + r * T * H), cl);
+  EP_TRY(mok_tensor_write(cl, &dout, c.d_out + r * T * H), cl);
+  EP_TRY(mok_tensor_write(cl, &ids, c.ids + r * T * K), cl);
+  EP_TRY(mok_tensor_write(cl, &tw, c.tw + r * T * K), cl);
+  for (int i = 0; i < (s.I_s ? MOK_NWEIGHTS : MOK_S_GATE); i++)
+    EP_TRY(mok_tensor_write(cl, &w[i], c.w[i] + (i < MOK_S_GATE ? r * El * s.I * H : 0)), cl);
+
+  mok_layer_desc d = {.hidden = H, .intermediate = s.I, .experts = s.E, .top_k = K,
+                      .shared_intermediate = s.I_s, .swiglu_limit = s.swiglu_limit,
+                      .grad_mode = MOK_GRAD_BF16};
+  EP_TRY(mok_layer_desc_ep(&d, group, (uint32_t)P, (uint32_t)r), cl);
+  EP_TRY(mok_layer_create(cl, &d, &layer), cl);
+  EP_TRY(mok_layer_set_weights(cl, layer, w), cl);
+  EP_TRY(mok_forward(cl, layer, &x, &ids, &tw, 0, &fr), cl);
+  EP_TRY(mok_backward(cl, fr.context, &dout, NULL, 0, &br), cl);
+
+  size_t bytes = ep_rank_bytes(&c, P), off = 0;
+  char *buf = xcalloc((int64_t)bytes, 1);
+  EP_TRY(mok_tensor_read(cl, &fr.out, buf), cl);
+  off += (size_t)(T * H) * 2;
+  EP_TRY(mok_tensor_read(cl, &br.d_x, buf + off), cl);
+  off += (size_t)(T * H) * 2;
+  EP_TRY(mok_tensor_read(cl, &br.d_topk_weights, buf + off), cl);
+  off += (size_t)(T * K) * 4;
+  for (int i = 0; i < (int)br.ngrads; i++) {
+    EP_TRY(mok_tensor_read(cl, &br.grads[i], buf + off), cl);
+    off += (size_t)(case_weight_elems(&c, i) / (i < MOK_S_GATE ? P : 1)) * 2;
+  }
+  mok_close(cl);
+  FILE *f = fopen(path, "wb");
+  if (f == NULL || fwrite(buf, 1, bytes, f) != bytes || fclose(f) != 0) {
+    fprintf(stderr, "ep rank %d: cannot write %s\n", r, path);
+    return 1;
+  }
+  free(buf);
+  case_free(&c);
+  return 0;
+}
+
+/* P client processes, one a rank of an EP group on the cuda backend, get
+ * the bits of one session running the whole batch with all experts: each
+ * rank its tokens' out, d_x and d_topk_weights, its experts' gradients and
+ * the shared expert's. A group of 9 is refused at CreateLayer. */
+START_TEST(ep_daemon_bitwise)
+{
+  daemon_run dr;
+  mok_client *c = daemon_start(&dr, NULL, NULL);
+  int dev = mok_server_info(c)->device;
+  uint64_t group = 1;
+
+  for (int which = 0; which < (int)(sizeof ep_cases / sizeof ep_cases[0]); which++) {
+    moe_case cs;
+    moe_out og;
+    daemon_step st;
+    case_make(&cs, &ep_cases[which].s, ep_cases[which].T, ep_cases[which].seed,
+              ep_cases[which].route);
+    const mokk_shape s = cs.s;
+    daemon_layer(c, &cs, dev, &og, &st); /* P = 1, every expert, every token */
+    for (int P = 2; P <= 4; P *= 2) {
+      int64_t T = cs.T / P, H = s.H, K = s.K;
+      size_t bytes = ep_rank_bytes(&cs, P);
+      char path[4][128], env[6][64];
+      pid_t pid[4];
+      group++;
+      for (int r = 0; r < P; r++) {
+        snprintf(path[r], sizeof path[r], "/tmp/mokd-ep-%d-%d-%d.bin", (int)getpid(), P, r);
+        if ((pid[r] = fork()) == 0) {
+          snprintf(env[0], sizeof env[0], "%d", which);
+          snprintf(env[1], sizeof env[1], "%d", P);
+          snprintf(env[2], sizeof env[2], "%d", r);
+          snprintf(env[3], sizeof env[3], "%llu", (unsigned long long)group);
+          setenv("MOKD_EP_SOCK", dr.sock, 1);
+          setenv("MOKD_EP_OUT", path[r], 1);
+          setenv("MOKD_EP_CASE", env[0], 1);
+          setenv("MOKD_EP_P", env[1], 1);
+          setenv("MOKD_EP_RANK", env[2], 1);
+          setenv("MOKD_EP_GROUP", env[3], 1);
+          execl("/proc/self/exe", "check_gpu", "--ep-rank", (char *)NULL);
+          _exit(127);
+        }
+        ck_assert_int_gt(pid[r], 0);
+      }
+      for (int r = 0; r < P; r++) {
+        int sts;
+        ck_assert_int_eq(waitpid(pid[r], &sts, 0), pid[r]);
+        ck_assert_msg(WIFEXITED(sts) && WEXITSTATUS(sts) == 0, "case %d P=%d: rank %d "
+                      "failed (status %d); its output is above", which, P, r, sts);
+      }
+      for (int r = 0; r < P; r++) {
+        char *got = xcalloc((int64_t)bytes, 1);
+        FILE *f = fopen(path[r], "rb");
+        ck_assert_msg(f != NULL && fread(got, 1, bytes, f) == bytes, "%s", path[r]);
+        fclose(f);
+        unlink(path[r]);
+        size_t off = 0, n = (size_t)(T * H) * 2;
+        ck_assert_msg(memcmp(got, og.out + r * T * H, n) == 0, "case %d P=%d rank %d: out",
+                      which, P, r);
+        off += n;
+        ck_assert_msg(memcmp(got + off, og.d_x + r * T * H, n) == 0,
+                      "case %d P=%d rank %d: d_x", which, P, r);
+        off += n;
+        n = (size_t)(T * K) * 4;
+        ck_assert_msg(memcmp(got + off, og.d_tw + r * T * K, n) == 0,
+                      "case %d P=%d rank %d: d_topk_weights", which, P, r);
+        off += n;
+        for (int w = 0; w < (s.I_s ? MOK_NWEIGHTS : MOK_S_GATE); w++) {
+          int64_t e = case_weight_elems(&cs, w) / (w < MOK_S_GATE ? P : 1);
+          ck_assert_msg(memcmp(got + off, og.g_bf16[w] + (w < MOK_S_GATE ? r * e : 0),
+                               (size_t)e * 2) == 0, "case %d P=%d rank %d: gradient %s",
+                        which, P, r, wname[w]);
+          off += (size_t)e * 2;
+        }
+        free(got);
+      }
+      printf("ep_daemon_bitwise: case %d, P = %d rank processes: the bits of P = 1\n", which,
+             P);
+    }
+    out_free(&og);
+    case_free(&cs);
+  }
+
+  /* more virtual ranks than one GPU runs */
+  mok_layer_desc d = {.hidden = 256, .intermediate = 128, .experts = 18, .top_k = 2};
+  uint64_t layer;
+  ck_assert_int_eq(mok_layer_desc_ep(&d, ++group, 9, 0), 0);
+  ck_assert_int_eq(mok_layer_create(c, &d, &layer), MOK_ENOTSUP);
+  ck_assert_msg(strstr(mok_last_error(c), "at most 8 ranks") != NULL, "%s", mok_last_error(c));
+  printf("ep_daemon_bitwise: a group of 9: %s\n", mok_last_error(c));
+  mok_close(c);
+  daemon_stop(&dr);
+}
+END_TEST
+
 static Suite *gpu_suite(void)
 {
   Suite *su = suite_create("cuda");
@@ -1263,6 +1648,11 @@ static Suite *gpu_suite(void)
   tcase_add_test(tc, gpu_quota);
   tcase_add_test(tc, two_gpus);
   suite_add_tcase(su, tc);
+  tc = tcase_create("ep_cuda");
+  tcase_set_timeout(tc, 600);
+  tcase_add_test(tc, ep_ranks_bitwise);
+  tcase_add_test(tc, ep_daemon_bitwise);
+  suite_add_tcase(su, tc);
   tc = tcase_create("identity");
   tcase_set_timeout(tc, 120);
   tcase_add_test(tc, remapped_visible_devices);
@@ -1288,6 +1678,9 @@ int main(int argc, char **argv)
   int n = mokk_gpu_count(err), failed;
   int remapped = argc == 2 && strcmp(argv[1], "--remapped-client") == 0;
   SRunner *sr;
+
+  if (argc == 2 && strcmp(argv[1], "--ep-rank") == 0)
+    return ep_rank_main() == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
 
   if (n <= 0) {
     printf("gpu-check: no usable CUDA device (%s); GPU tests skipped\n",

@@ -43,6 +43,7 @@ if [ $checks -eq 1 ]; then
   for c in vs_cpu determinism errors daemon identity; do
     step "gpu_check_$c" 90 env CK_RUN_CASE=$c "$B/tests/check_gpu"
   done
+  step gpu_check_ep_cuda 300 env CK_RUN_CASE=ep_cuda "$B/tests/check_gpu"
   # libmok.so needs libprotobuf-c.so.1, which the GPU machine lacks: put a copy
   # in the build folder (cp /usr/lib/x86_64-linux-gnu/libprotobuf-c.so.1 $B/)
   step pytest 420 env MOK_LIB=$B/libmok.so LD_LIBRARY_PATH=$B PYTHONPATH=client/python \
