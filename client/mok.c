@@ -912,6 +912,14 @@ int mok_arena_import_cuda(mok_client *c, const void *ptr, size_t bytes, uint64_t
 
   if (c == NULL || ptr == NULL || arena == NULL || offset == NULL)
     return MOK_ENULL;
+  /* the arguments before the backend: a size that cannot be right is told
+   * as such on every backend */
+  if (bytes == 0)
+    return fail(c, MOK_EZEROSIZE, "importing 0 bytes at %p: pass the tensor's size, at "
+                "least 1", ptr);
+  if (bytes > UINTPTR_MAX - (uintptr_t)ptr)
+    return fail(c, MOK_EOVERFLOW, "%zu bytes at %p run past the end of the address space; "
+                "pass the tensor's size in bytes", bytes, ptr);
   if (c->daemon_gpu < 0)
     return fail(c, MOK_ENOTSUP, "mokd runs the %s backend; it imports GPU memory only on "
                 "the cuda backend", c->info.backend);
@@ -928,9 +936,13 @@ int mok_arena_import_cuda(mok_client *c, const void *ptr, size_t bytes, uint64_t
                 "session runs on %s (device %d here): allocate it there, or connect on its GPU",
                 al.device, there, c->info.device_uuid, dev);
   }
-  end = (uintptr_t)ptr + (bytes > 0 ? bytes : 1);
+  end = (uintptr_t)ptr + bytes;
   if ((rc = walk_chunks(c, ptr, end, &al, &w, &n)) != 0)
     return rc;
+  if (n == 0) {
+    free(w);
+    return fail(c, MOK_ERANGE, "no allocation holds the %zu bytes at %p", bytes, ptr);
+  }
   for (int i = 0; i < c->nimps;) {
     imported *m = &c->imps[i];
     if (m->base < end && (uintptr_t)ptr < m->base + m->bytes && imp_matches(m, w, n) &&

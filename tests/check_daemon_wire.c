@@ -6,6 +6,7 @@
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -426,6 +427,28 @@ START_TEST(busy_arena_counts_contexts)
 END_TEST
 
 
+/* A size that runs past the end of the address space, or none, is refused
+ * for what it is before the backend is asked about GPU memory at all. */
+START_TEST(import_cuda_bad_sizes_are_refused)
+{
+  mok_client *c = connect_ok();
+  const void *p = (const void *)(uintptr_t)0x7f0000001000;
+  uint64_t arena = 0, off = 0;
+  ck_assert_int_eq(mok_arena_import_cuda(c, p, SIZE_MAX, &arena, &off), MOK_EOVERFLOW);
+  ck_assert_msg(strstr(mok_last_error(c), "run past the end of the address space") != NULL,
+                "%s", mok_last_error(c));
+  ck_assert_int_eq(mok_arena_import_cuda(c, p, UINTPTR_MAX - (uintptr_t)p + 1, &arena, &off),
+                   MOK_EOVERFLOW);
+  ck_assert_int_eq(mok_arena_import_cuda(c, p, 0, &arena, &off), MOK_EZEROSIZE);
+  ck_assert_msg(strstr(mok_last_error(c), "importing 0 bytes") != NULL, "%s",
+                mok_last_error(c));
+  ck_assert_int_eq(mok_arena_import_cuda(c, p, UINTPTR_MAX - (uintptr_t)p, &arena, &off),
+                   MOK_ENOTSUP); /* the largest size that fits: the cpu backend answers */
+  ck_assert_uint_eq(arena, 0);
+  mok_close(c);
+}
+END_TEST
+
 /* a client_name is the peer's text: logged escaped, it cannot forge a line */
 START_TEST(client_name_is_logged_escaped)
 {
@@ -758,6 +781,7 @@ Suite *daemon_wire_suite(void)
   tcase_add_test(tc, chunked_import_bad_frames);
   tcase_add_test(tc, chunked_import_needs_protocol_3);
   tcase_add_test(tc, busy_arena_counts_contexts);
+  tcase_add_test(tc, import_cuda_bad_sizes_are_refused);
   tcase_add_test(tc, device_on_cpu_backend_is_refused);
   tcase_add_test(tc, bad_gpu_uuid_is_refused);
   tcase_add_test(tc, hello_range_job_and_uuid_together);

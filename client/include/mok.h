@@ -205,7 +205,9 @@ int mok_arena_import_chunks(mok_client *c, const int *fds, const size_t *sizes, 
  * ones, so registering weights or passing tensors of a caching allocator
  * costs no request once seen; an allocation freed and made again at the same
  * address is imported anew. *arena and *offset locate ptr for
- * mok_tensor_make. */
+ * mok_tensor_make. MOK_EZEROSIZE for bytes 0, MOK_EOVERFLOW for a range that
+ * runs past the end of the address space, whatever the backend; then
+ * MOK_ENOTSUP on the cpu backend. */
 int mok_arena_import_cuda(mok_client *c, const void *ptr, size_t bytes, uint64_t *arena,
                           uint64_t *offset);
 int mok_arena_destroy(mok_client *c, uint64_t arena);
