@@ -955,8 +955,8 @@ static int find_hit(const mok_client *c, const mok_cuda_alloc *al, uintptr_t ptr
 
 /* Drops the entries that overlap chunks w[0, n) but map allocations of ours
  * since freed: the daemon's mapping would keep that memory from going back.
- * One the daemon still reads (held, or MOK_EBUSY) is retired instead, and
- * goes at a later miss once nothing reads it. */
+ * One still named (handed out since the last request, held, or MOK_EBUSY) is
+ * retired instead, and goes at a later miss once nothing names it. */
 static int drop_stale(mok_client *c, const mok_cuda_alloc *w, int n)
 {
   for (int i = c->nimps - 1; i >= 0; i--) {
@@ -964,7 +964,8 @@ static int drop_stale(mok_client *c, const mok_cuda_alloc *w, int n)
     int rc = 0;
     if (m == NULL || !mok_imp_stale(m, w, n))
       continue;
-    if (is_held(c, m->arena) || (rc = mok_arena_destroy(c, m->arena)) == MOK_EBUSY)
+    if (!mok_imp_idle(m, c->epoch) || is_held(c, m->arena) ||
+        (rc = mok_arena_destroy(c, m->arena)) == MOK_EBUSY)
       m->retired = 1;
     else if (rc != 0)
       return rc;
