@@ -1034,6 +1034,16 @@ static int import_walked(mok_client *c, const mok_cuda_alloc *w, int n, uint64_t
   return rc;
 }
 
+/* import_walked, once more after letting idle entries go if the session's
+ * quota refused it. */
+static int import_quota(mok_client *c, const mok_cuda_alloc *w, int n, uint64_t *id)
+{
+  int rc = import_walked(c, w, n, id);
+  if (rc == MOK_EDQUOT && drop_idle(c, 0) > 0)
+    rc = import_walked(c, w, n, id);
+  return rc;
+}
+
 /* A miss: imports [ptr, end) and returns its new entry's index. Where the
  * range overlaps entries still good, it imports their union instead and
  * retires them (no longer handed out): tensors at shifting offsets of one
@@ -1041,11 +1051,13 @@ static int import_walked(mok_client *c, const mok_cuda_alloc *w, int n, uint64_t
  * there rather than adding one a step until the session runs out of arenas,
  * the old ones holding on to memory the allocator gave back. A retired arena
  * is destroyed at a later miss, once no tensor about to be sent, layer or
- * context names it. */
+ * context names it. A union the daemon refuses (the quota, mostly: the
+ * entries it joins still count until they go, and a layer's weights next to
+ * the range are held) leaves the call importing its own chunks. */
 static int import_miss(mok_client *c, const mok_cuda_alloc *al, const void *ptr, uintptr_t end,
                        int *at)
 {
-  mok_cuda_alloc *w = NULL, *u;
+  mok_cuda_alloc *w = NULL, *u = NULL;
   uintptr_t lo, hi;
   uint64_t id = 0;
   int n = 0, nu = 0, rc;
@@ -1063,14 +1075,15 @@ static int import_miss(mok_client *c, const mok_cuda_alloc *al, const void *ptr,
     return rc;
   }
   lo = w[0].base, hi = w[n - 1].base + w[n - 1].bytes;
-  if (mok_imp_union(c->imps, c->nimps, w, n, &lo, &hi) &&
-      (u = walk_union(c, lo, hi, al->device, &nu)) != NULL) {
+  if (mok_imp_union(c->imps, c->nimps, w, n, &lo, &hi))
+    u = walk_union(c, lo, hi, al->device, &nu);
+  if (u != NULL && import_quota(c, u, nu, &id) == 0) {
     free(w);
-    w = u, n = nu;
+    w = u, n = nu, rc = 0;
+  } else {
+    free(u);
+    rc = import_quota(c, w, n, &id);
   }
-  rc = import_walked(c, w, n, &id);
-  if (rc == MOK_EDQUOT && drop_idle(c, 0) > 0)
-    rc = import_walked(c, w, n, &id);
   if (rc != 0) {
     free(w);
     return rc;
