@@ -756,8 +756,10 @@ static int import_alloc(mok_client *c, const mok_cuda_alloc *al, uint64_t *arena
     return rc;
   *arena = r->buffer_imported->arena;
   mokd__response__free_unpacked(r, NULL);
-  if (grow(c, (void **)&c->maps, c->nmaps, &c->capmaps, sizeof *c->maps) != 0)
+  if (grow(c, (void **)&c->maps, c->nmaps, &c->capmaps, sizeof *c->maps) != 0) {
+    mok_arena_destroy(c, *arena); /* nothing here would name it again */
     return MOK_ENOMEM;
+  }
   c->maps[c->nmaps++] = (mapped){*arena, (void *)al->base, al->bytes, al->device, 0, 1};
   return 0;
 }
