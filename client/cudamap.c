@@ -310,6 +310,13 @@ int mok_cuda_alloc_info(const void *ptr, mok_cuda_alloc *a, char *why, size_t n)
   return 0;
 }
 
+/* One driver call, for a pointer already known to be ours: what a cache hit
+ * checks of each chunk past the first. */
+int mok_cuda_buffer_id(uintptr_t at, unsigned long long *id)
+{
+  return load() == 1 && cu.attr(id, CU_ATTR_BUFFER_ID, (cu_ptr)at) == 0 ? 0 : -1;
+}
+
 int mok_cuda_ipc_handle(uintptr_t base, void *handle, char *why, size_t n)
 {
   CU_TRY(cu.mem_handle((cu_ipc *)handle, (cu_ptr)base), "cuIpcGetMemHandle");

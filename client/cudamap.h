@@ -44,6 +44,8 @@ int mok_cuda_uuid(int device, uint8_t uuid[MOKW_UUID_BYTES], char *why, size_t n
 int mok_cuda_find_uuid(const uint8_t uuid[MOKW_UUID_BYTES], int *device, char *why, size_t n);
 
 int mok_cuda_alloc_info(const void *ptr, mok_cuda_alloc *a, char *why, size_t n);
+/* the buffer id of the allocation at `at`: 0, or -1 if none can be read */
+int mok_cuda_buffer_id(uintptr_t at, unsigned long long *id);
 int mok_cuda_ipc_handle(uintptr_t base, void *handle, char *why, size_t n);
 int mok_cuda_export_fd(uintptr_t base, int *fd, char *why, size_t n);
 

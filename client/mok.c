@@ -19,6 +19,7 @@
 #include "cudamap.h"
 #include "fdpass.h"
 #include "frame.h"
+#include "impcache.h"
 #include "paths.h"
 #include "proto/mokd.pb-c.h"
 
@@ -41,15 +42,15 @@ typedef struct mapped {
   int own;                   /* our own GPU memory, imported into the daemon: not ours to unmap */
 } mapped;
 
-/* GPU allocations of ours that the daemon has imported as one arena: one, or
- * several mapped back to back (chunks[0, n), from base). */
-typedef struct imported {
-  uintptr_t base;
-  size_t bytes;
-  mok_cuda_alloc *chunks;
-  int n;
+/* An arena the daemon reads through a reference it does not count, so it
+ * would let the arena go under it: a layer's weights (until the layer goes
+ * or takes others) and a forward context's inputs (until it is released).
+ * The import cache destroys none of these. */
+typedef struct held {
+  uint64_t owner; /* a layer or a context */
   uint64_t arena;
-} imported;
+  int layer;
+} held;
 
 struct mok_client {
   int fd;
@@ -72,8 +73,14 @@ struct mok_client {
   uint8_t ready_handle[MOKW_IPC_BYTES];
   void *done;           /* the daemon's done event, opened once */
   uint8_t done_handle[MOKW_IPC_BYTES];
-  imported *imps;
+  mok_imp *imps;
   int nimps, capimps;
+  /* requests sent that may carry tensors (all but imports, destroys and
+   * pings): an arena handed out before the last of them is not about to be
+   * sent, so the cache may let it go */
+  uint64_t epoch;
+  held *held;
+  int nheld, capheld;
 };
 
 static int fail(mok_client *c, int code, const char *fmt, ...)
@@ -112,6 +119,36 @@ static int grow(mok_client *c, void **arr, int n, int *cap, size_t size)
   if (p == NULL)
     return fail(c, MOK_ENOMEM, "out of memory");
   *arr = p, *cap = nc;
+  return 0;
+}
+
+/* Room for k more held arenas, made before the request that holds them so
+ * that a step the daemon took is never reported failed for want of it. */
+static int hold_room(mok_client *c, int k)
+{
+  while (c->capheld - c->nheld < k)
+    if (grow(c, (void **)&c->held, c->capheld, &c->capheld, sizeof *c->held) != 0)
+      return MOK_ENOMEM;
+  return 0;
+}
+
+static void hold(mok_client *c, int layer, uint64_t owner, uint64_t arena)
+{
+  c->held[c->nheld++] = (held){owner, arena, layer};
+}
+
+static void unhold(mok_client *c, int layer, uint64_t owner)
+{
+  for (int i = c->nheld - 1; i >= 0; i--)
+    if (c->held[i].layer == layer && c->held[i].owner == owner)
+      c->held[i] = c->held[--c->nheld];
+}
+
+static int is_held(const mok_client *c, uint64_t arena)
+{
+  for (int i = 0; i < c->nheld; i++)
+    if (c->held[i].arena == arena)
+      return 1;
   return 0;
 }
 
@@ -453,6 +490,7 @@ void mok_close(mok_client *c)
   for (int i = 0; i < c->nimps; i++)
     free(c->imps[i].chunks);
   free(c->imps);
+  free(c->held);
   mok_cuda_event_free(c->ready);
   mok_cuda_event_free(c->done);
   mokw_framer_free(&c->rx);
@@ -464,8 +502,13 @@ static int expect(mok_client *c, Mokd__Request *req, const int *fds, int nfds,
                   Mokd__Response__BodyCase body, Mokd__Response **out)
 {
   Mokd__Response *r;
-  int rc = call(c, req, fds, nfds, &r);
-  if (rc != 0)
+  int rc;
+
+  if (req->body_case != MOKD__REQUEST__BODY_IMPORT_BUFFER &&
+      req->body_case != MOKD__REQUEST__BODY_DESTROY_ARENA &&
+      req->body_case != MOKD__REQUEST__BODY_PING)
+    c->epoch++;
+  if ((rc = call(c, req, fds, nfds, &r)) != 0)
     return rc;
   if (r->body_case != body) {
     mokd__response__free_unpacked(r, NULL);
@@ -713,8 +756,10 @@ static int import_alloc(mok_client *c, const mok_cuda_alloc *al, uint64_t *arena
     return rc;
   *arena = r->buffer_imported->arena;
   mokd__response__free_unpacked(r, NULL);
-  if (grow(c, (void **)&c->maps, c->nmaps, &c->capmaps, sizeof *c->maps) != 0)
+  if (grow(c, (void **)&c->maps, c->nmaps, &c->capmaps, sizeof *c->maps) != 0) {
+    mok_arena_destroy(c, *arena); /* nothing here would name it again */
     return MOK_ENOMEM;
+  }
   c->maps[c->nmaps++] = (mapped){*arena, (void *)al->base, al->bytes, al->device, 0, 1};
   return 0;
 }
@@ -878,37 +923,191 @@ static int walk_chunks(mok_client *c, const void *ptr, uintptr_t end, const mok_
   return 0;
 }
 
-/* Whether imported m still maps the allocations it was made of where they
- * overlap chunks w[0, n) of ours: a chunk freed and made again (another
- * buffer id, size or start) means the daemon holds memory we let go of. */
-static int imp_matches(const imported *m, const mok_cuda_alloc *w, int n)
+/* The cached entry that holds [ptr, end), found by the chunk at ptr (al,
+ * which the caller has just asked the driver about), or -1.
+ *
+ * A hit must not cost the walk a miss makes: a weight of hundreds of chunks
+ * is passed again every step. Why one query per further chunk is enough:
+ * while the daemon maps a chunk, its physical memory stays, so no other
+ * allocation can take it over; but our process may unmap the chunk's
+ * addresses and map a new allocation there (a caching allocator that frees
+ * and grows a segment again), and then the arena would show the old memory
+ * where the tensor has the new one. The chunk at ptr being the one cached
+ * says nothing of the others, so each further chunk that [ptr, end) touches
+ * is checked to be the same allocation still: one buffer id query each (ids
+ * are unique for the process's life), or the full look where the driver
+ * gave no id. The entry's chunks that [ptr, end) does not touch do not
+ * matter to this call; a later miss over them finds them if they went. */
+static int find_hit(const mok_client *c, const mok_cuda_alloc *al, uintptr_t ptr, uintptr_t end)
 {
-  for (int i = 0; i < n; i++) {
-    int lo = 0, hi = m->n; /* m's chunks ascend by base: the last at or below w[i]'s */
-    if (w[i].base >= m->base + m->bytes || m->base >= w[i].base + w[i].bytes)
-      continue;
-    while (hi - lo > 1) {
-      int mid = (lo + hi) / 2;
-      if (m->chunks[mid].base <= w[i].base)
-        lo = mid;
-      else
-        hi = mid;
-    }
-    if (m->chunks[lo].base != w[i].base || m->chunks[lo].bytes != w[i].bytes ||
-        m->chunks[lo].buffer_id != w[i].buffer_id)
-      return 0;
+  int from = 0, to = -1, i = mok_imp_lookup(c->imps, c->nimps, al, ptr, end, &from, &to);
+
+  for (int j = from + 1; i >= 0 && j <= to; j++) {
+    const mok_cuda_alloc *k = &c->imps[i].chunks[j];
+    unsigned long long id;
+    mok_cuda_alloc now;
+    char why[200];
+    if (k->buffer_id != 0 ? mok_cuda_buffer_id(k->base, &id) != 0 || id != k->buffer_id
+                          : mok_cuda_alloc_info((const void *)k->base, &now, why, sizeof why) != 0 ||
+                                !mok_imp_same(&now, k))
+      return -1;
   }
-  return 1;
+  return i;
+}
+
+/* Drops the entries that overlap chunks w[0, n) but map allocations of ours
+ * since freed: the daemon's mapping would keep that memory from going back.
+ * One still named (handed out since the last request, held, or MOK_EBUSY) is
+ * retired instead, and goes at a later miss once nothing names it. */
+static int drop_stale(mok_client *c, const mok_cuda_alloc *w, int n)
+{
+  for (int i = c->nimps - 1; i >= 0; i--) {
+    mok_imp *m = i < c->nimps ? &c->imps[i] : NULL;
+    int rc = 0;
+    if (m == NULL || !mok_imp_stale(m, w, n))
+      continue;
+    if (!mok_imp_idle(m, c->epoch) || is_held(c, m->arena) ||
+        (rc = mok_arena_destroy(c, m->arena)) == MOK_EBUSY)
+      m->retired = 1;
+    else if (rc != 0)
+      return rc;
+  }
+  return 0;
+}
+
+/* Destroys the entries that neither a tensor about to be sent (idle) nor a
+ * layer or context of the daemon's (held) names: retired ones only, or all
+ * (under the quota). One the daemon keeps (MOK_EBUSY) a later call tries
+ * again; any error here costs the call nothing, as it has its arena. */
+static int drop_idle(mok_client *c, int retired_only)
+{
+  char err[MOK_ERRLEN];
+  int dropped = 0;
+
+  memcpy(err, c->err, sizeof err);
+  for (int i = c->nimps - 1; i >= 0; i--) {
+    const mok_imp *m = i < c->nimps ? &c->imps[i] : NULL;
+    if (m != NULL && (m->retired || !retired_only) && mok_imp_idle(m, c->epoch) &&
+        !is_held(c, m->arena) && mok_arena_destroy(c, m->arena) == 0)
+      dropped++;
+  }
+  memcpy(c->err, err, sizeof err);
+  return dropped;
+}
+
+/* The chunks of [lo, hi), the union of a call's chunks and the live entries
+ * that overlap them, if every one is mapped, on the device, and each entry
+ * still maps its own; else NULL, and the call imports only its own chunks. */
+static mok_cuda_alloc *walk_union(mok_client *c, uintptr_t lo, uintptr_t hi, int device, int *n)
+{
+  mok_cuda_alloc first, *u = NULL;
+  char why[200], err[MOK_ERRLEN];
+
+  memcpy(err, c->err, sizeof err); /* a union that fails is no error of the call's */
+  if (mok_cuda_alloc_info((const void *)lo, &first, why, sizeof why) == 0 && first.base == lo &&
+      first.device == device && walk_chunks(c, (const void *)lo, hi, &first, &u, n) == 0)
+    for (int i = 0; u != NULL && i < c->nimps; i++)
+      if (!c->imps[i].retired && mok_imp_stale(&c->imps[i], u, *n)) {
+        free(u);
+        u = NULL;
+      }
+  memcpy(c->err, err, sizeof err);
+  return u;
+}
+
+/* Imports chunks w[0, n) as one arena. */
+static int import_walked(mok_client *c, const mok_cuda_alloc *w, int n, uint64_t *id)
+{
+  size_t total = 0, *sizes;
+  int rc;
+
+  if (n == 1)
+    return import_alloc(c, &w[0], id);
+  if ((sizes = malloc((size_t)n * sizeof *sizes)) == NULL)
+    return fail(c, MOK_ENOMEM, "out of memory");
+  for (int i = 0; i < n; i++)
+    total += sizes[i] = w[i].bytes;
+  rc = import_chunks(c, MOKD__IMPORT_KIND__IMPORT_CUMEM_FD, sizes, n, cumem_of, w, id);
+  free(sizes);
+  if (rc == 0 && (rc = grow(c, (void **)&c->maps, c->nmaps, &c->capmaps, sizeof *c->maps)) != 0)
+    mok_arena_destroy(c, *id);
+  else if (rc == 0)
+    c->maps[c->nmaps++] = (mapped){*id, (void *)w[0].base, total, w[0].device, 0, 1};
+  return rc;
+}
+
+/* import_walked, once more after letting idle entries go if the session's
+ * quota refused it. */
+static int import_quota(mok_client *c, const mok_cuda_alloc *w, int n, uint64_t *id)
+{
+  int rc = import_walked(c, w, n, id);
+  if (rc == MOK_EDQUOT && drop_idle(c, 0) > 0)
+    rc = import_walked(c, w, n, id);
+  return rc;
+}
+
+/* A miss: imports [ptr, end) and returns its new entry's index. Where the
+ * range overlaps entries still good, it imports their union instead and
+ * retires them (no longer handed out): tensors at shifting offsets of one
+ * expandable segment, the activations of each step, then keep one arena
+ * there rather than adding one a step until the session runs out of arenas,
+ * the old ones holding on to memory the allocator gave back. A retired arena
+ * is destroyed at a later miss, once no tensor about to be sent, layer or
+ * context names it. A union the daemon refuses (the quota, mostly: the
+ * entries it joins still count until they go, and a layer's weights next to
+ * the range are held) leaves the call importing its own chunks. */
+static int import_miss(mok_client *c, const mok_cuda_alloc *al, const void *ptr, uintptr_t end,
+                       int *at)
+{
+  mok_cuda_alloc *w = NULL, *u = NULL;
+  uintptr_t lo, hi;
+  uint64_t id = 0;
+  int n = 0, nu = 0, rc;
+
+  if ((rc = walk_chunks(c, ptr, end, al, &w, &n)) != 0)
+    return rc;
+  if (n == 0) {
+    free(w);
+    return fail(c, MOK_ERANGE, "no allocation holds the %zu bytes at %p",
+                (size_t)(end - (uintptr_t)ptr), ptr);
+  }
+  if ((rc = drop_stale(c, w, n)) != 0 ||
+      (rc = grow(c, (void **)&c->imps, c->nimps, &c->capimps, sizeof *c->imps)) != 0) {
+    free(w);
+    return rc;
+  }
+  lo = w[0].base, hi = w[n - 1].base + w[n - 1].bytes;
+  if (mok_imp_union(c->imps, c->nimps, w, n, &lo, &hi))
+    u = walk_union(c, lo, hi, al->device, &nu);
+  if (u != NULL && import_quota(c, u, nu, &id) == 0) {
+    free(w);
+    w = u, n = nu, rc = 0;
+  } else {
+    free(u);
+    rc = import_quota(c, w, n, &id);
+  }
+  if (rc != 0) {
+    free(w);
+    return rc;
+  }
+  for (int i = 0; i < c->nimps; i++)
+    if (mok_imp_covered(&c->imps[i], w, n))
+      c->imps[i].retired = 1;
+  lo = w[0].base, hi = w[n - 1].base + w[n - 1].bytes;
+  c->imps[c->nimps++] = (mok_imp){lo, hi - lo, w, n, id, c->epoch, 0};
+  drop_idle(c, 1);
+  for (*at = 0; c->imps[*at].arena != id; ++*at) /* destroys move entries */
+    ;
+  return 0;
 }
 
 int mok_arena_import_cuda(mok_client *c, const void *ptr, size_t bytes, uint64_t *arena,
                           uint64_t *offset)
 {
-  mok_cuda_alloc al, *w = NULL;
-  imported *hit = NULL;
+  mok_cuda_alloc al;
   uintptr_t end;
   char why[200];
-  int rc, dev = -1, n = 0;
+  int rc, dev = -1, i;
 
   if (c == NULL || ptr == NULL || arena == NULL || offset == NULL)
     return MOK_ENULL;
@@ -920,6 +1119,7 @@ int mok_arena_import_cuda(mok_client *c, const void *ptr, size_t bytes, uint64_t
   if (bytes > UINTPTR_MAX - (uintptr_t)ptr)
     return fail(c, MOK_EOVERFLOW, "%zu bytes at %p run past the end of the address space; "
                 "pass the tensor's size in bytes", bytes, ptr);
+  end = (uintptr_t)ptr + bytes;
   if (c->daemon_gpu < 0)
     return fail(c, MOK_ENOTSUP, "mokd runs the %s backend; it imports GPU memory only on "
                 "the cuda backend", c->info.backend);
@@ -936,69 +1136,12 @@ int mok_arena_import_cuda(mok_client *c, const void *ptr, size_t bytes, uint64_t
                 "session runs on %s (device %d here): allocate it there, or connect on its GPU",
                 al.device, there, c->info.device_uuid, dev);
   }
-  end = (uintptr_t)ptr + bytes;
-  if ((rc = walk_chunks(c, ptr, end, &al, &w, &n)) != 0)
+  if ((i = find_hit(c, &al, (uintptr_t)ptr, end)) < 0 &&
+      (rc = import_miss(c, &al, ptr, end, &i)) != 0)
     return rc;
-  if (n == 0) {
-    free(w);
-    return fail(c, MOK_ERANGE, "no allocation holds the %zu bytes at %p", bytes, ptr);
-  }
-  for (int i = 0; i < c->nimps;) {
-    imported *m = &c->imps[i];
-    if (m->base < end && (uintptr_t)ptr < m->base + m->bytes && imp_matches(m, w, n) &&
-        m->base <= w[0].base && w[n - 1].base + w[n - 1].bytes <= m->base + m->bytes) {
-      hit = m;
-      break;
-    }
-    if (m->base < w[n - 1].base + w[n - 1].bytes && w[0].base < m->base + m->bytes &&
-        !imp_matches(m, w, n)) {
-      /* it overlaps live allocations that are not its own, so its own were
-       * freed: the daemon's mapping of them would keep that memory from
-       * going back */
-      uint64_t old = m->arena;
-      if ((rc = mok_arena_destroy(c, old)) != 0) { /* drops it from imps too */
-        free(w);
-        return rc;
-      }
-      continue;
-    }
-    i++;
-  }
-  if (hit == NULL) {
-    uint64_t id = 0;
-    size_t total = 0, *sizes = NULL;
-    if (grow(c, (void **)&c->imps, c->nimps, &c->capimps, sizeof *c->imps) != 0 ||
-        (n > 1 && (sizes = malloc((size_t)n * sizeof *sizes)) == NULL)) {
-      free(w);
-      return fail(c, MOK_ENOMEM, "out of memory");
-    }
-    for (int i = 0; i < n; i++) {
-      total += w[i].bytes;
-      if (sizes != NULL)
-        sizes[i] = w[i].bytes;
-    }
-    rc = n == 1 ? import_alloc(c, &al, &id)
-                : import_chunks(c, MOKD__IMPORT_KIND__IMPORT_CUMEM_FD, sizes, n, cumem_of, w,
-                                &id);
-    free(sizes);
-    if (rc == 0 && n > 1) {
-      rc = grow(c, (void **)&c->maps, c->nmaps, &c->capmaps, sizeof *c->maps);
-      if (rc == 0)
-        c->maps[c->nmaps++] = (mapped){id, (void *)al.base, total, al.device, 0, 1};
-      else
-        mok_arena_destroy(c, id);
-    }
-    if (rc != 0) {
-      free(w);
-      return rc;
-    }
-    hit = &c->imps[c->nimps++];
-    *hit = (imported){w[0].base, total, w, n, id};
-    w = NULL;
-  }
-  free(w);
-  *arena = hit->arena;
-  *offset = (uint64_t)((uintptr_t)ptr - hit->base);
+  c->imps[i].used = c->epoch;
+  *arena = c->imps[i].arena;
+  *offset = (uint64_t)((uintptr_t)ptr - c->imps[i].base);
   return 0;
 }
 
@@ -1126,9 +1269,13 @@ int mok_layer_destroy(mok_client *c, uint64_t layer)
   Mokd__Request req = MOKD__REQUEST__INIT;
   Mokd__DestroyLayer dl = MOKD__DESTROY_LAYER__INIT;
   dl.layer = layer;
+  int rc;
+
   req.body_case = MOKD__REQUEST__BODY_DESTROY_LAYER;
   req.destroy_layer = &dl;
-  return expect(c, &req, NULL, 0, MOKD__RESPONSE__BODY_DONE, NULL);
+  if ((rc = expect(c, &req, NULL, 0, MOKD__RESPONSE__BODY_DONE, NULL)) == 0)
+    unhold(c, 1, layer);
+  return rc;
 }
 
 int mok_layer_set_weights(mok_client *c, uint64_t layer, const mok_tensor *w)
@@ -1139,9 +1286,12 @@ int mok_layer_set_weights(mok_client *c, uint64_t layer, const mok_tensor *w)
   int64_t shapes[MOK_NWEIGHTS][MOK_MAX_DIMS];
   Mokd__TensorRef **slots[MOK_NWEIGHTS] = {&sw.w_gate, &sw.w_up, &sw.w_down,
                                            &sw.s_gate, &sw.s_up, &sw.s_down};
+  int rc;
 
   if (c == NULL || w == NULL)
     return MOK_ENULL;
+  if (hold_room(c, MOK_NWEIGHTS) != 0)
+    return MOK_ENOMEM;
   sw.layer = layer;
   for (int i = 0; i < MOK_NWEIGHTS; i++) {
     if (w[i].ndim == 0)
@@ -1151,7 +1301,13 @@ int mok_layer_set_weights(mok_client *c, uint64_t layer, const mok_tensor *w)
   }
   req.body_case = MOKD__REQUEST__BODY_SET_WEIGHTS;
   req.set_weights = &sw;
-  return expect(c, &req, NULL, 0, MOKD__RESPONSE__BODY_DONE, NULL);
+  if ((rc = expect(c, &req, NULL, 0, MOKD__RESPONSE__BODY_DONE, NULL)) != 0)
+    return rc;
+  unhold(c, 1, layer);
+  for (int i = 0; i < MOK_NWEIGHTS; i++)
+    if (w[i].ndim != 0)
+      hold(c, 1, layer, w[i].arena);
+  return 0;
 }
 
 static void timing_from(mok_timing *t, const Mokd__Timing *m)
@@ -1287,10 +1443,17 @@ int mok_forward(mok_client *c, uint64_t layer, const mok_tensor *x,
   f.inference = inference != 0;
   req.body_case = MOKD__REQUEST__BODY_FORWARD;
   req.forward = &f;
+  if (hold_room(c, 3) != 0)
+    return MOK_ENOMEM;
   if ((rc = step_ready(c, &f.ready_event)) != 0)
     return rc;
   if ((rc = expect(c, &req, NULL, 0, MOKD__RESPONSE__BODY_FORWARD_DONE, &r)) != 0)
     return rc;
+  if (!inference) { /* the context reads them again at the backward */
+    hold(c, 0, r->forward_done->context, x->arena);
+    hold(c, 0, r->forward_done->context, topk_ids->arena);
+    hold(c, 0, r->forward_done->context, topk_weights->arena);
+  }
   memset(res, 0, sizeof *res);
   res->context = r->forward_done->context;
   from_wire(r->forward_done->out, &res->out);
@@ -1387,9 +1550,14 @@ int mok_release(mok_client *c, const uint64_t *ids, int n)
     return MOK_ENULL;
   rl.ids = (uint64_t *)ids;
   rl.n_ids = (size_t)(n > 0 ? n : 0);
+  int rc;
+
   req.body_case = MOKD__REQUEST__BODY_RELEASE;
   req.release = &rl;
-  return expect(c, &req, NULL, 0, MOKD__RESPONSE__BODY_RELEASED, NULL);
+  if ((rc = expect(c, &req, NULL, 0, MOKD__RESPONSE__BODY_RELEASED, NULL)) == 0)
+    for (int i = 0; i < n; i++)
+      unhold(c, 0, ids[i]);
+  return rc;
 }
 
 static int tensor_copy(mok_client *c, const mok_tensor *t, void *host, int to_arena)

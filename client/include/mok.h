@@ -205,7 +205,11 @@ int mok_arena_import_chunks(mok_client *c, const int *fds, const size_t *sizes, 
  * ones, so registering weights or passing tensors of a caching allocator
  * costs no request once seen; an allocation freed and made again at the same
  * address is imported anew. *arena and *offset locate ptr for
- * mok_tensor_make. MOK_EZEROSIZE for bytes 0, MOK_EOVERFLOW for a range that
+ * mok_tensor_make. A range that overlaps arenas imported before is imported
+ * with them as one arena, and the old ones are destroyed once no layer's
+ * weights, no live forward context and no call since the last request name
+ * them: call again for each request instead of keeping (*arena, *offset)
+ * across requests. MOK_EZEROSIZE for bytes 0, MOK_EOVERFLOW for a range that
  * runs past the end of the address space, whatever the backend; then
  * MOK_ENOTSUP on the cpu backend. */
 int mok_arena_import_cuda(mok_client *c, const void *ptr, size_t bytes, uint64_t *arena,

@@ -769,7 +769,38 @@ START_TEST(expandable_chunks)
   ck_assert_uint_eq(off2, at);
   ck_assert(mok_stats_get(c, &s1) == 0);
   ck_assert_uint_eq(s1.session.arenas, s0.session.arenas + 2);
-  arena = arena2;
+  ck_assert_msg(mok_arena_destroy(c, arena2) == 0, "%s", mok_last_error(c));
+
+  /* tensors at shifting offsets of the segment, as activations are step
+   * after step: one in chunk 0, one across chunks 0 and 1, then, a request
+   * later, one across chunks 1 and 2. Each miss imports the union with the
+   * arenas it overlaps, and those go once no call since the last request
+   * names them: one arena over the segment stays, not one more a tensor. */
+  uint64_t ax, ad, a3, ox, od, o3;
+  ck_assert_msg(mok_arena_import_cuda(c, (void *)(va + 4096), 4096, &ax, &ox) == 0, "%s",
+                mok_last_error(c));
+  ck_assert_uint_eq(ox, 4096);
+  ck_assert_msg(mok_arena_import_cuda(c, (void *)(va + g - 4096), 8192, &ad, &od) == 0, "%s",
+                mok_last_error(c));
+  ck_assert_uint_ne(ad, ax);
+  ck_assert_uint_eq(od, g - 4096);
+  ck_assert(mok_stats_get(c, &s1) == 0); /* ax is still named: it stays till now */
+  ck_assert_uint_eq(s1.session.arenas, s0.session.arenas + 1 + 2);
+  ck_assert_msg(mok_arena_import_cuda(c, (void *)(va + 2 * g - 4096), 8192, &a3, &o3) == 0,
+                "%s", mok_last_error(c));
+  ck_assert_uint_eq(o3, 2 * g - 4096);
+  ck_assert(mok_stats_get(c, &s1) == 0);
+  ck_assert_uint_eq(s1.session.arenas, s0.session.arenas + 3);
+  ck_assert_msg(mok_arena_import_cuda(c, (void *)(va + 4096), 4096, &ax, &ox) == 0, "%s",
+                mok_last_error(c));
+  ck_assert_uint_eq(ax, a3);
+  ck_assert_uint_eq(ox, 4096);
+  ck_assert_msg(mok_arena_import_cuda(c, (void *)(va + g - 4096), 8192, &ad, &od) == 0, "%s",
+                mok_last_error(c));
+  ck_assert_uint_eq(ad, a3);
+  ck_assert(mok_stats_get(c, &s1) == 0);
+  ck_assert_uint_eq(s1.session.arenas, s0.session.arenas + 3);
+  arena = a3;
 
   ck_assert_int_eq(cudaMemGetInfo(&free0, &total), cudaSuccess);
   ck_assert_msg(mok_arena_destroy(c, arena) == 0, "%s", mok_last_error(c));
