@@ -284,9 +284,9 @@ ifeq ($(HAVE_CUDA),1)
 	CK_FORK=no MOKD_BIN=$(MOKD_BIN) $(GPU_BIN)
 	@if $(TORCH_PY) -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' \
 	    >/dev/null 2>&1; then \
-	  echo "MOKD_BIN=$(MOKD_BIN) MOK_LIB=$(LIBMOK_SO) PYTHONPATH=client/python $(TORCH_PY) -m pytest -q -s tests/python/test_torch.py"; \
+	  echo "MOKD_BIN=$(MOKD_BIN) MOK_LIB=$(LIBMOK_SO) PYTHONPATH=client/python $(TORCH_PY) -m pytest -q -s tests/python/test_torch.py tests/python/test_megatron.py"; \
 	  MOKD_BIN=$(MOKD_BIN) MOK_LIB=$(LIBMOK_SO) PYTHONPATH=client/python \
-	    $(TORCH_PY) -m pytest -q -s tests/python/test_torch.py; \
+	    $(TORCH_PY) -m pytest -q -s tests/python/test_torch.py tests/python/test_megatron.py; \
 	else \
 	  echo "gpu-check: no PyTorch with CUDA in $(TORCH_PY); the PyTorch client tests skipped"; \
 	fi
