@@ -79,17 +79,6 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
         return sm90::gemm<LAYOUT, EPI, 128, true>(a, a_rows, grid, cb->stream, err);
       return sm90::gemm<LAYOUT, EPI, 256>(a, a_rows, grid, cb->stream, err);
     } else {
-      /* to measure: d_h on 128 x 256 tiles with its g and u prefetched into
-       * the L2 (gemm_sm90.cuh, dh_prefetch) */
-      if (EPI == E_DH && getenv("MOKD_GEMM_DH_PREFETCH") != NULL) {
-        gemm_args b = *a;
-        b.prefetch = 1;
-        return sm90::gemm<LAYOUT, EPI, 256>(&b, a_rows, grid, cb->stream, err);
-      }
-      /* to measure: d_h on ping-pong tiles, whose warpgroups take turns so
-       * one's dSwiGLU epilogue (fp32 g and u loads) overlaps the other's MMAs */
-      if (EPI == E_DH && getenv("MOKD_GEMM_DH_PINGPONG") != NULL)
-        return sm90::gemm<LAYOUT, EPI, 128, true>(a, a_rows, grid, cb->stream, err);
       bool tall = a->count != NULL && cb->tiles == MOKK_TILES_TALL;
       bool cl = a->count != NULL && cb->clusters && rows_per_group > 128 && EPI != E_DH;
       if (tall && cl)

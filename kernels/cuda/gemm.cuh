@@ -62,7 +62,6 @@ typedef struct gemm_args {
   const float *scale;   /* E_DH: per-row factor (router weight), NULL = 1 */
   float limit;
   int accum;            /* E_WGRAD: add into fp32 */
-  int prefetch;         /* E_DH (Hopper core): g and u into the L2 before the epilogue */
 } gemm_args;
 
 /* One k step of operand tiles, global -> registers (zero outside the

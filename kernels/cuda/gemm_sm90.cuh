@@ -56,10 +56,6 @@ constexpr int RASTER_M = 16;       /* dense GEMMs: m-tiles per band */
 
 constexpr int SMEM_MAX = 232448;  /* dynamic shared memory a block may opt into */
 
-#ifndef MOKK_TS_SPLIT
-#define MOKK_TS_SPLIT 0 /* an experiment: tile stores staged in pieces, see cfg */
-#endif
-
 /* BM: rows of a tile, 128 (64 per consumer warpgroup) or, for the grouped
  * GEMMs whose weight slabs must be read once per expert, 256 (128 each).
  * TS: the bf16 tiles leave through shared memory and the copy engine
@@ -69,11 +65,7 @@ template <int BN, int BM, bool PP = false, bool TS = false>
 struct cfg {
   static constexpr int A_BYTES = BM * BK * 2;
   static constexpr int B_BYTES = BN * BK * 2;
-  /* per warpgroup: its whole share of a tile, or (MOKK_TS_SPLIT) one piece
-   * of 64 rows by at most 128 columns at a time, which leaves room for a
-   * fourth stage */
-  static constexpr int OUT_BYTES =
-      !TS ? 0 : MOKK_TS_SPLIT ? 2 * 64 * (BN < 128 ? BN : 128) * 2 : (PP ? 2 : 1) * BM * BN * 2;
+  static constexpr int OUT_BYTES = TS ? (PP ? 2 : 1) * BM * BN * 2 : 0;
   static constexpr int FIT = (SMEM_MAX - 1024 - OUT_BYTES - 96) / (A_BYTES + B_BYTES);
   static constexpr int STAGES = TS ? (FIT < 6 ? FIT : 6) : BN + BM == 256 ? 6 : 4;
   /* + 1024 to align the ring by hand */
@@ -476,29 +468,26 @@ __device__ __forceinline__ void out_wait(int cw, int wt)
   named_sync(6 + cw, 128);
 }
 
-/* Columns [C0, C0 + NC) of one 64-row block of accumulators (rows 16 warp +
- * {0..15}) into staging, as NC / 64 boxes. */
-template <int BN, int C0 = 0, int NC = BN>
+/* One 64-row block of accumulators (rows 16 warp + {0..15}) into staging. */
+template <int BN>
 __device__ __forceinline__ void out_block(const float (&acc)[BN / 2], unsigned char *out,
                                           int warp, int lane)
 {
   const int i = lane >> 3, row = warp * 16 + (i & 1) * 8 + (lane & 7);
   unsigned char *rp = out + row * 128;
 #pragma unroll
-  for (int j = C0 / 8; j < (C0 + NC) / 8; j += 2) {
-    int c = j - C0 / 8 + (i >> 1); /* the 8-column piece this lane addresses */
+  for (int j = 0; j < BN / 8; j += 2) {
+    int c = j + (i >> 1); /* the 8-column piece this lane addresses */
     uint32_t at = smem_addr(rp + (c >> 3) * 8192 + (((c & 7) ^ (row & 7)) << 4));
     stmatrix_x4(at, bf16x2(acc[4 * j], acc[4 * j + 1]), bf16x2(acc[4 * j + 2], acc[4 * j + 3]),
                 bf16x2(acc[4 * j + 4], acc[4 * j + 5]), bf16x2(acc[4 * j + 6], acc[4 * j + 7]));
   }
 }
 
-/* Stores columns [c0, c0 + nc) of blocks blk0 .. blk0 + n - 1 of tile x,
- * staged one after the other. */
+/* Stores blocks blk0 .. blk0 + n - 1 of tile x, staged one after the other. */
 template <int BN, int BM>
 __device__ __forceinline__ void out_issue(const params &p, const tile &x, const unsigned char *out,
-                                          int blk0, int n, int cw, int wt, int c0 = 0,
-                                          int nc = BN)
+                                          int blk0, int n, int cw, int wt)
 {
   fence_async_shared();
   named_sync(6 + cw, 128);
@@ -513,31 +502,10 @@ __device__ __forceinline__ void out_issue(const params &p, const tile &x, const 
       map = &p.c2;
       m -= (int)p.g.split;
     }
-    for (int c = 0; c < nc / 64 && x.nt * BN + c0 + c * 64 < p.g.N; c++)
-      tma_store(map, x.nt * BN + c0 + c * 64, m, x.g, out + b * 64 * nc * 2 + c * 8192);
+    for (int c = 0; c < BN / 64 && x.nt * BN + c * 64 < p.g.N; c++)
+      tma_store(map, x.nt * BN + c * 64, m, x.g, out + b * 64 * BN * 2 + c * 8192);
   }
   tma_store_commit();
-}
-
-/* d_h's epilogue reads the fp32 g and u of its rows and columns, 2 x 1 KiB
- * a row of a 128 x 256 tile, element by element: asked for a few k-blocks
- * ahead, they come from the L2 when it runs. The four threads of a row take
- * its lines in turn. */
-template <int BN, int BM>
-__device__ __forceinline__ void dh_prefetch(const gemm_args &a, const tile &x, int blk, int warp,
-                                            int lane)
-{
-#pragma unroll
-  for (int r = 0; r < 2; r++) {
-    int ml = x.mt * BM + blk * 64 + warp * 16 + lane / 4 + 8 * r;
-    if (ml >= x.rows)
-      continue;
-    int64_t at = (x.rb + ml) * a.lds + (int64_t)x.nt * BN;
-    for (int l = lane & 3; l < BN / 32 && x.nt * BN + l * 32 < a.N; l += 4) {
-      prefetch_l2(a.sg + at + l * 32);
-      prefetch_l2(a.su + at + l * 32);
-    }
-  }
 }
 
 /* The cooperative consumer: both warpgroups on one BM x BN tile, BM / 2 rows
@@ -579,8 +547,6 @@ __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsi
      * kb - 1's are waited for and its stage handed back */
     int prev = -1;
     for (int kb = 0; kb < nk; kb++) {
-      if (EPI == E_DH && a.prefetch && kb == (nk > 4 ? nk - 4 : 0))
-        dh_prefetch<BN, BM>(a, x, b0, warp, lane);
       bar_wait(&full[s], ph);
       if (LAYOUT == L_TN && kb == nk - 1 && x.rows % BK != 0)
         zero_rows<BN, BM>(sa + s * A_BYTES, sb + s * B_BYTES, x.rows % BK, ct, 256, 1);
@@ -630,18 +596,9 @@ __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsi
     if (TS && !a.accum) {
       static_assert(!TS || !TALL, "one 64-row block a warpgroup");
       unsigned char *mine = out + cw * (C::OUT_BYTES / 2);
-      if constexpr (MOKK_TS_SPLIT && BN > 128) { /* two pieces of 128 columns */
-        out_wait(cw, ct & 127);
-        out_block<BN, 0, 128>(acc0, mine, warp, lane);
-        out_issue<BN, BM>(p, x, mine, b0, 1, cw, ct & 127, 0, 128);
-        out_wait(cw, ct & 127);
-        out_block<BN, 128, 128>(acc0, mine, warp, lane);
-        out_issue<BN, BM>(p, x, mine, b0, 1, cw, ct & 127, 128, 128);
-      } else {
-        out_wait(cw, ct & 127);
-        out_block<BN>(acc0, mine, warp, lane);
-        out_issue<BN, BM>(p, x, mine, b0, 1, cw, ct & 127);
-      }
+      out_wait(cw, ct & 127);
+      out_block<BN>(acc0, mine, warp, lane);
+      out_issue<BN, BM>(p, x, mine, b0, 1, cw, ct & 127);
       continue;
     }
     epilogue<LAYOUT, EPI, BN, BM>(a, x, acc0, b0, warp, lane);
@@ -736,19 +693,10 @@ __device__ __forceinline__ void pingpong(const params &p, int64_t tiles, unsigne
       named_arrive(4 + (1 - cw), 256); /* tile i + 1 is the other's */
     if (TS && !a.accum) {
       unsigned char *mine = out + cw * (C::OUT_BYTES / 2);
-      if constexpr (MOKK_TS_SPLIT) { /* one 64-row block at a time */
-        out_wait(cw, ct);
-        out_block<BN>(acc0, mine, warp, lane);
-        out_issue<BN, BM>(p, x, mine, 0, 1, cw, ct);
-        out_wait(cw, ct);
-        out_block<BN>(acc1, mine, warp, lane);
-        out_issue<BN, BM>(p, x, mine, 1, 1, cw, ct);
-      } else {
-        out_wait(cw, ct);
-        out_block<BN>(acc0, mine, warp, lane);
-        out_block<BN>(acc1, mine + 64 * BN * 2, warp, lane);
-        out_issue<BN, BM>(p, x, mine, 0, 2, cw, ct);
-      }
+      out_wait(cw, ct);
+      out_block<BN>(acc0, mine, warp, lane);
+      out_block<BN>(acc1, mine + 64 * BN * 2, warp, lane);
+      out_issue<BN, BM>(p, x, mine, 0, 2, cw, ct);
       continue;
     }
     epilogue<LAYOUT, EPI, BN, BM>(a, x, acc0, 0, warp, lane);

@@ -429,19 +429,6 @@ START_TEST(errors)
   c.ids[3] = 0, c.ids[7] = 1;
   ck_assert_msg(gpu_run(&c, 1, MOKK_GRAD_BF16, 0, &o, err) == 0, "%s", err);
   out_free(&o), case_free(&c);
-
-  s.P = 2;
-  s.E = 4;
-  {
-    mokk_fwd_rank fr[2] = {0};
-    for (int r = 0; r < 2; r++) {
-      fr[r].x = fr[r].out = (void *)16;
-      fr[r].topk_ids = (void *)16;
-      fr[r].topk_weights = (void *)16;
-      fr[r].w[0] = fr[r].w[1] = fr[r].w[2] = (void *)16;
-    }
-    ck_assert_int_eq(mokk_forward(gpu, &s, 4, fr, NULL, err), MOK_ENOTSUP);
-  }
 }
 END_TEST
 
@@ -1525,8 +1512,13 @@ static int ep_rank_main(void)
   EP_TRY(mok_forward(cl, layer, &x, &ids, &tw, 0, &fr), cl);
   EP_TRY(mok_backward(cl, fr.context, &dout, NULL, 0, &br), cl);
 
+  /* no ck_assert here (xcalloc has one): outside a test, Check exits 2 */
   size_t bytes = ep_rank_bytes(&c, P), off = 0;
-  char *buf = xcalloc((int64_t)bytes, 1);
+  char *buf = calloc(bytes, 1);
+  if (buf == NULL) {
+    fprintf(stderr, "ep rank %d: out of memory\n", r);
+    return 1;
+  }
   EP_TRY(mok_tensor_read(cl, &fr.out, buf), cl);
   off += (size_t)(T * H) * 2;
   EP_TRY(mok_tensor_read(cl, &br.d_x, buf + off), cl);

@@ -90,7 +90,7 @@ class ConfigTest(unittest.TestCase):
         self.refused("activation_func=gelu", activation_func=torch.nn.functional.gelu)
         self.refused("add_bias_linear=True", add_bias_linear=True)
         self.refused("moe_apply_probs_on_input=True", moe_apply_probs_on_input=True,
-                     moe_router_topk=1)
+                     moe_router_topk=1, moe_router_pre_softmax=True)
         self.refused("moe_shared_expert_gate=True", moe_shared_expert_intermediate_size=64,
                      moe_shared_expert_gate=True)
         self.refused("moe_pad_expert_input_to_capacity=True", moe_expert_capacity_factor=1.0,

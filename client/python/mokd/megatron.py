@@ -48,11 +48,16 @@ __all__ = ["MoELayer", "check_config"]
 
 def _megatron():
     try:
-        from megatron.core.transformer.moe import experts
+        from megatron.core.transformer.moe import experts, moe_utils
         from megatron.core.utils import get_pg_size
     except ImportError as e:
         raise ImportError("mokd.megatron needs megatron-core (pip install megatron-core): %s"
                           % e) from e
+    # megatron-core 0.16 without Transformer Engine leaves te_general_gemm
+    # undefined, and its router's gating linear (moe_router_dtype fp32)
+    # then fails with a NameError where it asks whether TE is there
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
     return experts, get_pg_size
 
 

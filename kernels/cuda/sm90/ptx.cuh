@@ -152,12 +152,6 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t
                : "memory");
 }
 
-/* A hint: the line at p into the L2. */
-__device__ __forceinline__ void prefetch_l2(const void *p)
-{
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
-
 /* Ordinary shared-memory stores become visible to the tensor cores and the
  * copy engine. */
 __device__ __forceinline__ void fence_async_shared()
