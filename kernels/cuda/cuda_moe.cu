@@ -413,6 +413,9 @@ static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
     ctx_release(cb, c);
   return 0;
 fail:
+  /* the schedule may have flagged an id, and no step end reads (and clears)
+   * the flag after a failed step: the next step would report it */
+  cudaMemsetAsync(cb->status, 0, sizeof *cb->status, cb->stream);
   ctx_release(cb, c);
   return rc;
 }

@@ -90,6 +90,13 @@ if HAVE_GPU:
             return self.moe(x * 2.0, ids, tw) * 0.5
 
 
+def as_bits(t):
+    """bf16 as its bit patterns (torch.equal on floats treats -0 == 0, and
+    NaN != NaN)."""
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else \
+        t.view(torch.int32) if t.dtype == torch.float32 else t
+
+
 @unittest.skipUnless(HAVE_GPU, "PyTorch with a CUDA GPU is needed")
 class TorchLayerTest(unittest.TestCase):
     @classmethod
@@ -472,6 +479,81 @@ dist.destroy_process_group()
         print(r.stdout, r.stderr)
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertIn("gradients bitwise equal", r.stdout)
+
+    def test_ep_group_gives_the_bits_of_one_layer(self):
+        """P = 2 and 4 processes, each a rank of an EP group (ep_group: a gloo
+        process group) holding E / P experts and T / P tokens, through this
+        test's mokd on one GPU: each rank's out, d_x, d_topk_weights, its
+        experts' gradients and the shared expert's are the bits of one layer
+        holding every expert run over every token."""
+        child = r"""
+import sys, torch, torch.distributed as dist, mokd
+sock, store, inp, outp = sys.argv[1:5]
+rank, P = int(sys.argv[5]), int(sys.argv[6])
+torch.cuda.set_device(0)
+dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=P)
+d = torch.load(inp)
+H, I, E, K, Is = d["shape"]
+m = mokd.MoELayer(H, I, E, K, shared_intermediate=Is, socket=sock, ep_group=dist.group.WORLD)
+assert (m.ep_size, m.ep_rank) == (P, rank), (m.ep_size, m.ep_rank)
+El = E // P
+with torch.no_grad():
+    for n in m._names:
+        w = d[n]
+        getattr(m, n).copy_(w[rank * El:(rank + 1) * El] if n.startswith("w_") else w)
+T = d["x"].shape[0] // P
+sl = slice(rank * T, (rank + 1) * T)
+x = d["x"][sl].cuda().requires_grad_()
+tw = d["tw"][sl].cuda().requires_grad_()
+out = m(x, d["ids"][sl].cuda(), tw)
+out.backward(d["d_out"][sl].cuda())
+torch.cuda.synchronize()
+res = {"out": out.detach().cpu(), "d_x": x.grad.cpu(), "d_tw": tw.grad.cpu()}
+for n in m._names:
+    res["d_" + n] = getattr(m, n).grad.cpu()
+torch.save(res, outp)
+dist.destroy_process_group()
+print("rank %d of %d: done" % (rank, P))
+"""
+        import torch.distributed as dist
+        if not dist.is_available() or not dist.is_gloo_available():
+            self.skipTest("torch.distributed with gloo is needed")
+        with self.assertRaisesRegex(ValueError, "ep_group: torch.distributed is not initialized"):
+            self.layer(ep_group=object())
+        H, I, E, K, Is, Tg = 256, 128, 16, 4, 128, 256
+        ref = self.layer(H, I, E, K, Is)
+        x, ids, tw, d_out = self.inputs(Tg, H, E, K, 17)
+        out = ref(x, ids, tw)
+        out.backward(d_out)
+        want = {"out": out.detach(), "d_x": x.grad, "d_tw": tw.grad}
+        want.update({"d_" + n: getattr(ref, n).grad for n in ref._names})
+        inp = os.path.join(self.dir, "ep-inputs.pt")
+        d = {n: getattr(ref, n).detach().cpu() for n in ref._names}
+        d.update(shape=(H, I, E, K, Is), x=x.detach().cpu(), ids=ids.cpu(),
+                 tw=tw.detach().cpu(), d_out=d_out.cpu())
+        torch.save(d, inp)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+        for P in (2, 4):
+            store = os.path.join(self.dir, "ep-store-%d" % P)
+            outs = [os.path.join(self.dir, "ep-%d-%d.pt" % (P, r)) for r in range(P)]
+            procs = [subprocess.Popen([sys.executable, "-c", child, self.sock, store, inp,
+                                       outs[r], str(r), str(P)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                     for r in range(P)]
+            for r, pr in enumerate(procs):
+                o, e = pr.communicate(timeout=300)
+                self.assertEqual(pr.returncode, 0, "P=%d rank %d: %s%s" % (P, r, o, e))
+            T, El = Tg // P, E // P
+            for r in range(P):
+                got = torch.load(outs[r])
+                for name, w in want.items():
+                    if name in ("out", "d_x", "d_tw"):
+                        w = w[r * T:(r + 1) * T]
+                    elif name.startswith("d_w_"):
+                        w = w[r * El:(r + 1) * El]
+                    self.assertTrue(torch.equal(as_bits(w.cpu()), as_bits(got[name])),
+                                    "P=%d rank %d: %s differs" % (P, r, name))
+            print("ep_group: P = %d ranks give the bits of one layer" % P)
 
     def test_session_follows_gpu_uuid_not_ordinal(self):
         """A process whose CUDA_VISIBLE_DEVICES is the GPU's UUID (as Slurm and

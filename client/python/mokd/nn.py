@@ -54,10 +54,25 @@ the host before the step and a bad one raises ValueError naming it.
 
 `mokd.memory_stats()` says what the daemon holds for this process's session
 on a GPU, next to `torch.cuda.memory_stats()`.
+
+Expert parallelism: MoELayer(..., ep_group=pg) makes the layer one rank of an
+EP group, with pg a torch.distributed process group (its size P and this
+process's rank r come from it; one process per rank, as torchrun starts
+them). The rank holds the weights of its experts only, E / P of them from
+r E / P on (w_gate, w_up [E / P, I, H], w_down [E / P, H, I]), and the shared
+expert whole. Each rank passes its own T tokens (the same T on every rank)
+with global expert ids; a step of the group runs when every rank has asked
+for it, and gives each rank its tokens' out, d_x and d_topk_weights, and the
+gradients of its experts. The shared expert's gradients cover the tokens of
+every rank and are the same on each: do not all-reduce them again. Every
+result has the bits of one layer holding all experts run over all ranks'
+tokens. The daemon runs the ranks' sessions as virtual ranks of one GPU
+(each rank's session on the same GPU; up to 8) on the cuda backend.
 """
 
 import ctypes
 import itertools
+import os
 import threading
 import weakref
 from typing import List, Tuple
@@ -340,6 +355,30 @@ torch.library.register_autograd("mokd::moe_forward", _moe_backward_formula,
                                 setup_context=_moe_setup_context)
 
 
+def _ep_membership(group, experts):
+    """(P, r, group id) of this process in an EP process group: the id is
+    drawn at random by the group's rank 0 and broadcast, so each layer built
+    in the same order on every rank names its own group in the daemon."""
+    import torch.distributed as dist
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("ep_group: torch.distributed is not initialized "
+                         "(init_process_group first)")
+    try:
+        P, r = dist.get_world_size(group), dist.get_rank(group)
+    except (RuntimeError, ValueError, AttributeError) as e:
+        raise ValueError("ep_group: not a torch.distributed process group this process "
+                         "is in: %s" % e) from e
+    if r < 0:
+        raise ValueError("ep_group: this process is not a member of the group")
+    if experts % P != 0:
+        raise ValueError("experts (%d) must divide evenly over the %d ranks of ep_group"
+                         % (experts, P))
+    gid = [int.from_bytes(os.urandom(8), "little") | 1 if r == 0 else None]
+    if P > 1:
+        dist.broadcast_object_list(gid, src=dist.get_global_rank(group, 0), group=group)
+    return P, r, gid[0]
+
+
 class MoELayer(torch.nn.Module):
     """A routed SwiGLU MoE layer, plus an optional shared expert, run by mokd.
 
@@ -351,14 +390,19 @@ class MoELayer(torch.nn.Module):
     shapes that are not the layer's raise TypeError or ValueError naming the
     argument. Ids may be int32 or int64 (converted on the GPU), -1 meaning no
     route; topk_weights float32, bf16 or float16. op_id names the layer to
-    the mokd::moe_forward / moe_backward ops.
+    the mokd::moe_forward / moe_backward ops. ep_group (a torch.distributed
+    process group) makes it one rank of an EP group: see the module's text.
     """
 
     def __init__(self, hidden, intermediate, experts, top_k, shared_intermediate=0,
-                 swiglu_limit=0.0, socket=None, device=None, check=False, session=None):
+                 swiglu_limit=0.0, socket=None, device=None, check=False, session=None,
+                 ep_group=None):
         super().__init__()
         self.hidden, self.intermediate, self.experts, self.top_k = \
             hidden, intermediate, experts, top_k
+        self.ep_size, self.ep_rank, ep_id = 1, 0, 0
+        if ep_group is not None:
+            self.ep_size, self.ep_rank, ep_id = _ep_membership(ep_group, experts)
         self.shared_intermediate, self.swiglu_limit, self.check_each_step = \
             shared_intermediate, swiglu_limit, check
         dev = torch.device(device) if device is not None else \
@@ -376,7 +420,7 @@ class MoELayer(torch.nn.Module):
             self.register_parameter(n, torch.nn.Parameter(p))
         self._names = names
         d = _LayerDesc(hidden, intermediate, experts, top_k, shared_intermediate,
-                       swiglu_limit, 0, 1, 0, GRAD_BF16)
+                       swiglu_limit, ep_id, self.ep_size, self.ep_rank, GRAD_BF16)
         lid = ctypes.c_uint64()
         with self.session.lock:
             self.session._check(_lib.mok_layer_create(self.session._h(), ctypes.byref(d),
@@ -388,7 +432,8 @@ class MoELayer(torch.nn.Module):
         _layers[self.op_id] = self
 
     def weight_shapes(self):
-        H, I, E, Is = self.hidden, self.intermediate, self.experts, self.shared_intermediate
+        H, I, Is = self.hidden, self.intermediate, self.shared_intermediate
+        E = self.experts // self.ep_size  # this rank's experts
         shapes = [(E, I, H), (E, I, H), (E, H, I)]
         if Is:
             shapes += [(Is, H), (Is, H), (H, Is)]
@@ -398,9 +443,10 @@ class MoELayer(torch.nn.Module):
         return [getattr(self, n) for n in self._names]
 
     def extra_repr(self):
+        ep = ", ep_size=%d, ep_rank=%d" % (self.ep_size, self.ep_rank) if self.ep_size > 1 else ""
         return ("hidden=%d, intermediate=%d, experts=%d, top_k=%d, shared_intermediate=%d, "
-                "swiglu_limit=%g" % (self.hidden, self.intermediate, self.experts, self.top_k,
-                                     self.shared_intermediate, self.swiglu_limit))
+                "swiglu_limit=%g%s" % (self.hidden, self.intermediate, self.experts, self.top_k,
+                                       self.shared_intermediate, self.swiglu_limit, ep))
 
     def forward(self, x, topk_ids, topk_weights):
         _check_inputs(self.hidden, self.top_k, x, topk_ids, topk_weights)
