@@ -144,6 +144,33 @@ static void unhold(mok_client *c, int layer, uint64_t owner)
       c->held[i] = c->held[--c->nheld];
 }
 
+static int cmp_u64(const void *a, const void *b)
+{
+  uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+  return x < y ? -1 : x > y;
+}
+
+/* unhold for the contexts ids, in one pass over the list with the ids
+ * sorted: releasing n contexts of n holds costs n log n, not n^2 (60000 of
+ * them took 7 s). One at a time where memory is short. */
+static void unhold_contexts(mok_client *c, const uint64_t *ids, int n)
+{
+  uint64_t *sorted = n > 1 ? malloc((size_t)n * sizeof *sorted) : NULL;
+
+  if (sorted == NULL) {
+    for (int i = 0; i < n; i++)
+      unhold(c, 0, ids[i]);
+    return;
+  }
+  memcpy(sorted, ids, (size_t)n * sizeof *sorted);
+  qsort(sorted, (size_t)n, sizeof *sorted, cmp_u64);
+  for (int i = c->nheld - 1; i >= 0; i--)
+    if (!c->held[i].layer &&
+        bsearch(&c->held[i].owner, sorted, (size_t)n, sizeof *sorted, cmp_u64) != NULL)
+      c->held[i] = c->held[--c->nheld];
+  free(sorted);
+}
+
 static int is_held(const mok_client *c, uint64_t arena)
 {
   for (int i = 0; i < c->nheld; i++)
@@ -1555,8 +1582,7 @@ int mok_release(mok_client *c, const uint64_t *ids, int n)
   req.body_case = MOKD__REQUEST__BODY_RELEASE;
   req.release = &rl;
   if ((rc = expect(c, &req, NULL, 0, MOKD__RESPONSE__BODY_RELEASED, NULL)) == 0)
-    for (int i = 0; i < n; i++)
-      unhold(c, 0, ids[i]);
+    unhold_contexts(c, ids, n);
   return rc;
 }
 
