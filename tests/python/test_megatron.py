@@ -196,6 +196,32 @@ class MegatronLayerTest(unittest.TestCase):
         ids, _ = _topk(probs, routing_map, ours.moe.top_k)
         self.assertTrue(bool((ids == -1).any()), "no pair was dropped")
 
+    def test_main_grad_fusion(self):
+        """grad_mode='fp32_accum' (what gradient_accumulation_fusion selects):
+        the expert weights' gradients land in the main_grad Megatron's DDP
+        attaches, in fp32, and round to the bits of the bf16 adapter's; the
+        flag of Megatron's convention is set."""
+        import mokd.megatron
+        ref = self.megatron_layer(moe_shared_expert_intermediate_size=64)
+        ours = mokd.megatron.MoELayer(ref, socket=self.sock)
+        fused = mokd.megatron.MoELayer(ref, socket=self.sock, grad_mode="fp32_accum")
+        self.assertEqual(fused.moe.grad_mode, 1)
+        for w in fused.moe.weights():
+            w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device="cuda")
+            w.grad_added_to_main_grad = False
+        H = ref.config.hidden_size
+        g = torch.Generator(device="cuda").manual_seed(3)
+        x = torch.randn(32, 2, H, device="cuda", generator=g).to(torch.bfloat16)
+        d_out = torch.randn(32, 2, H, device="cuda", generator=g).to(torch.bfloat16)
+        out_b, dx_b, _ = self.run_layer(ours, x, d_out)
+        out_f, dx_f, _ = self.run_layer(fused, x, d_out)
+        self.assertTrue(torch.equal(out_b, out_f))
+        self.assertTrue(torch.equal(dx_b, dx_f))
+        for name, wb, wf in zip(ours.moe._names, ours.moe.weights(), fused.moe.weights()):
+            self.assertTrue(wf.grad_added_to_main_grad, name)
+            self.assertTrue(torch.equal(wf.main_grad.to(torch.bfloat16).view(torch.int16),
+                                        wb.grad.view(torch.int16)), name)
+
     def test_copy_to(self):
         ours, ref = self.compare()
         with torch.no_grad():

@@ -756,6 +756,92 @@ assert free >= free0 - (32 << 20), (free0, free)
             bwd(m.op_id, ctx, d_out[:, 1:])
         del out
 
+    def test_fp32_accum_adds_into_main_grad(self):
+        """grad_mode='fp32_accum' (Megatron's gradient-accumulation fusion):
+        each backward adds the weight gradients into each parameter's
+        main_grad in place; three micro-batches give exactly the sum, in
+        order, of each one's gradients alone on top of the seed; out, d_x and
+        d_topk_weights are the bits of the bf16 mode; grad_added_to_main_grad
+        is set and the parameter gets an unfilled gradient (zeros with
+        zero_out_wgrad); without main_grad, or a wrong one, the backward says
+        so; the op is checked with opcheck."""
+        H, I, E, K, Is, T = 256, 128, 16, 4, 128, 200
+        with self.assertRaisesRegex(ValueError, "grad_mode: expected 'bf16' or 'fp32_accum'"):
+            self.layer(H, I, E, K, Is, grad_mode="fp16")
+        m = self.layer(H, I, E, K, Is, grad_mode="fp32_accum")
+        ref = self.layer(H, I, E, K, Is)
+        ref.load_state_dict(m.state_dict())
+        ws = m.weights()
+        batches = [self.inputs(T, H, E, K, 40 + i) for i in range(3)]
+
+        def attach(seed):
+            mains = [torch.full(w.shape, seed, dtype=torch.float32, device="cuda") for w in ws]
+            for w, g in zip(ws, mains):
+                w.main_grad = g
+                w.grad_added_to_main_grad = False
+                w.grad = None
+            return mains
+
+        def step(layer, b):
+            x, ids, tw, d_out = b
+            x, tw = x.detach().clone().requires_grad_(), tw.detach().clone().requires_grad_()
+            out = layer(x, ids, tw)
+            out.backward(d_out)
+            return out.detach(), x.grad, tw.grad
+
+        alone = []
+        for b in batches:
+            mains = attach(0.0)
+            got, want = step(m, b), step(ref, b)
+            for name, u, v in zip(("out", "d_x", "d_topk_weights"), got, want):
+                self.assertTrue(torch.equal(as_bits(u), as_bits(v)), name)
+            for name, w in zip(m._names, ws):
+                self.assertTrue(w.grad_added_to_main_grad, name)
+                self.assertEqual(tuple(w.grad.shape), tuple(w.shape), name)
+            # the fp32 gradient, which rounds to the bf16 mode's
+            for name, g, w in zip(m._names, mains, ref.weights()):
+                self.assertTrue(torch.equal(as_bits(g.to(torch.bfloat16)), as_bits(w.grad)),
+                                name)
+            alone.append(mains)
+            ref.zero_grad(set_to_none=True)
+        mains = attach(0.5)
+        for w in ws:
+            w.zero_out_wgrad = True
+        for b in batches:
+            step(m, b)
+        for i, (name, w) in enumerate(zip(m._names, ws)):
+            want = torch.full(w.shape, 0.5, dtype=torch.float32, device="cuda")
+            for a in alone:
+                want = want + a[i]
+            self.assertTrue(torch.equal(as_bits(mains[i]), as_bits(want)), name)
+            self.assertEqual(int(torch.count_nonzero(w.grad)), 0, name)  # zero_out_wgrad
+        print("fp32_accum: 3 micro-batches added into main_grad: the exact sum")
+        # a parameter without the Megatron flag gets no .grad
+        for w in ws:
+            del w.grad_added_to_main_grad
+            w.grad = None
+        step(m, batches[0])
+        self.assertTrue(all(w.grad is None for w in ws))
+        # missing or wrong main_grad
+        del ws[1].main_grad
+        with self.assertRaisesRegex(RuntimeError, r"w_up into w_up\.main_grad, which it lacks"):
+            step(m, batches[0])
+        ws[1].main_grad = torch.zeros(ws[1].shape, dtype=torch.bfloat16, device="cuda")
+        with self.assertRaisesRegex(ValueError, r"^w_up\.main_grad: expected a contiguous "
+                                                r"float32 tensor"):
+            step(m, batches[0])
+        ws[1].main_grad = torch.zeros(ws[1].shape, dtype=torch.float32, device="cuda")
+        # the op: schema (main_grads mutated), fake kernel, autograd registration
+        x, ids, tw, d_out = batches[0]
+        _, ctx = torch.ops.mokd.moe_forward(m.op_id, x.detach(), ids, tw.detach(),
+                                            [w.detach() for w in ws], True)
+        torch.library.opcheck(torch.ops.mokd.moe_backward_accum.default,
+                              (m.op_id, ctx, d_out, [w.main_grad for w in ws]),
+                              test_utils=("test_schema", "test_autograd_registration",
+                                          "test_faketensor"))
+        with self.assertRaisesRegex(RuntimeError, "use mokd::moe_backward_accum"):
+            torch.ops.mokd.moe_backward(m.op_id, ctx, d_out)
+
     def compiled_and_eager(self, m, net, x, logits, routed, d_out):
         runs = []
         for fn in (net, torch.compile(net, fullgraph=True)):

@@ -174,10 +174,14 @@ class MoELayer(torch.nn.Module):
     and returns what Megatron's MoELayer does: hidden_states [S, B, H] (any
     float dtype; mokd computes in bf16) and optionally padding_mask [B, S],
     and returns (output, None) with output in the input's dtype. socket,
-    session and check are mokd.nn.MoELayer's.
+    session and check are mokd.nn.MoELayer's. grad_mode: mokd.nn.MoELayer's;
+    None follows the config's gradient_accumulation_fusion ("fp32_accum":
+    the expert weights' gradients are added into the main_grad that
+    Megatron's DDP attaches to each parameter, as its fused linear layers
+    do, grad_added_to_main_grad included).
     """
 
-    def __init__(self, layer, socket=None, session=None, check=False):
+    def __init__(self, layer, socket=None, session=None, check=False, grad_mode=None):
         super().__init__()
         ex, get_pg_size = _megatron()
         config = layer.config
@@ -196,9 +200,12 @@ class MoELayer(torch.nn.Module):
                 s1 = layer.shared_experts.linear_fc1.weight
                 s2 = layer.shared_experts.linear_fc2.weight
                 Is = s2.shape[1]
+            if grad_mode is None:
+                grad_mode = "fp32_accum" if getattr(config, "gradient_accumulation_fusion",
+                                                    False) else "bf16"
             self.moe = _nn.MoELayer(H, I, E, K, shared_intermediate=Is, socket=socket,
                                     device=fc1.device if fc1.is_cuda else None, check=check,
-                                    session=session)
+                                    session=session, grad_mode=grad_mode)
             ws = self.moe.weights()
             ws[0].copy_(fc1[:, :I])
             ws[1].copy_(fc1[:, I:])

@@ -68,6 +68,17 @@ every rank and are the same on each: do not all-reduce them again. Every
 result has the bits of one layer holding all experts run over all ranks'
 tokens. The daemon runs the ranks' sessions as virtual ranks of one GPU
 (each rank's session on the same GPU; up to 8) on the cuda backend.
+
+Gradient-accumulation fusion (Megatron's): with grad_mode="fp32_accum" each
+backward adds the weight gradients, in fp32, into each parameter's
+`main_grad` (an fp32 tensor of its shape on the layer's GPU, which the caller
+attaches, as Megatron's DDP does), in place, with one fp32 addition per
+element: micro-batches add up to exactly the sum of each one's gradients, in
+order. A parameter that has a `grad_added_to_main_grad` attribute gets it set
+to True and an unfilled gradient of its shape (torch.zeros with
+`zero_out_wgrad`), so that Megatron's hooks fire and add nothing again; the
+others get no .grad. It runs eagerly: under torch.compile the forward falls
+back to eager (fullgraph=True raises), since the attribute is set per step.
 """
 
 import ctypes
@@ -80,7 +91,8 @@ from typing import List, Tuple
 import numpy as np
 import torch
 
-from . import (BF16, EPROTO, ENOTSUP, F32, I32, GRAD_BF16, _BwdResult, _FwdResult, _LayerDesc,
+from . import (BF16, EPROTO, ENOTSUP, F32, I32, GRAD_BF16, GRAD_FP32_ACCUM, _BwdResult,
+               _FwdResult, _LayerDesc,
                _NW, _Tensor, _lib, Client, MokError)
 
 __all__ = ["MoELayer", "Session", "moe", "memory_stats"]
@@ -313,12 +325,7 @@ def _moe_forward_fake(layer, x, topk_ids, topk_weights, weights, keep):
         torch.empty(1, dtype=torch.int64, device="cpu")
 
 
-@torch.library.custom_op("mokd::moe_backward", mutates_args=())
-def moe_backward(layer: int, context: torch.Tensor, d_out: torch.Tensor) -> List[torch.Tensor]:
-    """The backward of a moe_forward: context is its context tensor, d_out
-    bf16 [T, H]. Returns [d_x bf16 [T, H], d_topk_weights float32 [T, K],
-    then the weight gradients, bf16, in the order of the weights]."""
-    m = _layer_of(layer)
+def _saved_of(context):
     if context.dtype != torch.int64 or context.numel() != 1 or context.device.type != "cpu":
         raise TypeError("context: expected the int64 [1] CPU tensor that mokd::moe_forward "
                         "returned, got %s %s on %s" % (context.dtype, tuple(context.shape),
@@ -327,8 +334,42 @@ def moe_backward(layer: int, context: torch.Tensor, d_out: torch.Tensor) -> List
     if saved is None:
         raise RuntimeError("context: the forward kept no state for a backward (it ran without "
                            "anything requiring grad), or that state was released")
+    return saved
+
+
+@torch.library.custom_op("mokd::moe_backward", mutates_args=())
+def moe_backward(layer: int, context: torch.Tensor, d_out: torch.Tensor) -> List[torch.Tensor]:
+    """The backward of a moe_forward: context is its context tensor, d_out
+    bf16 [T, H]. Returns [d_x bf16 [T, H], d_topk_weights float32 [T, K],
+    then the weight gradients, bf16, in the order of the weights]."""
+    m = _layer_of(layer)
+    if m.grad_mode != GRAD_BF16:
+        raise RuntimeError("mokd::moe_backward: layer %d adds its gradients into main_grad "
+                           "(grad_mode='fp32_accum'): use mokd::moe_backward_accum" % layer)
+    saved = _saved_of(context)
     d_x, d_tw, grads = m._run_backward(saved.owner, d_out, saved.weights.now())
     return [d_x, d_tw] + grads
+
+
+@torch.library.custom_op("mokd::moe_backward_accum", mutates_args=("main_grads",))
+def moe_backward_accum(layer: int, context: torch.Tensor, d_out: torch.Tensor,
+                       main_grads: List[torch.Tensor]) -> List[torch.Tensor]:
+    """The backward of a moe_forward of a grad_mode="fp32_accum" layer: adds
+    the weight gradients into main_grads (fp32, the weights' shapes and
+    order) in place, and returns [d_x bf16 [T, H], d_topk_weights float32
+    [T, K]]."""
+    m = _layer_of(layer)
+    saved = _saved_of(context)
+    d_x, d_tw, _ = m._run_backward(saved.owner, d_out, saved.weights.now(), main_grads)
+    return [d_x, d_tw]
+
+
+@moe_backward_accum.register_fake
+def _moe_backward_accum_fake(layer, context, d_out, main_grads):
+    m = _layer_of(layer)
+    T = d_out.shape[0]
+    return [d_out.new_empty((T, m.hidden), dtype=torch.bfloat16),
+            d_out.new_empty((T, m.top_k), dtype=torch.float32)]
 
 
 @moe_backward.register_fake
@@ -347,8 +388,29 @@ def _moe_setup_context(ctx, inputs, output):
 
 def _moe_backward_formula(ctx, d_out, d_context):
     (context,) = ctx.saved_tensors
-    g = torch.ops.mokd.moe_backward(ctx.layer, context, d_out.to(torch.bfloat16).contiguous())
-    return None, g[0], None, g[1], list(g[2:]), None
+    d_out = d_out.to(torch.bfloat16).contiguous()
+    m = _layer_of(ctx.layer)
+    if m.grad_mode == GRAD_BF16:
+        g = torch.ops.mokd.moe_backward(ctx.layer, context, d_out)
+        return None, g[0], None, g[1], list(g[2:]), None
+    weights = m.weights()
+    g = torch.ops.mokd.moe_backward_accum(ctx.layer, context, d_out, m._main_grads(weights))
+    return None, g[0], None, g[1], _added_to_main_grad(weights), None
+
+
+def _added_to_main_grad(weights):
+    """Megatron's convention after a fused accumulation into main_grad: the
+    flag set, and a gradient of the right shape that its hooks will not add
+    (unfilled, or zeros with zero_out_wgrad); None for other parameters."""
+    out = []
+    for w in weights:
+        if not hasattr(w, "grad_added_to_main_grad"):
+            out.append(None)
+            continue
+        w.grad_added_to_main_grad = True
+        make = torch.zeros if getattr(w, "zero_out_wgrad", False) else torch.empty
+        out.append(make(w.shape, dtype=w.dtype, device=w.device))
+    return out
 
 
 torch.library.register_autograd("mokd::moe_forward", _moe_backward_formula,
@@ -391,13 +453,19 @@ class MoELayer(torch.nn.Module):
     argument. Ids may be int32 or int64 (converted on the GPU), -1 meaning no
     route; topk_weights float32, bf16 or float16. op_id names the layer to
     the mokd::moe_forward / moe_backward ops. ep_group (a torch.distributed
-    process group) makes it one rank of an EP group: see the module's text.
+    process group) makes it one rank of an EP group, and grad_mode
+    "fp32_accum" adds the weight gradients into each parameter's main_grad:
+    see the module's text.
     """
 
     def __init__(self, hidden, intermediate, experts, top_k, shared_intermediate=0,
                  swiglu_limit=0.0, socket=None, device=None, check=False, session=None,
-                 ep_group=None):
+                 ep_group=None, grad_mode="bf16"):
         super().__init__()
+        modes = {"bf16": GRAD_BF16, "fp32_accum": GRAD_FP32_ACCUM}
+        if grad_mode not in modes:
+            raise ValueError("grad_mode: expected 'bf16' or 'fp32_accum', got %r" % (grad_mode,))
+        self.grad_mode = modes[grad_mode]
         self.hidden, self.intermediate, self.experts, self.top_k = \
             hidden, intermediate, experts, top_k
         self.ep_size, self.ep_rank, ep_id = 1, 0, 0
@@ -420,7 +488,7 @@ class MoELayer(torch.nn.Module):
             self.register_parameter(n, torch.nn.Parameter(p))
         self._names = names
         d = _LayerDesc(hidden, intermediate, experts, top_k, shared_intermediate,
-                       swiglu_limit, ep_id, self.ep_size, self.ep_rank, GRAD_BF16)
+                       swiglu_limit, ep_id, self.ep_size, self.ep_rank, self.grad_mode)
         lid = ctypes.c_uint64()
         with self.session.lock:
             self.session._check(_lib.mok_layer_create(self.session._h(), ctypes.byref(d),
@@ -449,6 +517,9 @@ class MoELayer(torch.nn.Module):
                                        self.shared_intermediate, self.swiglu_limit, ep))
 
     def forward(self, x, topk_ids, topk_weights):
+        if self.grad_mode == GRAD_FP32_ACCUM and torch.compiler.is_compiling():
+            raise RuntimeError("mokd.MoELayer: grad_mode='fp32_accum' runs eagerly (its "
+                               "backward sets grad_added_to_main_grad each step)")
         _check_inputs(self.hidden, self.top_k, x, topk_ids, topk_weights)
         weights = self.weights()
         keep = torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad)
@@ -538,9 +609,33 @@ class MoELayer(torch.nn.Module):
         _contexts[saved.key] = saved
         return out, saved.tensor()
 
-    def _run_backward(self, owner, d_out, weights=None):
+    def _main_grads(self, weights):
+        """Each weight's main_grad, checked: fp32, its shape, contiguous, on
+        the layer's GPU."""
+        out = []
+        for name, w in zip(self._names, weights):
+            g = getattr(w, "main_grad", None)
+            if g is None:
+                raise RuntimeError("mokd.MoELayer: grad_mode='fp32_accum' adds the gradient of "
+                                   "%s into %s.main_grad, which it lacks: attach an fp32 "
+                                   "tensor of shape %s (Megatron's DDP does)"
+                                   % (name, name, tuple(w.shape)))
+            if not isinstance(g, torch.Tensor) or g.dtype != torch.float32 or \
+                    tuple(g.shape) != tuple(w.shape) or not g.is_contiguous() or \
+                    g.device != self.session.device:
+                raise ValueError("%s.main_grad: expected a contiguous float32 tensor of shape %s "
+                                 "on %s, got %s" % (name, tuple(w.shape), self.session.device,
+                                                    "%s %s on %s" % (g.dtype, tuple(g.shape),
+                                                                     g.device)
+                                                    if isinstance(g, torch.Tensor)
+                                                    else type(g).__name__))
+            out.append(g)
+        return out
+
+    def _run_backward(self, owner, d_out, weights=None, main_grads=None):
         """weights: where the weights are now, when they moved since the
-        forward; None: where the forward read them."""
+        forward; None: where the forward read them. main_grads (fp32_accum):
+        the fp32 tensors the weight gradients are added into."""
         s = self.session
         if d_out.dim() != 2 or d_out.shape[1] != self.hidden:
             raise ValueError("d_out: expected shape [T, H] = [T, %d], got %s"
@@ -550,12 +645,17 @@ class MoELayer(torch.nn.Module):
             s._begin()
             res = _BwdResult()
             td = s.tensor(d_out)
-            tw = None
+            tw = tg = None
             if weights is not None:
                 tw = (_Tensor * _NW)()
                 for i, w in enumerate(weights):
                     tw[i] = s.tensor(w)
-            s._check(_lib.mok_backward_weights(s._h(), owner.id, ctypes.byref(td), None, 0, tw,
+            if main_grads is not None:
+                tg = (_Tensor * _NW)()
+                for i, g in enumerate(main_grads):
+                    tg[i] = s.tensor(g)
+            s._check(_lib.mok_backward_weights(s._h(), owner.id, ctypes.byref(td), tg,
+                                               len(main_grads) if tg is not None else 0, tw,
                                                ctypes.byref(res)))
             result = _Owner(s, res.result, res.status)
             d_x = s.view(res.d_x, result)
