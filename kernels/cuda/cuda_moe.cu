@@ -192,28 +192,38 @@ static int mlp_forward(cuda_backend *cb, const mlp *m, const bf16 *x, int64_t H,
   return gemm<L_NT, E_BF16>(cb, &a, m->rows, err, "down GEMM");
 }
 
-/* d_h = scale (d_out W_down) -> d_g | d_u (bf16, [rows, 2 Ie]), then
- * dx = d_g W_gate + d_u W_up (fp32, per row) */
-static int mlp_backward(cuda_backend *cb, const mlp *m, const bf16 *d_out, const float *scale,
-                        int64_t H, bf16 *dgu, float *dx, char *err)
+/* d_h = scale (d_out W_down) -> d_g | d_u (bf16, [rows, 2 Ie]): the row's
+ * router weight (scale) and the dSwiGLU in the epilogue. */
+static int mlp_dh(cuda_backend *cb, const mlp *m, const bf16 *d_out, const float *scale,
+                  int64_t H, bf16 *dgu, char *err)
 {
   gemm_args a = m->base;
-  int rc;
-
   a.A = d_out, a.lda = H;
   a.B = m->wd, a.ldb = m->Ie, a.b_stride = m->stride;
   a.N = (int)m->Ie, a.K = (int)H;
   a.C = dgu, a.ldc = 2 * m->Ie;
   a.sg = m->g, a.su = m->u, a.lds = m->Ie;
   a.scale = scale;
-  if ((rc = gemm<L_NN, E_DH>(cb, &a, m->rows, err, "d_h GEMM")))
-    return rc;
-  a = m->base;
+  return gemm<L_NN, E_DH>(cb, &a, m->rows, err, "d_h GEMM");
+}
+
+/* dx = d_g W_gate + d_u W_up (fp32, per row): one sum over k = 2 Ie. */
+static int mlp_dx(cuda_backend *cb, const mlp *m, int64_t H, const bf16 *dgu, float *dx,
+                  char *err)
+{
+  gemm_args a = m->base;
   a.A = dgu, a.lda = 2 * m->Ie;
   a.B = m->wg, a.B2 = m->wu, a.split = m->Ie, a.ldb = H, a.b_stride = m->stride;
   a.N = (int)H, a.K = (int)(2 * m->Ie);
   a.C = dx, a.ldc = H;
   return gemm<L_NN, E_F32>(cb, &a, m->rows, err, "d_x GEMM");
+}
+
+static int mlp_backward(cuda_backend *cb, const mlp *m, const bf16 *d_out, const float *scale,
+                        int64_t H, bf16 *dgu, float *dx, char *err)
+{
+  int rc = mlp_dh(cb, m, d_out, scale, H, dgu, err);
+  return rc ? rc : mlp_dx(cb, m, H, dgu, dx, err);
 }
 
 /* ---- forward ------------------------------------------------------------- */
@@ -511,10 +521,11 @@ static int cuda_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
   }
   CK(cudaSetDevice(cb->device));
 
-  o_dor = carve(&off, TK * H * 2);
+  /* dor (bf16) is read by the d_h GEMMs only, and dxr (fp32) written by the
+   * d_x GEMMs, which run after every rank's d_h: one region holds both */
+  o_dor = o_dxr = carve(&off, TK * H * 4);
   o_dy = carve(&off, TK * H * 2);
   o_dgu = carve(&off, TK * 2 * I * 2);
-  o_dxr = carve(&off, TK * H * 4);
   if (Is) {
     o_dgus = carve(&off, TG * 2 * Is * 2);
     o_dxs = carve(&off, TG * H * 4);
@@ -552,7 +563,13 @@ static int cuda_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
   for (int r = 0; r < P; r++) {
     mlp routed_mlp = mlp_routed(c, TK, r);
     moved_weights(&routed_mlp, &ranks[r], MOKK_W_GATE);
-    if ((rc = mlp_backward(cb, &routed_mlp, dor, c->row_w, H, dgu, dxr, err)))
+    if ((rc = mlp_dh(cb, &routed_mlp, dor, c->row_w, H, dgu, err)))
+      goto out;
+  }
+  for (int r = 0; r < P; r++) { /* dxr overwrites dor from here on */
+    mlp routed_mlp = mlp_routed(c, TK, r);
+    moved_weights(&routed_mlp, &ranks[r], MOKK_W_GATE);
+    if ((rc = mlp_dx(cb, &routed_mlp, H, dgu, dxr, err)))
       goto out;
   }
   for (int r = 0; r < P; r++) {
