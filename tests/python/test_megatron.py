@@ -201,11 +201,18 @@ class MegatronLayerTest(unittest.TestCase):
         the expert weights' gradients land in the main_grad Megatron's DDP
         attaches, in fp32, and round to the bits of the bf16 adapter's; the
         flag of Megatron's convention is set."""
+        import mokd
         import mokd.megatron
         ref = self.megatron_layer(moe_shared_expert_intermediate_size=64)
         ours = mokd.megatron.MoELayer(ref, socket=self.sock)
-        fused = mokd.megatron.MoELayer(ref, socket=self.sock, grad_mode="fp32_accum")
-        self.assertEqual(fused.moe.grad_mode, 1)
+        # Megatron's own fused linear layers need an extension not installed
+        # here: the flag is set after they were built, for the adapter to read
+        ref.config.gradient_accumulation_fusion = True
+        try:
+            fused = mokd.megatron.MoELayer(ref, socket=self.sock)
+        finally:
+            ref.config.gradient_accumulation_fusion = False
+        self.assertEqual(fused.moe.grad_mode, mokd.GRAD_FP32_ACCUM)
         for w in fused.moe.weights():
             w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device="cuda")
             w.grad_added_to_main_grad = False
@@ -221,6 +228,12 @@ class MegatronLayerTest(unittest.TestCase):
             self.assertTrue(wf.grad_added_to_main_grad, name)
             self.assertTrue(torch.equal(wf.main_grad.to(torch.bfloat16).view(torch.int16),
                                         wb.grad.view(torch.int16)), name)
+        # megatron_state(grads=True) gives the main_grads, not the placeholders
+        got, want = fused.megatron_state(grads=True), ours.megatron_state(grads=True)
+        self.assertEqual(sorted(got), sorted(want))
+        for name in want:
+            self.assertEqual(got[name].dtype, torch.float32, name)
+            self.assertTrue(torch.equal(got[name].to(torch.bfloat16), want[name]), name)
 
     def test_copy_to(self):
         ours, ref = self.compare()

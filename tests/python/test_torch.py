@@ -494,6 +494,18 @@ torch.cuda.set_device(0)
 dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=P)
 d = torch.load(inp)
 H, I, E, K, Is = d["shape"]
+try:
+    mokd.MoELayer(H, I, E + 1, K, socket=sock, ep_group=dist.group.WORLD)
+    sys.exit("E + 1 experts over %d ranks: no error" % P)
+except ValueError as e:
+    assert "must divide evenly over the %d ranks of ep_group" % P in str(e), e
+alone = dist.new_group([0])  # every rank takes part in making it
+if rank != 0:
+    try:
+        mokd.MoELayer(H, I, E, K, socket=sock, ep_group=alone)
+        sys.exit("a group without this process: no error")
+    except ValueError as e:
+        assert "not a member of the group" in str(e), e
 m = mokd.MoELayer(H, I, E, K, shared_intermediate=Is, socket=sock, ep_group=dist.group.WORLD)
 assert (m.ep_size, m.ep_rank) == (P, rank), (m.ep_size, m.ep_rank)
 El = E // P
@@ -540,9 +552,15 @@ print("rank %d of %d: done" % (rank, P))
                                        outs[r], str(r), str(P)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                      for r in range(P)]
-            for r, pr in enumerate(procs):
-                o, e = pr.communicate(timeout=300)
-                self.assertEqual(pr.returncode, 0, "P=%d rank %d: %s%s" % (P, r, o, e))
+            try:
+                for r, pr in enumerate(procs):
+                    o, e = pr.communicate(timeout=300)
+                    self.assertEqual(pr.returncode, 0, "P=%d rank %d: %s%s" % (P, r, o, e))
+            finally:  # a rank that hangs (or fails) leaves none behind
+                for pr in procs:
+                    if pr.poll() is None:
+                        pr.kill()
+                        pr.wait()
             T, El = Tg // P, E // P
             for r in range(P):
                 got = torch.load(outs[r])
@@ -841,6 +859,19 @@ assert free >= free0 - (32 << 20), (free0, free)
                                           "test_faketensor"))
         with self.assertRaisesRegex(RuntimeError, "use mokd::moe_backward_accum"):
             torch.ops.mokd.moe_backward(m.op_id, ctx, d_out)
+        with self.assertRaisesRegex(ValueError, r"^main_grads: expected 6 fp32 tensors"):
+            torch.ops.mokd.moe_backward_accum(m.op_id, ctx, d_out, [ws[0].main_grad])
+        _, rctx = torch.ops.mokd.moe_forward(ref.op_id, x.detach(), ids, tw.detach(),
+                                             [w.detach() for w in ref.weights()], True)
+        with self.assertRaisesRegex(RuntimeError, r"grad_mode='bf16'\): use mokd::moe_backward"):
+            torch.ops.mokd.moe_backward_accum(ref.op_id, rctx, d_out,
+                                              [w.main_grad for w in ws])
+        # per-step attributes do not compile: fullgraph stops (bf16 layers
+        # compile whole: test_compile_fullgraph_gives_eager_bits)
+        with self.assertRaises(Exception) as cm:
+            torch.compile(m, fullgraph=True)(x.detach(), ids, tw.detach())
+        print("fp32_accum under torch.compile(fullgraph=True): %s"
+              % str(cm.exception).splitlines()[0][:200])
 
     def compiled_and_eager(self, m, net, x, logits, routed, d_out):
         runs = []

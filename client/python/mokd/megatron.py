@@ -235,12 +235,15 @@ class MoELayer(torch.nn.Module):
         """The expert (and shared expert) weights in Megatron's layout, by the
         names they have under a Megatron MoELayer ("experts.weight1",
         "shared_experts.linear_fc1.weight", ...); with grads=True their
-        gradients instead (None when a weight has no gradient yet)."""
+        gradients instead (None when a weight has no gradient yet): with
+        grad_mode "fp32_accum", the main_grad each adds into (fp32), since the
+        .grad Megatron's convention leaves is a placeholder."""
         ws = self.moe.weights()
         if grads:
-            if any(w.grad is None for w in ws):
+            fused = self.moe.grad_mode == _nn.GRAD_FP32_ACCUM
+            ws = [getattr(w, "main_grad", None) if fused else w.grad for w in ws]
+            if any(w is None for w in ws):
                 return None
-            ws = [w.grad for w in ws]
         ws = [w.detach() for w in ws]
         E, H = self.moe.experts, self.moe.hidden
         out = _experts_state(self.experts_kind, E, H, torch.cat(ws[:2], dim=1), ws[2])

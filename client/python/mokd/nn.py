@@ -359,6 +359,18 @@ def moe_backward_accum(layer: int, context: torch.Tensor, d_out: torch.Tensor,
     order) in place, and returns [d_x bf16 [T, H], d_topk_weights float32
     [T, K]]."""
     m = _layer_of(layer)
+    if m.grad_mode != GRAD_FP32_ACCUM:
+        raise RuntimeError("mokd::moe_backward_accum: layer %d writes bf16 gradients "
+                           "(grad_mode='bf16'): use mokd::moe_backward" % layer)
+    if len(main_grads) != len(m._names):
+        raise ValueError("main_grads: expected %d fp32 tensors (%s), got %d"
+                         % (len(m._names), ", ".join(m._names), len(main_grads)))
+    for name, g, shp in zip(m._names, main_grads, m.weight_shapes()):
+        if g.dtype != torch.float32 or tuple(g.shape) != shp or not g.is_contiguous() or \
+                g.device != m.session.device:
+            raise ValueError("main_grads: %s: expected a contiguous float32 tensor of shape %s "
+                             "on %s, got %s %s on %s" % (name, shp, m.session.device, g.dtype,
+                                                         tuple(g.shape), g.device))
     saved = _saved_of(context)
     d_x, d_tw, _ = m._run_backward(saved.owner, d_out, saved.weights.now(), main_grads)
     return [d_x, d_tw]
@@ -417,10 +429,15 @@ torch.library.register_autograd("mokd::moe_forward", _moe_backward_formula,
                                 setup_context=_moe_setup_context)
 
 
+_ep_layers = itertools.count()
+
+
 def _ep_membership(group, experts):
     """(P, r, group id) of this process in an EP process group: the id is
-    drawn at random by the group's rank 0 and broadcast, so each layer built
-    in the same order on every rank names its own group in the daemon."""
+    drawn at random by the group's rank 0 and handed to the others through
+    the default store, under a key of the group's ranks and the count of EP
+    layers this process built before: each rank must build its EP layers in
+    the same order (as a model's constructor does)."""
     import torch.distributed as dist
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("ep_group: torch.distributed is not initialized "
@@ -435,10 +452,18 @@ def _ep_membership(group, experts):
     if experts % P != 0:
         raise ValueError("experts (%d) must divide evenly over the %d ranks of ep_group"
                          % (experts, P))
-    gid = [int.from_bytes(os.urandom(8), "little") | 1 if r == 0 else None]
+    gid = int.from_bytes(os.urandom(8), "little") | 1
     if P > 1:
-        dist.broadcast_object_list(gid, src=dist.get_global_rank(group, 0), group=group)
-    return P, r, gid[0]
+        # through the job's store, not a collective of the group: the ranks'
+        # sessions share one GPU, where an NCCL group cannot form
+        store = dist.distributed_c10d._get_default_store()
+        key = "mokd/ep/%s/%d" % (",".join(str(g) for g in dist.get_process_group_ranks(group)),
+                                 next(_ep_layers))
+        if r == 0:
+            store.set(key, str(gid))
+        else:
+            gid = int(store.get(key))
+    return P, r, gid
 
 
 class MoELayer(torch.nn.Module):
@@ -616,10 +641,14 @@ class MoELayer(torch.nn.Module):
         for name, w in zip(self._names, weights):
             g = getattr(w, "main_grad", None)
             if g is None:
+                frozen = "" if w.requires_grad else (
+                    " (it has requires_grad=False, and Megatron's DDP attaches main_grad only "
+                    "to trained parameters: mokd computes every weight's gradient, so "
+                    "attach one anyway, or use grad_mode='bf16')")
                 raise RuntimeError("mokd.MoELayer: grad_mode='fp32_accum' adds the gradient of "
                                    "%s into %s.main_grad, which it lacks: attach an fp32 "
-                                   "tensor of shape %s (Megatron's DDP does)"
-                                   % (name, name, tuple(w.shape)))
+                                   "tensor of shape %s (Megatron's DDP does)%s"
+                                   % (name, name, tuple(w.shape), frozen))
             if not isinstance(g, torch.Tensor) or g.dtype != torch.float32 or \
                     tuple(g.shape) != tuple(w.shape) or not g.is_contiguous() or \
                     g.device != self.session.device:
