@@ -429,15 +429,16 @@ torch.library.register_autograd("mokd::moe_forward", _moe_backward_formula,
                                 setup_context=_moe_setup_context)
 
 
-_ep_layers = itertools.count()
+_ep_layers = {}  # the ranks of a group -> EP layers this process built with it
 
 
 def _ep_membership(group, experts):
     """(P, r, group id) of this process in an EP process group: the id is
     drawn at random by the group's rank 0 and handed to the others through
     the default store, under a key of the group's ranks and the count of EP
-    layers this process built before: each rank must build its EP layers in
-    the same order (as a model's constructor does)."""
+    layers this process built with those ranks before: each rank of a group
+    must build its layers of that group in the same order (as a model's
+    constructor does)."""
     import torch.distributed as dist
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("ep_group: torch.distributed is not initialized "
@@ -457,8 +458,10 @@ def _ep_membership(group, experts):
         # through the job's store, not a collective of the group: the ranks'
         # sessions share one GPU, where an NCCL group cannot form
         store = dist.distributed_c10d._get_default_store()
-        key = "mokd/ep/%s/%d" % (",".join(str(g) for g in dist.get_process_group_ranks(group)),
-                                 next(_ep_layers))
+        ranks = ",".join(str(g) for g in dist.get_process_group_ranks(group))
+        n = _ep_layers.get(ranks, 0)
+        _ep_layers[ranks] = n + 1
+        key = "mokd/ep/%s/%d" % (ranks, n)
         if r == 0:
             store.set(key, str(gid))
         else:
