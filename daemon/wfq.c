@@ -29,31 +29,32 @@ static mokd_wfq_tenant *tenant_get(mokd_wfq *q, const char *key, unsigned weight
   return t;
 }
 
+/* it at the end of the list (*head, *tail) */
+static void append(mokd_wfq_item **head, mokd_wfq_item **tail, mokd_wfq_item *it)
+{
+  if (*tail != NULL)
+    (*tail)->next = it;
+  else
+    *head = it;
+  *tail = it;
+}
+
 int mokd_wfq_push(mokd_wfq *q, mokd_wfq_item *it, const char *key, unsigned weight)
 {
   mokd_wfq_tenant *t;
 
   it->next = NULL;
-  it->seq = q->seq++;
   if (key == NULL) {
     it->tag = 0;
-    if (q->own_tail != NULL)
-      q->own_tail->next = it;
-    else
-      q->own_head = it;
-    q->own_tail = it;
-    q->len++;
-    return 0;
+    append(&q->own_head, &q->own_tail, it);
+  } else {
+    if ((t = tenant_get(q, key, weight)) == NULL)
+      return MOK_ENOMEM;
+    t->weight = weight < 1 ? 1 : weight; /* the latest session's word: a reload may change it */
+    it->tag = (t->tail != NULL ? t->tail->tag : q->vtime) + MOKD_WFQ_UNIT / t->weight;
+    append(&t->head, &t->tail, it);
   }
-  if ((t = tenant_get(q, key, weight)) == NULL)
-    return MOK_ENOMEM;
-  t->weight = weight < 1 ? 1 : weight; /* the latest session's word: a reload may change it */
-  it->tag = (t->tail != NULL ? t->tail->tag : q->vtime) + MOKD_WFQ_UNIT / t->weight;
-  if (t->tail != NULL)
-    t->tail->next = it;
-  else
-    t->head = it;
-  t->tail = it;
+  it->seq = q->seq++;
   q->len++;
   return 0;
 }
