@@ -127,34 +127,41 @@ static void session_memory(buf *b, const mokd_server *srv)
 
 /* Tenants with a session, work queued or memory held: a tenant's series go
  * with its last session (its counters start again from 0 if it comes back). */
+static uint64_t tenant_value(const mokd_tenant *t, int which)
+{
+  switch (which) {
+  case 0: return t->steps;
+  case 1: return t->queued;
+  case 2: return t->held;
+  case 3: return t->weight;
+  default: return t->quota;
+  }
+}
+
 static void tenants(buf *b, const mokd_server *srv)
 {
-  head(b, "mokd_tenant_steps_total", "counter",
+  static const struct {
+    const char *name, *type, *help;
+  } series[] = { /* in tenant_value's order */
+      {"mokd_tenant_steps_total", "counter",
        "Steps served, by tenant (job:ID, else uid:N; each rank of a group step counts). "
-       "A tenant's series goes once it has no session, no queued step and no memory.");
-  for (const mokd_tenant *t = srv->tenants; t != NULL; t = t->next)
-    put(b, "mokd_tenant_steps_total{tenant=\"%s\"} %llu\n", t->key,
-        (unsigned long long)t->steps);
-  head(b, "mokd_tenant_queued", "gauge",
-       "Steps of a tenant queued for an executor or running, not yet done.");
-  for (const mokd_tenant *t = srv->tenants; t != NULL; t = t->next)
-    put(b, "mokd_tenant_queued{tenant=\"%s\"} %llu\n", t->key,
-        (unsigned long long)t->queued);
-  head(b, "mokd_tenant_memory_bytes", "gauge",
+       "A tenant's series goes once it has no session, no queued step and no memory."},
+      {"mokd_tenant_queued", "gauge",
+       "Steps of a tenant queued for an executor or running, not yet done."},
+      {"mokd_tenant_memory_bytes", "gauge",
        "Host and GPU memory all sessions of a tenant hold together, as tenant_quota_bytes "
-       "counts it.");
-  for (const mokd_tenant *t = srv->tenants; t != NULL; t = t->next)
-    put(b, "mokd_tenant_memory_bytes{tenant=\"%s\"} %llu\n", t->key,
-        (unsigned long long)t->held);
-  head(b, "mokd_tenant_weight", "gauge",
-       "A tenant's share of the executors (tenant_weights; SIGHUP re-reads it).");
-  for (const mokd_tenant *t = srv->tenants; t != NULL; t = t->next)
-    put(b, "mokd_tenant_weight{tenant=\"%s\"} %u\n", t->key, t->weight);
-  head(b, "mokd_tenant_quota_bytes", "gauge",
-       "A tenant's tenant_quota_bytes, 0 for none (SIGHUP re-reads it).");
-  for (const mokd_tenant *t = srv->tenants; t != NULL; t = t->next)
-    put(b, "mokd_tenant_quota_bytes{tenant=\"%s\"} %llu\n", t->key,
-        (unsigned long long)t->quota);
+       "counts it."},
+      {"mokd_tenant_weight", "gauge",
+       "A tenant's share of the executors (tenant_weights; SIGHUP re-reads it)."},
+      {"mokd_tenant_quota_bytes", "gauge",
+       "A tenant's tenant_quota_bytes, 0 for none (SIGHUP re-reads it)."},
+  };
+  for (int i = 0; i < (int)(sizeof series / sizeof series[0]); i++) {
+    head(b, series[i].name, series[i].type, series[i].help);
+    for (const mokd_tenant *t = srv->tenants; t != NULL; t = t->next)
+      put(b, "%s{tenant=\"%s\"} %llu\n", series[i].name, t->key,
+          (unsigned long long)tenant_value(t, i));
+  }
 }
 
 int mokd_metrics_render(mokd_server *srv, char **out, size_t *len)
