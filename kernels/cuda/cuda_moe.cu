@@ -66,8 +66,10 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
    * same tall tiles on clusters ran 8.13 and 7.86. d_h stays on single blocks:
    * its dSwiGLU epilogue ran slower in lockstep (6.14 against 5.56 ms). Weight
    * gradients (k = an expert's rows) take 128 x 256 tiles, or ping-pong
-   * tiles, which hide one warpgroup's stores behind the other's MMAs, from
-   * 1024 rows per expert on (bench-gemm). MOKD_GEMM_TILES=wide or tall and
+   * tiles, which hide one warpgroup's stores behind the other's MMAs, where
+   * a tile is one k-block long (bench-gemm, 256 groups, M 4096, N 7168: 64
+   * rows 4.489 ms against 5.086, 128 rows 5.413 against 5.020) and from 1024
+   * rows per expert on. MOKD_GEMM_TILES=wide or tall and
    * MOKD_GEMM_CLUSTERS=0 force a choice, to measure them against each other. */
   if (cb->arch == 90) {
     int grid = grid_for(cb, gemm_tiles(a, LAYOUT), 1);
@@ -75,10 +77,16 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
      * the tiles that one rank running them all would (the same bits) */
     int64_t rows_per_group = a->count != NULL ? a_rows / a->groups_all : a->K;
     if constexpr (LAYOUT == L_TN) {
-      if (rows_per_group >= 1024 || cb->tiles == MOKK_TILES_WIDE)
+      if (rows_per_group <= sm90::BK || rows_per_group >= 1024 || cb->tiles == MOKK_TILES_WIDE)
         return sm90::gemm<LAYOUT, EPI, 128, true>(a, a_rows, grid, cb->stream, err);
       return sm90::gemm<LAYOUT, EPI, 256>(a, a_rows, grid, cb->stream, err);
     } else {
+      /* d_h of experts of one 64-row block: on cooperative tiles one
+       * warpgroup multiplies and then runs the dSwiGLU epilogue while the
+       * other idles; on ping-pong tiles each runs its own tile */
+      if constexpr (EPI == E_DH)
+        if (a->count != NULL && rows_per_group <= sm90::BK && cb->tiles != MOKK_TILES_TALL)
+          return sm90::gemm<LAYOUT, EPI, 128, true>(a, a_rows, grid, cb->stream, err);
       bool tall = a->count != NULL && cb->tiles == MOKK_TILES_TALL;
       bool cl = a->count != NULL && cb->clusters && rows_per_group > 128 && EPI != E_DH;
       if (tall && cl)
@@ -448,7 +456,7 @@ static void moved_weights(mlp *m, const mokk_bwd_rank *b, int first)
  * dy, dgu: per row; d_out, dgus: per token, [P T, ...]. */
 static int weight_grads(cuda_backend *cb, const cuda_ctx *c, const mokk_bwd_rank *br, int r,
                         int accum, const bf16 *dy, const bf16 *dgu, const bf16 *d_out,
-                        const bf16 *dgus, char *err)
+                        const bf16 *dgus, void *maps, char *err)
 {
   const mokk_shape *s = &c->hdr.shape;
   int64_t H = s->H, I = s->I, Is = s->I_s, TG = s->P * c->hdr.T, TK = TG * s->K;
@@ -462,6 +470,8 @@ static int weight_grads(cuda_backend *cb, const cuda_ctx *c, const mokk_bwd_rank
     if (shared) {
       a.M = 0;
       a.K = (int)TG;
+    } else {
+      a.maps = maps; /* one GEMM at a time on the stream: one room for all */
     }
     a.accum = accum;
     void *g1 = accum ? (void *)br->g_f32[wa] : (void *)br->g_bf16[wa];
@@ -504,7 +514,7 @@ static int cuda_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
   int64_t T = ctx->T, H = s->H, I = s->I, K = s->K, Is = s->I_s, E = s->E, TG = P * T,
           TK = TG * K;
   int accum = mode == MOKK_GRAD_FP32_ACCUM, rc = 0;
-  size_t off = 0, o_dor, o_dy, o_dgu, o_dxr, o_dgus = 0, o_dxs = 0, o_dout = 0;
+  size_t off = 0, o_dor, o_dy, o_dgu, o_dxr, o_maps, o_dgus = 0, o_dxs = 0, o_dout = 0;
   const void *pd[ROUTE_MAX_RANKS];
   void *block = NULL;
 
@@ -526,6 +536,7 @@ static int cuda_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
   o_dor = o_dxr = carve(&off, TK * H * 4);
   o_dy = carve(&off, TK * H * 2);
   o_dgu = carve(&off, TK * 2 * I * 2);
+  o_maps = carve(&off, (size_t)(E / P) * GEMM_TN_MAP_BYTES);
   if (Is) {
     o_dgus = carve(&off, TG * 2 * Is * 2);
     o_dxs = carve(&off, TG * H * 4);
@@ -588,7 +599,8 @@ static int cuda_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
 
   /* weight gradients: sums over rows, in row order, one block per tile */
   for (int r = 0; r < P; r++)
-    if ((rc = weight_grads(cb, c, &ranks[r], r, accum, dy, dgu, d_out, dgus, err)))
+    if ((rc = weight_grads(cb, c, &ranks[r], r, accum, dy, dgu, d_out, dgus, base + o_maps,
+                           err)))
       goto out;
 out:
   cudaFreeAsync(block, cb->stream);

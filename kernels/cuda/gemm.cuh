@@ -62,7 +62,13 @@ typedef struct gemm_args {
   const float *scale;   /* E_DH: per-row factor (router weight), NULL = 1 */
   float limit;
   int accum;            /* E_WGRAD: add into fp32 */
+  void *maps;           /* grouped TN on the Hopper core: GEMM_TN_MAP_BYTES a group of
+                         * device memory, 128-byte aligned, for its tensor maps */
 } gemm_args;
+
+/* The Hopper core's grouped weight gradients read each group through two
+ * tensor maps that end at the group's last row (gemm_sm90.cuh, tn_maps). */
+#define GEMM_TN_MAP_BYTES 256
 
 /* One k step of operand tiles, global -> registers (zero outside the
  * matrix), so that the next step's loads overlap this step's MMAs. Every

@@ -33,8 +33,12 @@
  * - Determinism: a tile is owned by one block that sums k in order, and the
  *   tile a block gets never changes any tile's bits, so results are the same
  *   for any grid (DESIGN §2). Weight gradients sum an expert's rows in blocks
- *   of 64 from the start of its segment; rows past the segment in the last
- *   block are zeroed in shared memory before they reach the tensor cores. */
+ *   of 64 from the start of its segment; the rows of the last block past the
+ *   segment reach the tensor cores as zeros, filled in by the copy engine:
+ *   each group is read through tensor maps that end at its last row
+ *   (k_tn_maps). Zeroing them in shared memory had both warpgroups stop at
+ *   a named barrier once a tile, and a dsv3 weight-gradient tile is only 4
+ *   or 5 k-blocks long. */
 #ifndef MOKK_CUDA_GEMM_SM90_CUH
 #define MOKK_CUDA_GEMM_SM90_CUH
 
@@ -203,11 +207,13 @@ __device__ __forceinline__ int a_boxes(const tile &x)
 }
 
 /* The producer's copies for k-block kb of tile x into stage (sa, sb); in a
- * cluster, block `rank` loads its half of the operand it shares (x.share). */
+ * cluster, block `rank` loads its half of the operand it shares (x.share).
+ * TN reads A and B through ma and mb, the maps of x's group. */
 template <int LAYOUT, int EPI, int BN, int BM, int CL>
 __device__ __forceinline__ void load_stage(const params &p, const tile &x, int kb,
                                            unsigned char *sa, unsigned char *sb, uint64_t *bar,
-                                           int rank)
+                                           int rank, const CUtensorMap *ma,
+                                           const CUtensorMap *mb)
 {
   const gemm_args &a = p.g;
   int k = kb * BK;
@@ -216,10 +222,10 @@ __device__ __forceinline__ void load_stage(const params &p, const tile &x, int k
     int r = (int)x.rb + k;
 #pragma unroll
     for (int c = 0; c < BM / 64; c++)
-      tma_load(sa + c * CHUNK, &p.a, x.mt * BM + c * 64, r, 0, bar);
+      tma_load(sa + c * CHUNK, ma, x.mt * BM + c * 64, r, 0, bar);
 #pragma unroll
     for (int c = 0; c < BN / 64; c++)
-      tma_load(sb + c * CHUNK, &p.b, x.nt * BN + c * 64, r, 0, bar);
+      tma_load(sb + c * CHUNK, mb, x.nt * BN + c * 64, r, 0, bar);
   } else {
     const bool mc_a = CL == 2 && x.share == SHARE_A, mc_b = CL == 2 && x.share == SHARE_B;
     /* A [rows, K], K-major, in 64-row boxes: none past the group's rows */
@@ -259,23 +265,6 @@ __device__ __forceinline__ void load_stage(const params &p, const tile &x, int k
       }
     }
   }
-}
-
-/* TN: the last k-block of a segment holds `kv` rows; the rest of the rows
- * belong to the next expert and must not reach the sum. */
-template <int BN, int BM>
-__device__ __forceinline__ void zero_rows(unsigned char *sa, unsigned char *sb, int kv, int ct,
-                                          int threads, int barrier)
-{
-  const int per = (BK - kv) * 8; /* 16-byte units per chunk */
-  const uint4 z = make_uint4(0, 0, 0, 0);
-  for (int i = ct; i < (BM / 64 + BN / 64) * per; i += threads) {
-    int c = i / per, o = i % per;
-    unsigned char *base = c < BM / 64 ? sa + c * CHUNK : sb + (c - BM / 64) * CHUNK;
-    *(uint4 *)(base + kv * 128 + o * 16) = z;
-  }
-  fence_async_shared();
-  named_sync(barrier, threads);
 }
 
 template <int TA, int TB, int BN>
@@ -331,6 +320,64 @@ __device__ __forceinline__ uint32_t bf16x2(float a, float b)
   return *(uint32_t *)&v;
 }
 
+/* Epilogues that read global memory first (d_h's saved g and u, the fp32
+ * gradients they add into) issue the loads of LOAD_BATCH column pairs before
+ * any of their stores: a load after a store to another pointer cannot be
+ * moved above it, and one at a time, each column pair waited out the
+ * memory's latency while no MMA ran (d_h, dsv3, Nsight Compute: 5.53 ms for
+ * the FLOPs of the 3.6 ms down projection; 5.04 in batches of 4; prefetching
+ * g and u into the L2 four k-blocks ahead on top of that: 5.12). */
+constexpr int LOAD_BATCH = 4;
+
+/* Accumulators of column block j (8 columns), row half r: two columns. */
+template <int N>
+__device__ __forceinline__ float2 acc_pair(const float (&acc)[N], int j, int r)
+{
+  return make_float2(acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1]);
+}
+
+/* E_DH, row half r of one 64-row block: d_h (times the row's router weight)
+ * -> d_g | d_u (bf16, [rows, 2 lds]), from the saved fp32 g and u. */
+template <int BN>
+__device__ __forceinline__ void epilogue_dh(const gemm_args &a, const tile &x,
+                                            const float (&acc)[BN / 2], int r, bool ok,
+                                            int64_t row, int lane)
+{
+  const int c0 = x.nt * BN + pair_col(lane);
+  const float sc = ok && a.scale != NULL ? a.scale[row] : 1.0f;
+  const float *sg = a.sg + row * a.lds + c0, *su = a.su + row * a.lds + c0;
+  bf16 *d = (bf16 *)a.C + row * a.ldc + c0;
+#pragma unroll
+  for (int j0 = 0; j0 < BN / 8; j0 += 2 * LOAD_BATCH) {
+    float4 v[LOAD_BATCH], g[LOAD_BATCH], u[LOAD_BATCH];
+#pragma unroll
+    for (int b = 0; b < LOAD_BATCH; b++) {
+      int j = j0 + 2 * b;
+      v[b] = pair_f32(acc_pair(acc, j, r), acc_pair(acc, j + 1, r), lane);
+      if (ok && x.nt * BN + 8 * j < a.N) {
+        g[b] = *(const float4 *)(sg + 8 * j);
+        u[b] = *(const float4 *)(su + 8 * j);
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < LOAD_BATCH; b++) {
+      int j = j0 + 2 * b;
+      if (!ok || x.nt * BN + 8 * j >= a.N)
+        continue;
+      float dh[4] = {v[b].x, v[b].y, v[b].z, v[b].w}, dg[4], du[4];
+      float g4[4] = {g[b].x, g[b].y, g[b].z, g[b].w}, u4[4] = {u[b].x, u[b].y, u[b].z, u[b].w};
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        float dd = a.scale != NULL ? sc * dh[e] : dh[e];
+        dg[e] = mokk_swiglu_dg(g4[e], u4[e], dd, a.limit);
+        du[e] = mokk_swiglu_du(g4[e], u4[e], dd, a.limit);
+      }
+      *(uint2 *)(d + 8 * j) = make_uint2(bf16x2(dg[0], dg[1]), bf16x2(dg[2], dg[3]));
+      *(uint2 *)(d + a.lds + 8 * j) = make_uint2(bf16x2(du[0], du[1]), bf16x2(du[2], du[3]));
+    }
+  }
+}
+
 /* Registers to global memory, for the 64 rows of block blk of the tile. Thread
  * (warp w of its warpgroup, lane l) holds tile rows 64 blk + 16 w + l / 4 +
  * {0, 8} and columns 8 j + 2 (l % 4) + {0, 1}: acc[4 j + 2 r + c]. Columns come in groups of 16 that are valid
@@ -354,32 +401,47 @@ __device__ __forceinline__ void epilogue(const gemm_args &a, const tile &x, floa
         mm -= a.split;
       }
       int64_t off = (int64_t)x.g * a.c_stride + mm * a.ldc;
+      if (a.accum) {
+        float4 *q = (float4 *)((float *)base + off + x.nt * BN + pc);
+#pragma unroll
+        for (int j0 = 0; j0 < BN / 8; j0 += 2 * LOAD_BATCH) {
+          float4 v[LOAD_BATCH], o[LOAD_BATCH];
+#pragma unroll
+          for (int b = 0; b < LOAD_BATCH; b++) {
+            int j = j0 + 2 * b;
+            v[b] = pair_f32(acc_pair(acc, j, r), acc_pair(acc, j + 1, r), lane);
+            if (ok && x.nt * BN + 8 * j < a.N)
+              o[b] = q[2 * j];
+          }
+#pragma unroll
+          for (int b = 0; b < LOAD_BATCH; b++) {
+            int j = j0 + 2 * b;
+            if (!ok || x.nt * BN + 8 * j >= a.N)
+              continue;
+            o[b].x = __fadd_rn(o[b].x, v[b].x), o[b].y = __fadd_rn(o[b].y, v[b].y);
+            o[b].z = __fadd_rn(o[b].z, v[b].z), o[b].w = __fadd_rn(o[b].w, v[b].w);
+            q[2 * j] = o[b];
+          }
+        }
+        continue;
+      }
 #pragma unroll
       for (int j = 0; j < BN / 8; j += 2) {
         int n0 = x.nt * BN + 8 * j;
         if (n0 >= a.N)
           break;
-        float2 lo = make_float2(acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1]);
-        float2 hi = make_float2(acc[4 * j + 4 + 2 * r], acc[4 * j + 4 + 2 * r + 1]);
-        if (a.accum) {
-          float4 v = pair_f32(lo, hi, lane);
-          if (ok) {
-            float4 *q = (float4 *)((float *)base + off + n0 + pc), o = *q;
-            o.x = __fadd_rn(o.x, v.x), o.y = __fadd_rn(o.y, v.y);
-            o.z = __fadd_rn(o.z, v.z), o.w = __fadd_rn(o.w, v.w);
-            *q = o;
-          }
-        } else {
-          uint2 v = pair_u32(bf16x2(lo.x, lo.y), bf16x2(hi.x, hi.y), lane);
-          if (ok)
-            *(uint2 *)((bf16 *)base + off + n0 + pc) = v;
-        }
+        float2 lo = acc_pair(acc, j, r), hi = acc_pair(acc, j + 1, r);
+        uint2 v = pair_u32(bf16x2(lo.x, lo.y), bf16x2(hi.x, hi.y), lane);
+        if (ok)
+          *(uint2 *)((bf16 *)base + off + n0 + pc) = v;
       }
     } else {
       int ml = x.mt * BM + r0 + 8 * r;
       bool ok = ml < x.rows;
       int64_t row = x.rb + ml;
-      if constexpr (EPI == E_GATEUP) {
+      if constexpr (EPI == E_DH) {
+        epilogue_dh<BN>(a, x, acc, r, ok, row, lane);
+      } else if constexpr (EPI == E_GATEUP) {
         const int ie = a.N / 2;
 #pragma unroll
         for (int j = 0; j < BN / 16; j += 2) {
@@ -418,29 +480,11 @@ __device__ __forceinline__ void epilogue(const gemm_args &a, const tile &x, floa
             uint2 v = pair_u32(bf16x2(lo.x, lo.y), bf16x2(hi.x, hi.y), lane);
             if (ok)
               *(uint2 *)((bf16 *)a.C + row * a.ldc + n0 + pc) = v;
-          } else if constexpr (EPI == E_F32) {
+          } else {
+            static_assert(EPI == E_F32, "the epilogues of NT and NN");
             float4 v = pair_f32(lo, hi, lane);
             if (ok)
               *(float4 *)((float *)a.C + row * a.ldc + n0 + pc) = v;
-          } else { /* E_DH: d_h (times the row's router weight) -> d_g | d_u */
-            float4 v = pair_f32(lo, hi, lane);
-            if (!ok)
-              continue;
-            int n = n0 + pc;
-            float sc = a.scale != NULL ? a.scale[row] : 1.0f;
-            float dh[4] = {v.x, v.y, v.z, v.w}, dg[4], du[4];
-            float4 gr = *(const float4 *)(a.sg + row * a.lds + n);
-            float4 ur = *(const float4 *)(a.su + row * a.lds + n);
-            float g4[4] = {gr.x, gr.y, gr.z, gr.w}, u4[4] = {ur.x, ur.y, ur.z, ur.w};
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-              float d = a.scale != NULL ? sc * dh[e] : dh[e];
-              dg[e] = mokk_swiglu_dg(g4[e], u4[e], d, a.limit);
-              du[e] = mokk_swiglu_du(g4[e], u4[e], d, a.limit);
-            }
-            bf16 *d = (bf16 *)a.C + row * a.ldc;
-            *(uint2 *)(d + n) = make_uint2(bf16x2(dg[0], dg[1]), bf16x2(dg[2], dg[3]));
-            *(uint2 *)(d + a.lds + n) = make_uint2(bf16x2(du[0], du[1]), bf16x2(du[2], du[3]));
           }
         }
       }
@@ -548,8 +592,6 @@ __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsi
     int prev = -1;
     for (int kb = 0; kb < nk; kb++) {
       bar_wait(&full[s], ph);
-      if (LAYOUT == L_TN && kb == nk - 1 && x.rows % BK != 0)
-        zero_rows<BN, BM>(sa + s * A_BYTES, sb + s * B_BYTES, x.rows % BK, ct, 256, 1);
       /* each branch a straight run of fence, MMAs, commit and wait: an MMA
        * under a condition of its own makes ptxas serialise all of them */
       bool both = false;
@@ -654,8 +696,6 @@ __device__ __forceinline__ void pingpong(const params &p, int64_t tiles, unsigne
     int prev = -1;
     for (int kb = 0; kb < nk; kb++) {
       bar_wait(&full[s], ph);
-      if (LAYOUT == L_TN && kb == nk - 1 && x.rows % BK != 0)
-        zero_rows<BN, BM>(sa + s * A_BYTES, sb + s * B_BYTES, x.rows % BK, ct, 128, 2 + cw);
       /* each branch a straight run (see cooperative): an MMA under a
        * condition of its own makes ptxas serialise every one */
       if (lower) {
@@ -740,6 +780,8 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
     tma_prefetch_map(&p.a);
     tma_prefetch_map(&p.b);
     const int rank = CL == 2 ? (int)cluster_rank() : 0;
+    const CUtensorMap *ma = &p.a, *mb = &p.b; /* TN: the current group's */
+    int mg = -1;
     int s = 0;
     uint32_t ph = 0;
     for (int64_t u = blockIdx.x / CL; u < (tiles + CL - 1) / CL; u += gridDim.x / CL) {
@@ -747,12 +789,19 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
       int nk = k_blocks<LAYOUT>(a, x), bytes = a_boxes<LAYOUT, BM>(x) * CHUNK + B_BYTES;
       if (LAYOUT != L_TN && x.rows == 0) /* a cluster's empty tile */
         bytes = 0;
+      if (LAYOUT == L_TN && a.maps != NULL && x.g != mg && nk > 0) {
+        mg = x.g;
+        ma = (const CUtensorMap *)a.maps + 2 * x.g;
+        mb = ma + 1;
+        tma_map_acquire(ma);
+        tma_map_acquire(mb);
+      }
       for (int kb = 0; kb < nk; kb++) {
         bar_wait(&empty[s], ph ^ 1);
         bar_expect(&full[s], bytes);
         if (bytes != 0)
           load_stage<LAYOUT, EPI, BN, BM, CL>(p, x, kb, sa + s * A_BYTES, sb + s * B_BYTES,
-                                              &full[s], rank);
+                                              &full[s], rank, ma, mb);
         if (++s == STAGES) {
           s = 0;
           ph ^= 1;
@@ -797,8 +846,17 @@ static int make_params(params *p, const gemm_args *a, int64_t a_rows, char *err)
   if (BM == 256) /* the grouped tiles count m-tiles of 256 rows */
     p->g.tile_off = a->tile_off_tall;
   if (LAYOUT == L_TN) {
-    if ((rc = mokk_tmap_bf16(&p->a, a->A, a->M, a_rows, 1, a->lda, 0, BK, err)) ||
-        (rc = mokk_tmap_bf16(&p->b, a->B, a->N, a_rows, 1, a->ldb, 0, BK, err)))
+    /* dense: the tensor ends at row K, so a partial last block reads zeros;
+     * grouped: k_tn_maps cuts these at each group's end */
+    int64_t rows = a->count != NULL ? a_rows : a->K;
+    if (a->count == NULL && rows > a_rows)
+      return mokk_fail(err, MOK_EINVAL, "weight-gradient GEMM: K = %d rows, %lld in memory",
+                       a->K, (long long)a_rows);
+    if (a->count != NULL && a->maps == NULL)
+      return mokk_fail(err, MOK_EINVAL, "grouped weight-gradient GEMM without room for its "
+                       "tensor maps (gemm_args.maps)");
+    if ((rc = mokk_tmap_bf16(&p->a, a->A, a->M, rows, 1, a->lda, 0, BK, err)) ||
+        (rc = mokk_tmap_bf16(&p->b, a->B, a->N, rows, 1, a->ldb, 0, BK, err)))
       return rc;
     if (!stores_tiles<EPI>() || a->accum)
       return 0;
@@ -833,6 +891,22 @@ static int make_params(params *p, const gemm_args *a, int64_t a_rows, char *err)
   return 0;
 }
 
+/* Grouped TN: group g's maps of A and B (maps[2 g], maps[2 g + 1]) are p's,
+ * ending at the group's last row. The GEMM that follows on the stream reads
+ * them (its producer acquires each before its first load). */
+static __global__ void k_tn_maps(const __grid_constant__ params p)
+{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= 2 * p.g.groups)
+    return;
+  int g = i >> 1, end = p.g.row_start[g] + p.g.count[g];
+  tma_map_clip_rows((CUtensorMap *)p.g.maps + i, (i & 1) ? &p.b : &p.a, end > 0 ? end : 1);
+#else
+  __trap();
+#endif
+}
+
 /* Queues one GEMM on stream with `grid` persistent blocks: BM x BN tiles
  * shared by both consumer warpgroups, or (PP) 128 x 128 tiles that the two
  * take in turns. BM = 256 is for the grouped NT and NN GEMMs (gemm_args'
@@ -849,7 +923,14 @@ static int gemm(const gemm_args *a, int64_t a_rows, int grid, cudaStream_t strea
     return rc;
   const int smem = cfg<BN, BM, PP, stores_tiles<EPI>()>::SMEM;
   void (*kernel)(params) = k_gemm90<LAYOUT, EPI, BN, PP, BM, CL>;
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  cudaError_t e = cudaSuccess;
+  if (LAYOUT == L_TN && a->count != NULL && a->groups > 0) {
+    k_tn_maps<<<(2 * a->groups + 127) / 128, 128, 0, stream>>>(p);
+    if ((e = cudaGetLastError()) != cudaSuccess)
+      return mokk_fail(err, MOK_EDEVICE, "weight-gradient tensor maps: %s (%s)",
+                       cudaGetErrorString(e), cudaGetErrorName(e));
+  }
+  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if constexpr (CL == 1) {
     if (e == cudaSuccess) {
       kernel<<<grid, THREADS, smem, stream>>>(p);

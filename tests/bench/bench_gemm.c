@@ -118,7 +118,9 @@ int main(int argc, char **argv)
     }
   }
   /* weight gradients as the layer computes them: many groups, short k */
-  static const int WG[][4] = {{256, 256, 4096, 7168}, {384, 32, 6144, 7168}, {128, 2048, 1536, 2048}};
+  static const int WG[][4] = {{256, 256, 4096, 7168}, {384, 32, 6144, 7168},
+                              {256, 64, 4096, 7168},   {256, 128, 4096, 7168},
+                              {256, 200, 4096, 7168},  {128, 2048, 1536, 2048}};
   printf("\n%-28s %9s %9s %9s %9s\n", "wgrad groups,rows,M,N", "variant", "ms", "TFLOP/s",
          "GB/s out");
   for (size_t i = 0; i < sizeof WG / sizeof WG[0]; i++) {

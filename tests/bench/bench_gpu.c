@@ -137,6 +137,10 @@ static void problem_fill(problem *p)
   CUDA_OK(cudaDeviceSynchronize());
 }
 
+/* --fp32-accum: the in-process backward adds the weight gradients into fp32
+ * buffers (Megatron's gradient accumulation fusion) instead of writing bf16 */
+static int fp32_accum;
+
 static void problem_make(problem *p, const shape_def *d)
 {
   int64_t T = d->T, K = d->K;
@@ -155,7 +159,12 @@ static void problem_make(problem *p, const shape_def *d)
     if (n == 0)
       continue;
     p->fr.w[w] = dmalloc(n * 2);
-    p->br.g_bf16[w] = dmalloc(n * 2);
+    if (fp32_accum) {
+      p->br.g_f32[w] = dmalloc(n * 4);
+      CUDA_OK(cudaMemset(p->br.g_f32[w], 0, n * 4));
+    } else {
+      p->br.g_bf16[w] = dmalloc(n * 2);
+    }
   }
   p->br.d_out = dmalloc(T * d->H * 2);
   p->br.d_x = dmalloc(T * d->H * 2);
@@ -168,7 +177,7 @@ static void problem_free(problem *p)
   cudaFree((void *)p->fr.x), cudaFree((void *)p->fr.topk_ids);
   cudaFree((void *)p->fr.topk_weights), cudaFree(p->fr.out);
   for (int w = 0; w < MOKK_NWEIGHTS; w++)
-    cudaFree((void *)p->fr.w[w]), cudaFree(p->br.g_bf16[w]);
+    cudaFree((void *)p->fr.w[w]), cudaFree(p->br.g_bf16[w]), cudaFree(p->br.g_f32[w]);
   cudaFree((void *)p->br.d_out), cudaFree(p->br.d_x), cudaFree(p->br.d_topk_weights);
   free(p->ids), free(p->tw);
 }
@@ -594,11 +603,13 @@ int main(int argc, char **argv)
       csv = argv[++i];
     else if (!strcmp(argv[i], "--verify"))
       do_verify = 1;
+    else if (!strcmp(argv[i], "--fp32-accum"))
+      fp32_accum = 1;
     else if (!strcmp(argv[i], "--daemon") && i + 1 < argc)
       sock = argv[++i];
     else {
       fprintf(stderr, "usage: bench_gpu [--shapes a,b] [--iters n] [--torch CMD] [--verify]\n"
-                      "                 [--daemon SOCK] [--ceiling CMD] [--csv FILE]\n"
+                      "                 [--daemon SOCK] [--ceiling CMD] [--csv FILE] [--fp32-accum]\n"
                       "  shapes: dsv3 mid qwen3_4k qwen3_32k mok (DESIGN §6)\n"
                       "  --iters N    timed iterations after 2 warm-ups; medians (default 20)\n"
                       "  --torch CMD  run 'CMD --shapes NAME --iters N' for the baseline\n"
@@ -606,9 +617,15 @@ int main(int argc, char **argv)
                       "  --daemon SOCK  also run each shape through mokd (cuda) at SOCK\n"
                       "  --ceiling CMD  run 'CMD --iters N 8192,8192,8192' (torch_matmul.py)\n"
                       "               for the dense ceiling in the same run\n"
-                      "  --csv FILE   write the summary table as CSV\n");
+                      "  --csv FILE   write the summary table as CSV\n"
+                      "  --fp32-accum the in-process backward adds its weight gradients into\n"
+                      "               fp32 buffers (the daemon path and torch stay bf16)\n");
       return 2;
     }
+  }
+  if (fp32_accum && do_verify) {
+    fprintf(stderr, "bench_gpu: --verify checks bf16 gradients; leave out --fp32-accum\n");
+    return 2;
   }
   if (iters < 1) {
     fprintf(stderr, "bench_gpu: --iters wants a positive count\n");
@@ -656,7 +673,8 @@ int main(int argc, char **argv)
         return 1;
       }
       CUDA_OK(cudaEventRecord(e1, st));
-      if (mokk_backward(gpu, ctx, MOKK_GRAD_BF16, &p.br, err)) {
+      if (mokk_backward(gpu, ctx, fp32_accum ? MOKK_GRAD_FP32_ACCUM : MOKK_GRAD_BF16, &p.br,
+                        err)) {
         fprintf(stderr, "bench_gpu: %s: backward: %s\n", d->name, err);
         return 1;
       }

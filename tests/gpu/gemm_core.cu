@@ -88,6 +88,7 @@ typedef struct grouping {
   int groups, rows;
   int count[8], row_start[8], tile_off[18]; /* m-tiles of 128 rows, then of 256 */
   int *d_count, *d_row_start, *d_tile_off;
+  void *d_maps; /* the grouped weight gradients' tensor maps */
 } grouping;
 
 static const int GROUP_ROWS[] = {0, 1, 130, 300, 64};
@@ -109,11 +110,13 @@ static void grouping_make(grouping *gp)
   cudaMemcpy(gp->d_count, gp->count, sizeof gp->count, cudaMemcpyHostToDevice);
   cudaMemcpy(gp->d_row_start, gp->row_start, sizeof gp->row_start, cudaMemcpyHostToDevice);
   cudaMemcpy(gp->d_tile_off, gp->tile_off, sizeof gp->tile_off, cudaMemcpyHostToDevice);
+  cudaMalloc(&gp->d_maps, (size_t)gp->groups * GEMM_TN_MAP_BYTES);
 }
 
 static void grouping_free(grouping *gp)
 {
   cudaFree(gp->d_count), cudaFree(gp->d_row_start), cudaFree(gp->d_tile_off);
+  cudaFree(gp->d_maps);
 }
 
 static gemm_args grouped_args(const grouping *gp)
@@ -125,6 +128,7 @@ static gemm_args grouped_args(const grouping *gp)
   a.row_start = gp->d_row_start;
   a.tile_off = gp->d_tile_off;
   a.tile_off_tall = gp->d_tile_off + gp->groups + 1;
+  a.maps = gp->d_maps;
   return a;
 }
 
@@ -487,11 +491,13 @@ extern "C" double gemm_core_time_wgrad(int groups, int rows, int M, int N, int v
 
   for (int g = 0; g < groups; g++)
     cnt[g] = rows, rs[g] = g * rows;
+  void *maps = NULL;
   cudaMalloc(&d_cnt, groups * 4), cudaMalloc(&d_rs, groups * 4);
+  cudaMalloc(&maps, (size_t)groups * GEMM_TN_MAP_BYTES);
   cudaMemcpy(d_cnt, cnt, groups * 4, cudaMemcpyHostToDevice);
   cudaMemcpy(d_rs, rs, groups * 4, cudaMemcpyHostToDevice);
   memset(&a, 0, sizeof a);
-  a.groups = groups, a.count = d_cnt, a.row_start = d_rs;
+  a.groups = groups, a.count = d_cnt, a.row_start = d_rs, a.maps = maps;
   a.A = A, a.lda = M, a.B = B, a.ldb = N, a.M = M, a.N = N, a.C = C, a.ldc = N;
   a.c_stride = (int64_t)M * N;
   cudaEventCreate(&e0), cudaEventCreate(&e1);
@@ -513,7 +519,7 @@ extern "C" double gemm_core_time_wgrad(int groups, int rows, int M, int N, int v
   }
   sort_median(ms, iters, &med);
   cudaEventDestroy(e0), cudaEventDestroy(e1);
-  cudaFree(A), cudaFree(B), cudaFree(C), cudaFree(d_cnt), cudaFree(d_rs);
+  cudaFree(A), cudaFree(B), cudaFree(C), cudaFree(d_cnt), cudaFree(d_rs), cudaFree(maps);
   free(cnt), free(rs), free(ms);
   return med;
 }

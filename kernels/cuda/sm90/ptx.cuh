@@ -113,6 +113,27 @@ __device__ __forceinline__ void tma_prefetch_map(const CUtensorMap *map)
   asm volatile("prefetch.tensormap [%0];" ::"l"(map) : "memory");
 }
 
+/* A copy of a tensor map in global memory whose tensor ends at row `rows`
+ * (dimension 1), so that boxes reaching past it read zeros; written with
+ * generic stores, then released to the copy engine's view of tensor maps.
+ * The thread that loads through it first calls tma_map_acquire. */
+__device__ __forceinline__ void tma_map_clip_rows(CUtensorMap *dst, const CUtensorMap *src,
+                                                  int rows)
+{
+  *dst = *src;
+  cuda::ptx::tensormap_replace_global_dim(cuda::ptx::space_global, dst, cuda::ptx::n32_t<1>(),
+                                          rows);
+  cuda::ptx::fence_proxy_tensormap_generic(cuda::ptx::sem_release, cuda::ptx::scope_gpu);
+}
+
+/* Before the copy engine reads a tensor map that a kernel wrote: drops any
+ * stale copy of that address from the tensor-map cache. */
+__device__ __forceinline__ void tma_map_acquire(const CUtensorMap *map)
+{
+  cuda::ptx::fence_proxy_tensormap_generic(cuda::ptx::sem_acquire, cuda::ptx::scope_gpu, map,
+                                           cuda::ptx::n32_t<128>());
+}
+
 /* A box of shared memory out to a 3-D tensor map (the parts of the box
  * outside the tensor are not written). The copy belongs to the thread's
  * current bulk group. */
