@@ -267,11 +267,12 @@ __device__ __forceinline__ void load_stage(const params &p, const tile &x, int k
   }
 }
 
-template <int TA, int TB, int BN>
+/* KS of a stage's four k16 steps into acc, for the 64-row block cw of A. */
+template <int TA, int TB, int BN, int KS = BK / 16>
 __device__ __forceinline__ void mma_stage(float (&acc)[BN / 2], uint32_t sa, uint32_t sb, int cw)
 {
 #pragma unroll
-  for (int kk = 0; kk < BK / 16; kk++) {
+  for (int kk = 0; kk < KS; kk++) {
     uint64_t da = TA ? wgmma_desc(sa + cw * CHUNK + kk * 2048, CHUNK, 1024)
                      : wgmma_desc(sa + cw * 64 * 128 + kk * 32, 16, 1024);
     uint64_t db = TB ? wgmma_desc(sb + kk * 2048, CHUNK, 1024)
@@ -281,6 +282,47 @@ __device__ __forceinline__ void mma_stage(float (&acc)[BN / 2], uint32_t sa, uin
     else
       wgmma_256<TA, TB>(acc, da, db, 1);
   }
+}
+
+/* One stage's MMAs as one straight run: fence, KS k16 steps into acc0 (and,
+ * TWO, the next 64-row block's into acc1), commit, and wait until only this
+ * batch is in flight. Each run is whole: an MMA under a condition of its
+ * own makes ptxas serialise every one. */
+template <int TA, int TB, int BN, int KS, bool TWO, int N1>
+__device__ __forceinline__ void mma_run(float (&acc0)[BN / 2], float (&acc1)[N1], uint32_t sa,
+                                        uint32_t sb, int blk)
+{
+  acc_fence(acc0);
+  if constexpr (TWO)
+    acc_fence(acc1);
+  wgmma_fence();
+  mma_stage<TA, TB, BN, KS>(acc0, sa, sb, blk);
+  if constexpr (TWO)
+    mma_stage<TA, TB, BN, KS>(acc1, sa, sb, blk + 1);
+  wgmma_commit();
+  wgmma_wait<1>();
+  acc_fence(acc0);
+  if constexpr (TWO)
+    acc_fence(acc1);
+}
+
+/* TN's stages: the last k-block of an expert holds x.rows % 64 rows, zeros
+ * after them (k_tn_maps), and only the k16 steps that reach a row run; the
+ * others' products are all zero. Which steps run is a function of the
+ * expert's rows alone, so the bits stay independent of the grid. */
+template <int TA, int TB, int BN, bool TWO, int N1>
+__device__ __forceinline__ void mma_run_tn(float (&acc0)[BN / 2], float (&acc1)[N1], uint32_t sa,
+                                           uint32_t sb, int blk, int rows, bool last)
+{
+  const int ks = last ? (rows % BK + 15) / 16 : 0;
+  if (ks == 1)
+    mma_run<TA, TB, BN, 1, TWO>(acc0, acc1, sa, sb, blk);
+  else if (ks == 2)
+    mma_run<TA, TB, BN, 2, TWO>(acc0, acc1, sa, sb, blk);
+  else if (ks == 3)
+    mma_run<TA, TB, BN, 3, TWO>(acc0, acc1, sa, sb, blk);
+  else
+    mma_run<TA, TB, BN, BK / 16, TWO>(acc0, acc1, sa, sb, blk);
 }
 
 /* Stores pair accumulator blocks j and j + 1 (16 columns) between the two
@@ -592,30 +634,13 @@ __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsi
     int prev = -1;
     for (int kb = 0; kb < nk; kb++) {
       bar_wait(&full[s], ph);
-      /* each branch a straight run of fence, MMAs, commit and wait: an MMA
-       * under a condition of its own makes ptxas serialise all of them */
-      bool both = false;
-      if constexpr (TALL)
-        both = act1;
-      if (both) {
-        acc_fence(acc0);
-        acc_fence(acc1);
-        wgmma_fence();
-        mma_stage<TA, TB, BN>(acc0, sa0 + s * A_BYTES, sb0 + s * B_BYTES, b0);
-        if constexpr (TALL)
-          mma_stage<TA, TB, BN>(acc1, sa0 + s * A_BYTES, sb0 + s * B_BYTES, b0 + 1);
-        wgmma_commit();
-        wgmma_wait<1>();
-        acc_fence(acc0);
-        acc_fence(acc1);
-      } else if (act0) {
-        acc_fence(acc0);
-        wgmma_fence();
-        mma_stage<TA, TB, BN>(acc0, sa0 + s * A_BYTES, sb0 + s * B_BYTES, b0);
-        wgmma_commit();
-        wgmma_wait<1>();
-        acc_fence(acc0);
-      }
+      const uint32_t at = sa0 + s * A_BYTES, bt = sb0 + s * B_BYTES;
+      if constexpr (LAYOUT == L_TN)
+        mma_run_tn<TA, TB, BN, false>(acc0, acc1, at, bt, b0, x.rows, kb == nk - 1);
+      else if (TALL && act1)
+        mma_run<TA, TB, BN, BK / 16, TALL>(acc0, acc1, at, bt, b0);
+      else if (act0)
+        mma_run<TA, TB, BN, BK / 16, false>(acc0, acc1, at, bt, b0);
       if (prev >= 0 && lane == 0) {
         bar_arrive(&empty[prev]);
         if (CL == 2) /* the other block's producer refills both */
@@ -696,26 +721,13 @@ __device__ __forceinline__ void pingpong(const params &p, int64_t tiles, unsigne
     int prev = -1;
     for (int kb = 0; kb < nk; kb++) {
       bar_wait(&full[s], ph);
-      /* each branch a straight run (see cooperative): an MMA under a
-       * condition of its own makes ptxas serialise every one */
-      if (lower) {
-        acc_fence(acc0);
-        acc_fence(acc1);
-        wgmma_fence();
-        mma_stage<TA, TB, BN>(acc0, sa0 + s * A_BYTES, sb0 + s * B_BYTES, 0);
-        mma_stage<TA, TB, BN>(acc1, sa0 + s * A_BYTES, sb0 + s * B_BYTES, 1);
-        wgmma_commit();
-        wgmma_wait<1>();
-        acc_fence(acc0);
-        acc_fence(acc1);
-      } else {
-        acc_fence(acc0);
-        wgmma_fence();
-        mma_stage<TA, TB, BN>(acc0, sa0 + s * A_BYTES, sb0 + s * B_BYTES, 0);
-        wgmma_commit();
-        wgmma_wait<1>();
-        acc_fence(acc0);
-      }
+      const uint32_t at = sa0 + s * A_BYTES, bt = sb0 + s * B_BYTES;
+      if constexpr (LAYOUT == L_TN)
+        mma_run_tn<TA, TB, BN, true>(acc0, acc1, at, bt, 0, x.rows, kb == nk - 1);
+      else if (lower)
+        mma_run<TA, TB, BN, BK / 16, true>(acc0, acc1, at, bt, 0);
+      else
+        mma_run<TA, TB, BN, BK / 16, false>(acc0, acc1, at, bt, 0);
       if (prev >= 0 && lane == 0)
         bar_arrive(&empty[prev]);
       prev = s;
