@@ -93,15 +93,35 @@ static int use_device(int device, char *err)
   return load(err);
 }
 
-/* Maps h at va read-write for device; nothing stays mapped on failure. */
-static CUresult map_rw(CUdeviceptr va, size_t bytes, CUmemGenericAllocationHandle h, int device)
+/* Pinned memory on device, exportable as `handles`: a POSIX fd for an arena,
+ * CU_MEM_HANDLE_TYPE_NONE where only the granularity is asked for. */
+static CUmemAllocationProp device_prop(int device, CUmemAllocationHandleType handles)
+{
+  CUmemAllocationProp prop;
+  memset(&prop, 0, sizeof prop);
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = device;
+  prop.requestedHandleTypes = handles;
+  return prop;
+}
+
+/* Read-write access for device: what every mapping here gets. */
+static CUmemAccessDesc device_rw(int device)
 {
   CUmemAccessDesc acc;
-  CUresult r;
   memset(&acc, 0, sizeof acc);
   acc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   acc.location.id = device;
   acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  return acc;
+}
+
+/* Maps h at va read-write for device; nothing stays mapped on failure. */
+static CUresult map_rw(CUdeviceptr va, size_t bytes, CUmemGenericAllocationHandle h, int device)
+{
+  const CUmemAccessDesc acc = device_rw(device);
+  CUresult r;
   if ((r = drv.map(va, bytes, 0, h, 0)) != CUDA_SUCCESS)
     return r;
   if ((r = drv.access(va, bytes, &acc, 1)) != CUDA_SUCCESS)
@@ -130,11 +150,7 @@ extern "C" int mokk_gpu_mem_create(int device, size_t bytes, mokk_gpu_mem *m, in
   *fd = -1;
   if ((rc = use_device(device, err)))
     return rc;
-  memset(&prop, 0, sizeof prop);
-  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  prop.location.id = device;
-  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  prop = device_prop(device, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
   if ((r = drv.gran(&g, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)) != CUDA_SUCCESS)
     return CU_FAIL(r, "cuMemGetAllocationGranularity");
   bytes = (bytes + g - 1) / g * g;
@@ -364,10 +380,7 @@ int mokk_gpu_import_reserve(int device, size_t bytes, mokk_gpu_import *m, char *
   memset(m, 0, sizeof *m);
   if ((rc = use_device(device, err)))
     return rc;
-  memset(&prop, 0, sizeof prop);
-  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  prop.location.id = device;
+  prop = device_prop(device, CU_MEM_HANDLE_TYPE_NONE);
   if ((r = drv.gran(&g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM)) != CUDA_SUCCESS)
     return CU_FAIL(r, "cuMemGetAllocationGranularity");
   if (bytes > SIZE_MAX - g)
@@ -419,13 +432,9 @@ int mokk_gpu_import_chunk(mokk_gpu_import *m, int fd, size_t offset, size_t byte
 
 int mokk_gpu_import_commit(mokk_gpu_import *m, char *err)
 {
-  CUmemAccessDesc acc;
+  const CUmemAccessDesc acc = device_rw(m->device);
   CUresult r;
 
-  memset(&acc, 0, sizeof acc);
-  acc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  acc.location.id = m->device;
-  acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
   cudaSetDevice(m->device);
   if ((r = drv.access((CUdeviceptr)m->ptr, m->bytes, &acc, 1)) != CUDA_SUCCESS)
     return CU_FAIL(r, "cuMemSetAccess over the imported chunks");
