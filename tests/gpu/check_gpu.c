@@ -443,6 +443,29 @@ static mok_tensor place(uint64_t arena, size_t *at, mok_dtype dt, int ndim, int6
   return t;
 }
 
+/* A layer's tensors for T tokens and E experts (all of them, or an EP rank's
+ * E / P) one after the other in arena from offset 0; returns the bytes they
+ * take, so a first call with arena 0 sizes the arena. */
+static size_t layer_place(uint64_t arena, const mokk_shape *s, int64_t T, int64_t E,
+                          mok_tensor *x, mok_tensor *dout, mok_tensor *ids, mok_tensor *tw,
+                          mok_tensor w[MOK_NWEIGHTS])
+{
+  const int64_t H = s->H, K = s->K, Is = s->I_s;
+  size_t at = 0;
+
+  *x = place(arena, &at, MOK_DTYPE_BF16, 2, T, H, 0);
+  *dout = place(arena, &at, MOK_DTYPE_BF16, 2, T, H, 0);
+  *ids = place(arena, &at, MOK_DTYPE_I32, 2, T, K, 0);
+  *tw = place(arena, &at, MOK_DTYPE_F32, 2, T, K, 0);
+  w[MOK_W_GATE] = place(arena, &at, MOK_DTYPE_BF16, 3, E, s->I, H);
+  w[MOK_W_UP] = place(arena, &at, MOK_DTYPE_BF16, 3, E, s->I, H);
+  w[MOK_W_DOWN] = place(arena, &at, MOK_DTYPE_BF16, 3, E, H, s->I);
+  w[MOK_S_GATE] = place(arena, &at, MOK_DTYPE_BF16, Is ? 2 : 0, Is, H, 0);
+  w[MOK_S_UP] = place(arena, &at, MOK_DTYPE_BF16, Is ? 2 : 0, Is, H, 0);
+  w[MOK_S_DOWN] = place(arena, &at, MOK_DTYPE_BF16, Is ? 2 : 0, H, Is, 0);
+  return at;
+}
+
 /* A mokd --backend cuda of our own, on a private socket. */
 typedef struct daemon_run {
   pid_t pid;
@@ -528,24 +551,10 @@ static void daemon_layer(mok_client *c, const moe_case *cs, int device, moe_out 
   mok_forward_result fr;
   mok_backward_result br;
   uint64_t layer;
-  size_t at = 0;
+  size_t at = layer_place(0, &s, T, s.E, &x, &dout, &ids, &tw, w);
 
-  for (int pass = 0; pass < 2; pass++) {
-    uint64_t id = pass ? ar.id : 0;
-    at = 0;
-    x = place(id, &at, MOK_DTYPE_BF16, 2, T, H, 0);
-    dout = place(id, &at, MOK_DTYPE_BF16, 2, T, H, 0);
-    ids = place(id, &at, MOK_DTYPE_I32, 2, T, K, 0);
-    tw = place(id, &at, MOK_DTYPE_F32, 2, T, K, 0);
-    w[MOK_W_GATE] = place(id, &at, MOK_DTYPE_BF16, 3, s.E, s.I, H);
-    w[MOK_W_UP] = place(id, &at, MOK_DTYPE_BF16, 3, s.E, s.I, H);
-    w[MOK_W_DOWN] = place(id, &at, MOK_DTYPE_BF16, 3, s.E, H, s.I);
-    w[MOK_S_GATE] = place(id, &at, MOK_DTYPE_BF16, 2, s.I_s, H, 0);
-    w[MOK_S_UP] = place(id, &at, MOK_DTYPE_BF16, 2, s.I_s, H, 0);
-    w[MOK_S_DOWN] = place(id, &at, MOK_DTYPE_BF16, 2, H, s.I_s, 0);
-    if (pass == 0)
-      ck_assert_msg(mok_arena_create(c, at, &ar) == 0, "%s", mok_last_error(c));
-  }
+  ck_assert_msg(mok_arena_create(c, at, &ar) == 0, "%s", mok_last_error(c));
+  layer_place(ar.id, &s, T, s.E, &x, &dout, &ids, &tw, w);
   ck_assert_int_eq(ar.device, device); /* a GPU arena on the session's device */
   ck_assert(mok_tensor_write(c, &x, cs->x) == 0);
   ck_assert(mok_tensor_write(c, &dout, cs->d_out) == 0);
@@ -1473,29 +1482,15 @@ static int ep_rank_main(void)
   mok_forward_result fr;
   mok_backward_result br;
   uint64_t layer;
-  size_t at = 0;
 
   case_make(&c, &ep_cases[which].s, ep_cases[which].T, ep_cases[which].seed,
             ep_cases[which].route);
   const mokk_shape s = c.s;
   int64_t T = c.T / P, H = s.H, K = s.K, El = s.E / P;
   EP_TRY(mok_connect(sock, "ep-rank", &cl), cl);
-  for (int pass = 0; pass < 2; pass++) {
-    uint64_t id = pass ? ar.id : 0;
-    at = 0;
-    x = place(id, &at, MOK_DTYPE_BF16, 2, T, H, 0);
-    dout = place(id, &at, MOK_DTYPE_BF16, 2, T, H, 0);
-    ids = place(id, &at, MOK_DTYPE_I32, 2, T, K, 0);
-    tw = place(id, &at, MOK_DTYPE_F32, 2, T, K, 0);
-    w[MOK_W_GATE] = place(id, &at, MOK_DTYPE_BF16, 3, El, s.I, H);
-    w[MOK_W_UP] = place(id, &at, MOK_DTYPE_BF16, 3, El, s.I, H);
-    w[MOK_W_DOWN] = place(id, &at, MOK_DTYPE_BF16, 3, El, H, s.I);
-    w[MOK_S_GATE] = place(id, &at, MOK_DTYPE_BF16, s.I_s ? 2 : 0, s.I_s, H, 0);
-    w[MOK_S_UP] = place(id, &at, MOK_DTYPE_BF16, s.I_s ? 2 : 0, s.I_s, H, 0);
-    w[MOK_S_DOWN] = place(id, &at, MOK_DTYPE_BF16, s.I_s ? 2 : 0, H, s.I_s, 0);
-    if (pass == 0)
-      EP_TRY(mok_arena_create(cl, at, &ar), cl);
-  }
+  size_t at = layer_place(0, &s, T, El, &x, &dout, &ids, &tw, w);
+  EP_TRY(mok_arena_create(cl, at, &ar), cl);
+  layer_place(ar.id, &s, T, El, &x, &dout, &ids, &tw, w);
   EP_TRY(mok_tensor_write(cl, &x, c.x + r * T * H), cl);
   EP_TRY(mok_tensor_write(cl, &dout, c.d_out + r * T * H), cl);
   EP_TRY(mok_tensor_write(cl, &ids, c.ids + r * T * K), cl);
