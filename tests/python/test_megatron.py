@@ -20,9 +20,6 @@ test_torch.py's against a reference with mokd's rounding points: per tensor
 
 import os
 import socket
-import subprocess
-import tempfile
-import time
 import unittest
 
 try:
@@ -103,19 +100,13 @@ class MegatronLayerTest(unittest.TestCase):
     def setUpClass(cls):
         if not os.path.exists(MOKD):
             raise unittest.SkipTest("no mokd at %s (set MOKD_BIN)" % MOKD)
-        cls.dir = tempfile.mkdtemp(prefix="mokd-megatron-")
-        cls.sock = os.path.join(cls.dir, "mokd.sock")
-        cls.log = open(os.path.join(cls.dir, "mokd.log"), "w")
-        cls.proc = subprocess.Popen([MOKD, "--socket", cls.sock, "--config", "/dev/null",
-                                     "--backend", "cuda"], stderr=cls.log)
-        for _ in range(500):
-            if os.path.exists(cls.sock) or cls.proc.poll() is not None:
-                break
-            time.sleep(0.01)
-        if cls.proc.poll() is not None:
-            cls.log.close()
+        from mokd_daemon import CudaDaemon
+        cls.daemon = CudaDaemon("mokd-megatron-")
+        cls.sock = cls.daemon.sock
+        if cls.daemon.proc.poll() is not None:
+            cls.daemon.log.close()
             raise unittest.SkipTest("%s did not start on the cuda backend; see %s"
-                                    % (MOKD, cls.log.name))
+                                    % (MOKD, cls.daemon.log.name))
         # one process as Megatron's unit tests set it up: a process group of
         # one, every parallel size 1, the model-parallel RNG seeded
         from megatron.core import parallel_state
@@ -131,9 +122,7 @@ class MegatronLayerTest(unittest.TestCase):
         from megatron.core import parallel_state
         parallel_state.destroy_model_parallel()
         torch.distributed.destroy_process_group()
-        cls.proc.terminate()
-        assert cls.proc.wait(30) == 0
-        cls.log.close()
+        cls.daemon.stop()
 
     def megatron_layer(self, **kw):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec

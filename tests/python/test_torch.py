@@ -20,7 +20,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 import unittest
 
 try:
@@ -33,7 +32,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "bench"))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "client", "python", "examples"))
 
-MOKD = os.environ.get("MOKD_BIN", "build/mokd")
 TOL_FWD, TOL_BWD = 2.0 ** -7, 2.0 ** -5
 
 
@@ -102,17 +100,11 @@ class TorchLayerTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         import mokd
+        from mokd_daemon import CudaDaemon
         cls.mokd = mokd
-        cls.dir = tempfile.mkdtemp(prefix="mokd-torch-")
-        cls.sock = os.path.join(cls.dir, "mokd.sock")
-        cls.log = open(os.path.join(cls.dir, "mokd.log"), "w")
-        cls.proc = subprocess.Popen([MOKD, "--socket", cls.sock, "--config", "/dev/null",
-                                     "--backend", "cuda"], stderr=cls.log)
-        for _ in range(500):
-            if os.path.exists(cls.sock) or cls.proc.poll() is not None:
-                break
-            time.sleep(0.01)
-        assert cls.proc.poll() is None, "mokd exited; see %s" % cls.log.name
+        cls.daemon = CudaDaemon("mokd-torch-")
+        cls.dir, cls.sock = cls.daemon.dir, cls.daemon.sock
+        assert cls.daemon.proc.poll() is None, "mokd exited; see %s" % cls.daemon.log.name
         os.environ["MOKD_SOCKET"] = cls.sock
         from mokd.nn import Session
         cls.session = Session(cls.sock)
@@ -120,9 +112,7 @@ class TorchLayerTest(unittest.TestCase):
     @classmethod
     def tearDownClass(cls):
         cls.session.client.close()
-        cls.proc.terminate()
-        assert cls.proc.wait(30) == 0
-        cls.log.close()
+        cls.daemon.stop()
 
     def layer(self, H=256, I=128, E=16, K=4, Is=0, **kw):
         return self.mokd.MoELayer(H, I, E, K, shared_intermediate=Is, session=self.session, **kw)
