@@ -140,20 +140,16 @@ def _read_experts(kind, experts_mod, E, H):
 def _experts_state(kind, E, H, fc1, fc2):
     """Megatron's expert tensors, by name under the MoE layer, from fc1
     [E, 2I, H] and fc2 [E, H, I]."""
-    if kind == "SequentialMLP":
-        out = {}
-        for e in range(E):
-            out["experts.local_experts.%d.linear_fc1.weight" % e] = fc1[e].contiguous()
-            out["experts.local_experts.%d.linear_fc2.weight" % e] = fc2[e].contiguous()
-        return out
-    if kind == "TEGroupedMLP":
-        out = {}
-        for e in range(E):
-            out["experts.linear_fc1.weight%d" % e] = fc1[e].contiguous()
-            out["experts.linear_fc2.weight%d" % e] = fc2[e].contiguous()
-        return out
-    return {"experts.weight1": fc1.transpose(1, 2).contiguous().view(H, -1),
-            "experts.weight2": fc2.transpose(1, 2).contiguous().view(-1, H)}
+    name = {"SequentialMLP": "experts.local_experts.{e}.linear_{fc}.weight",
+            "TEGroupedMLP": "experts.linear_{fc}.weight{e}"}.get(kind)
+    if name is None:
+        return {"experts.weight1": fc1.transpose(1, 2).contiguous().view(H, -1),
+                "experts.weight2": fc2.transpose(1, 2).contiguous().view(-1, H)}
+    out = {}
+    for e in range(E):
+        out[name.format(e=e, fc="fc1")] = fc1[e].contiguous()
+        out[name.format(e=e, fc="fc2")] = fc2[e].contiguous()
+    return out
 
 
 def _topk(probs, routing_map, K):
