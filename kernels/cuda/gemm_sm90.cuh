@@ -594,6 +594,18 @@ __device__ __forceinline__ void out_issue(const params &p, const tile &x, const 
   tma_store_commit();
 }
 
+/* Hands stage prev (none when < 0) back to the producers: this block's, and
+ * in a cluster of two the other block's, which refills both. */
+template <int CL>
+__device__ __forceinline__ void stage_release(uint64_t *empty, int prev, int lane, int rank)
+{
+  if (prev >= 0 && lane == 0) {
+    bar_arrive(&empty[prev]);
+    if (CL == 2)
+      bar_arrive_remote(&empty[prev], rank ^ 1);
+  }
+}
+
 /* The cooperative consumer: both warpgroups on one BM x BN tile, BM / 2 rows
  * each, as one (BM = 128) or two (BM = 256) 64-row blocks. */
 template <int LAYOUT, int EPI, int BN, int BM, int CL>
@@ -641,11 +653,7 @@ __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsi
         mma_run<TA, TB, BN, BK / 16, TALL>(acc0, acc1, at, bt, b0);
       else if (act0)
         mma_run<TA, TB, BN, BK / 16, false>(acc0, acc1, at, bt, b0);
-      if (prev >= 0 && lane == 0) {
-        bar_arrive(&empty[prev]);
-        if (CL == 2) /* the other block's producer refills both */
-          bar_arrive_remote(&empty[prev], rank ^ 1);
-      }
+      stage_release<CL>(empty, prev, lane, rank);
       prev = s;
       if (++s == STAGES) {
         s = 0;
@@ -655,11 +663,7 @@ __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsi
     wgmma_wait<0>();
     acc_fence(acc0);
     acc_fence(acc1);
-    if (prev >= 0 && lane == 0) {
-      bar_arrive(&empty[prev]);
-      if (CL == 2)
-        bar_arrive_remote(&empty[prev], rank ^ 1);
-    }
+    stage_release<CL>(empty, prev, lane, rank);
     if (TS && !a.accum) {
       static_assert(!TS || !TALL, "one 64-row block a warpgroup");
       unsigned char *mine = out + cw * (C::OUT_BYTES / 2);
