@@ -146,10 +146,11 @@ static void problem_make(problem *p, const shape_def *d)
   int64_t T = d->T, K = d->K;
 
   problem_route(p, d);
-  /* x, out, d_out, d_x; ids, weights, d_topk_weights; weights and gradients */
+  /* x, out, d_out, d_x; ids, weights, d_topk_weights; weights (bf16) and
+   * gradients (bf16, or fp32 with --fp32-accum) */
   p->bytes = 4.0 * T * d->H * 2 + 3.0 * T * K * 4;
   for (int w = 0; w < MOKK_NWEIGHTS; w++)
-    p->bytes += 2.0 * mokk_weight_elems(&p->s, w) * 2;
+    p->bytes += (2.0 + (fp32_accum ? 4.0 : 2.0)) * mokk_weight_elems(&p->s, w);
   p->fr.x = dmalloc(T * d->H * 2);
   p->fr.topk_ids = dmalloc(T * K * 4);
   p->fr.topk_weights = dmalloc(T * K * 4);
