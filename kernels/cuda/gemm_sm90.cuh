@@ -411,8 +411,7 @@ __device__ __forceinline__ void epilogue_dh(const gemm_args &a, const tile &x,
 #pragma unroll
       for (int e = 0; e < 4; e++) {
         float dd = a.scale != NULL ? sc * dh[e] : dh[e];
-        dg[e] = mokk_swiglu_dg(g4[e], u4[e], dd, a.limit);
-        du[e] = mokk_swiglu_du(g4[e], u4[e], dd, a.limit);
+        mokk_swiglu_grads(g4[e], u4[e], dd, a.limit, &dg[e], &du[e]);
       }
       *(uint2 *)(d + 8 * j) = make_uint2(bf16x2(dg[0], dg[1]), bf16x2(dg[2], dg[3]));
       *(uint2 *)(d + a.lds + 8 * j) = make_uint2(bf16x2(du[0], du[1]), bf16x2(du[2], du[3]));
