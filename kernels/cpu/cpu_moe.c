@@ -412,8 +412,7 @@ static void bwd_swiglu(void *arg, int64_t ti)
   for (int64_t m = 0; m < t->n; m++)
     for (int64_t j = t->c0; j < t->c1; j++) {
       float gr = g[m * I + j], ur = u[m * I + j], dh = dg[m * I + j];
-      dg[m * I + j] = mokk_swiglu_dg(gr, ur, dh, L);
-      du[m * I + j] = mokk_swiglu_du(gr, ur, dh, L);
+      mokk_swiglu_grads(gr, ur, dh, L, &dg[m * I + j], &du[m * I + j]);
     }
 }
 

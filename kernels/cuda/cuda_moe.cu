@@ -85,7 +85,7 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
        * warpgroup multiplies and then runs the dSwiGLU epilogue while the
        * other idles; on ping-pong tiles each runs its own tile */
       if constexpr (EPI == E_DH)
-        if (a->count != NULL && rows_per_group <= sm90::BK && cb->tiles != MOKK_TILES_TALL)
+        if (a->count != NULL && rows_per_group <= sm90::BK && cb->tiles == MOKK_TILES_AUTO)
           return sm90::gemm<LAYOUT, EPI, 128, true>(a, a_rows, grid, cb->stream, err);
       bool tall = a->count != NULL && cb->tiles == MOKK_TILES_TALL;
       bool cl = a->count != NULL && cb->clusters && rows_per_group > 128 && EPI != E_DH;

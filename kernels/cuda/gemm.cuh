@@ -305,8 +305,8 @@ __global__ void __launch_bounds__(G_THREADS) k_gemm(gemm_args a)
           int i = n0 + n;
           float dh = a.scale != NULL ? __fmul_rn(a.scale[row], v) : v;
           float gr = a.sg[row * a.lds + i], ur = a.su[row * a.lds + i];
-          float dg = mokk_swiglu_dg(gr, ur, dh, a.limit);
-          float du = mokk_swiglu_du(gr, ur, dh, a.limit);
+          float dg, du;
+          mokk_swiglu_grads(gr, ur, dh, a.limit, &dg, &du);
           bf16 *d = (bf16 *)a.C + row * a.ldc;
           d[i] = __float2bfloat16_rn(dg);
           d[a.lds + i] = __float2bfloat16_rn(du);

@@ -411,8 +411,7 @@ __device__ __forceinline__ void epilogue_dh(const gemm_args &a, const tile &x,
 #pragma unroll
       for (int e = 0; e < 4; e++) {
         float dd = a.scale != NULL ? sc * dh[e] : dh[e];
-        dg[e] = mokk_swiglu_dg(g4[e], u4[e], dd, a.limit);
-        du[e] = mokk_swiglu_du(g4[e], u4[e], dd, a.limit);
+        mokk_swiglu_grads(g4[e], u4[e], dd, a.limit, &dg[e], &du[e]);
       }
       *(uint2 *)(d + 8 * j) = make_uint2(bf16x2(dg[0], dg[1]), bf16x2(dg[2], dg[3]));
       *(uint2 *)(d + a.lds + 8 * j) = make_uint2(bf16x2(du[0], du[1]), bf16x2(du[2], du[3]));
@@ -805,7 +804,7 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
       int nk = k_blocks<LAYOUT>(a, x), bytes = a_boxes<LAYOUT, BM>(x) * CHUNK + B_BYTES;
       if (LAYOUT != L_TN && x.rows == 0) /* a cluster's empty tile */
         bytes = 0;
-      if (LAYOUT == L_TN && a.maps != NULL && x.g != mg && nk > 0) {
+      if (LAYOUT == L_TN && a.count != NULL && x.g != mg && nk > 0) {
         mg = x.g;
         ma = (const CUtensorMap *)a.maps + 2 * x.g;
         mb = ma + 1;
@@ -908,16 +907,19 @@ static int make_params(params *p, const gemm_args *a, int64_t a_rows, char *err)
 }
 
 /* Grouped TN: group g's maps of A and B (maps[2 g], maps[2 g + 1]) are p's,
- * ending at the group's last row. The GEMM that follows on the stream reads
+ * ending at the group's last row (and at the `rows` of A and B in memory). The GEMM that follows on the stream reads
  * them (its producer acquires each before its first load). */
-static __global__ void k_tn_maps(const __grid_constant__ params p)
+static __global__ void k_tn_maps(const __grid_constant__ params p, int64_t rows)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= 2 * p.g.groups)
     return;
-  int g = i >> 1, end = p.g.row_start[g] + p.g.count[g];
-  tma_map_clip_rows((CUtensorMap *)p.g.maps + i, (i & 1) ? &p.b : &p.a, end > 0 ? end : 1);
+  int g = i >> 1;
+  int64_t end = (p.g.row_start != NULL ? p.g.row_start[g] : 0) + (int64_t)p.g.count[g];
+  end = end < rows ? end : rows; /* never past the template's tensor */
+  tma_map_clip_rows((CUtensorMap *)p.g.maps + i, (i & 1) ? &p.b : &p.a,
+                    end > 0 ? (int)end : 1);
 #else
   __trap();
 #endif
@@ -941,7 +943,7 @@ static int gemm(const gemm_args *a, int64_t a_rows, int grid, cudaStream_t strea
   void (*kernel)(params) = k_gemm90<LAYOUT, EPI, BN, PP, BM, CL>;
   cudaError_t e = cudaSuccess;
   if (LAYOUT == L_TN && a->count != NULL && a->groups > 0) {
-    k_tn_maps<<<(2 * a->groups + 127) / 128, 128, 0, stream>>>(p);
+    k_tn_maps<<<(2 * a->groups + 127) / 128, 128, 0, stream>>>(p, a_rows);
     if ((e = cudaGetLastError()) != cudaSuccess)
       return mokk_fail(err, MOK_EDEVICE, "weight-gradient tensor maps: %s (%s)",
                        cudaGetErrorString(e), cudaGetErrorName(e));

@@ -91,17 +91,20 @@ typedef struct grouping {
   void *d_maps; /* the grouped weight gradients' tensor maps */
 } grouping;
 
-static const int GROUP_ROWS[] = {0, 1, 130, 300, 64};
+/* the weight gradients' last k-blocks: 1, 2 (90 rows), 3 and 4 k16 steps */
+static const int GROUP_ROWS[] = {0, 1, 130, 300, 64, 90};
+#define NG (int)(sizeof GROUP_ROWS / sizeof GROUP_ROWS[0])
 
 static void grouping_make(grouping *gp)
 {
   memset(gp, 0, sizeof *gp);
-  gp->groups = 5;
+  gp->groups = NG;
   for (int g = 0; g < gp->groups; g++) {
     gp->count[g] = GROUP_ROWS[g];
     gp->row_start[g] = gp->rows;
     gp->tile_off[g + 1] = gp->tile_off[g] + (GROUP_ROWS[g] + G_BM - 1) / G_BM;
-    gp->tile_off[7 + g] = gp->tile_off[6 + g] + (GROUP_ROWS[g] + 2 * G_BM - 1) / (2 * G_BM);
+    gp->tile_off[NG + 2 + g] =
+        gp->tile_off[NG + 1 + g] + (GROUP_ROWS[g] + 2 * G_BM - 1) / (2 * G_BM);
     gp->rows += GROUP_ROWS[g];
   }
   cudaMalloc(&gp->d_count, sizeof gp->count);
@@ -184,7 +187,7 @@ static int run_cases(int grid, char *msg, size_t msglen, double *worst_out)
   int rc, fails = 0;
   double worst_all = 0;
   size_t used = 0;
-  const int K = 192, N = 320, IE = 192, R = 495; /* R = sum of GROUP_ROWS */
+  const int K = 192, N = 320, IE = 192, R = 585; /* R = sum of GROUP_ROWS */
 
   constexpr int TN_BM = BM == 256 ? 128 : BM; /* tall tiles are for NT and NN */
   grouping_make(&gp);
@@ -210,11 +213,11 @@ static int run_cases(int grid, char *msg, size_t msglen, double *worst_out)
     }                                                                                \
   } while (0)
 
-  bf16 *A = rand_bf16((int64_t)R * 2 * IE, 1), *B = rand_bf16(5LL * N * 2 * IE, 2),
-       *B2 = rand_bf16(5LL * N * 2 * IE, 3), *Bt = rand_bf16((int64_t)R * N, 4);
-  float *refc = (float *)zeros((int64_t)R * 2 * IE * 4 * 5);
-  float *ref2 = (float *)zeros((int64_t)R * 2 * IE * 4 * 5);
-  void *C = zeros((int64_t)R * 2 * IE * 4 * 5), *C2 = zeros((int64_t)R * 2 * IE * 4 * 5);
+  bf16 *A = rand_bf16((int64_t)R * 2 * IE, 1), *B = rand_bf16((int64_t)NG * N * 2 * IE, 2),
+       *B2 = rand_bf16((int64_t)NG * N * 2 * IE, 3), *Bt = rand_bf16((int64_t)R * N, 4);
+  float *refc = (float *)zeros((int64_t)R * 2 * IE * 4 * NG);
+  float *ref2 = (float *)zeros((int64_t)R * 2 * IE * 4 * NG);
+  void *C = zeros((int64_t)R * 2 * IE * 4 * NG), *C2 = zeros((int64_t)R * 2 * IE * 4 * NG);
   float *sg = (float *)zeros((int64_t)R * IE * 4), *su = (float *)zeros((int64_t)R * IE * 4);
 
   /* NT bf16, grouped: C[r, n] = A[r, :K] . B[g][n, :K] */
@@ -311,6 +314,23 @@ static int run_cases(int grid, char *msg, size_t msglen, double *worst_out)
            compare(C, !accum, refc, gp.groups * per, accum ? TOL_F32 : TOL_BF16));
     REPORT(accum ? "tn_accum_up" : "tn_up",
            compare(C2, !accum, ref2, gp.groups * per, accum ? TOL_F32 : TOL_BF16));
+  }
+  /* TN once more through the same room for tensor maps, now over other
+   * operands (Bt's columns as M and as N): the maps are rewritten at the
+   * addresses the GEMMs above read, as the layer's gate/up and down weight
+   * gradients do, and a stale copy in the tensor-map cache would show */
+  {
+    gemm_args a = grouped_args(&gp);
+    int64_t per = (int64_t)N * N;
+    a.A = Bt, a.lda = N, a.B = Bt, a.ldb = N, a.M = N, a.N = N;
+    a.C = C, a.ldc = N, a.c_stride = per;
+    RUN((sm90::gemm<L_TN, E_WGRAD, BN, PP, TN_BM>(&a, R, grid, 0, err)));
+    for (int g = 0; g < gp.groups; g++) {
+      int64_t rs = gp.row_start[g];
+      ref(Bt + rs * N, 1, N, Bt + rs * N, 1, N, N, N, gp.count[g], refc + g * per, N, 0);
+    }
+    CORE_OK(cudaDeviceSynchronize());
+    REPORT("tn_remapped", compare(C, 1, refc, gp.groups * per, TOL_BF16));
   }
   /* TN dense (the shared expert's weight gradients): 77 rows */
   {
