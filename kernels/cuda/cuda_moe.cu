@@ -642,6 +642,12 @@ out:
 /* The rank streams, their events and the fork event, made on first use. */
 static int spread_ready(cuda_backend *cb, int P, char *err)
 {
+  if (cb->arch == 0) { /* gemm() caches it in the backend, not in a rank's view */
+    int major = 0, minor = 0;
+    CK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, cb->device));
+    CK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, cb->device));
+    cb->arch = 10 * major + minor;
+  }
   if (cb->fork_ev == NULL)
     CK(cudaEventCreateWithFlags(&cb->fork_ev, cudaEventDisableTiming));
   for (int r = 0; r < P; r++) {
@@ -677,7 +683,8 @@ static int spread_barrier(cuda_backend *cb, int P, char *err)
 
 /* The backend's stream goes on once every rank stream is done: the done
  * events, and the frees queued on it, come after all of a step's work. Run
- * on failures too, so nothing is freed under a queued kernel. */
+ * on failures too, so nothing is freed under a queued kernel; where a rank
+ * stream cannot be joined by an event, the host waits for it. */
 static int spread_join(cuda_backend *cb, int P, char *err)
 {
   int rc = 0;
@@ -685,8 +692,11 @@ static int spread_join(cuda_backend *cb, int P, char *err)
     cudaError_t e = cudaEventRecord(cb->part_ev[r], cb->part_st[r]);
     if (e == cudaSuccess)
       e = cudaStreamWaitEvent(cb->stream, cb->part_ev[r], 0);
-    if (e != cudaSuccess && rc == 0)
-      rc = cuda_fail(err, e, "join of the rank streams");
+    if (e != cudaSuccess) {
+      cudaStreamSynchronize(cb->part_st[r]);
+      if (rc == 0)
+        rc = cuda_fail(err, e, "join of the rank streams");
+    }
   }
   return rc;
 }
@@ -837,6 +847,7 @@ static int spread_forward(cuda_backend *cb, const mokk_shape *s, int64_t T,
       goto fail;
   }
   if ((rc = spread_join(cb, P, err))) {
+    cudaMemsetAsync(cb->status, 0, sizeof *cb->status, cb->stream);
     ctx_release(cb, c);
     return rc;
   }

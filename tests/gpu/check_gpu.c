@@ -1428,6 +1428,9 @@ START_TEST(ep_ranks_bitwise)
                 MOKK_GRAD_BF16, 63);
   ranks_bitwise((mokk_shape){.H = 128, .I = 64, .E = 8, .K = 3, .I_s = 64, .P = 1}, 8 * 7,
                 ROUTE_DROPS, MOKK_GRAD_FP32_ACCUM, 64);
+  /* every token on experts 0 and 1: all ranks but rank 0 own no rows */
+  ranks_bitwise((mokk_shape){.H = 128, .I = 64, .E = 16, .K = 2, .I_s = 64, .P = 1}, 8 * 5,
+                ROUTE_SAME, MOKK_GRAD_BF16, 66);
 
   /* more virtual ranks than the backend runs on one GPU */
   char err[2 * MOK_ERRLEN] = "";
