@@ -195,6 +195,14 @@ static void cuda_destroy(mokk_backend *b)
     cuda_reap(b, 1);
     cudaStreamDestroy(cb->stream);
   }
+  for (int r = 0; r < MOKK_DEVICE_MAX_RANKS; r++) { /* joined into stream: idle */
+    if (cb->part_st[r] != NULL)
+      cudaStreamDestroy(cb->part_st[r]);
+    if (cb->part_ev[r] != NULL)
+      cudaEventDestroy(cb->part_ev[r]);
+  }
+  if (cb->fork_ev != NULL)
+    cudaEventDestroy(cb->fork_ev);
   if (cb->status != NULL)
     cudaFree(cb->status);
   free(cb);
@@ -283,10 +291,15 @@ extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
   const char *clusters = getenv("MOKD_GEMM_CLUSTERS");
   if (clusters != NULL && strcmp(clusters, "0") != 0 && strcmp(clusters, "1") != 0)
     return mokk_fail(err, MOK_EINVAL, "MOKD_GEMM_CLUSTERS: \"%s\" is not 0 or 1", clusters);
+  /* EP steps over a buffer set per rank, the multi-GPU layout, on one GPU */
+  const char *spread = getenv("MOKD_EP_SPREAD");
+  if (spread != NULL && strcmp(spread, "0") != 0 && strcmp(spread, "1") != 0)
+    return mokk_fail(err, MOK_EINVAL, "MOKD_EP_SPREAD: \"%s\" is not 0 or 1", spread);
   if ((cb = (cuda_backend *)calloc(1, sizeof *cb)) == NULL)
     return mokk_fail(err, MOK_ENOMEM, "out of memory");
   cb->tiles = tile_choice;
   cb->clusters = clusters == NULL || strcmp(clusters, "1") == 0;
+  cb->spread = spread != NULL && strcmp(spread, "1") == 0;
   cb->base.iface = &cuda_iface;
   cb->base.device = device;
   cb->device = device;
@@ -310,6 +323,11 @@ fail:
 extern "C" void mokk_cuda_set_max_blocks(mokk_backend *b, int blocks)
 {
   ((cuda_backend *)b)->max_blocks = blocks > 0 ? blocks : 0;
+}
+
+extern "C" void mokk_cuda_set_spread(mokk_backend *b, int on)
+{
+  ((cuda_backend *)b)->spread = on != 0;
 }
 
 extern "C" int mokk_cuda_device(const mokk_backend *b)

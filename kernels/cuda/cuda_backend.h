@@ -23,6 +23,9 @@ int mokk_cuda_create(int device, mokk_backend **out, char *err);
 /* Caps the blocks of every launch (0 = as many as the GPU holds at once); the
  * results do not depend on it. */
 void mokk_cuda_set_max_blocks(mokk_backend *b, int blocks);
+/* EP steps over a buffer set and a stream per rank (on != 0), the layout of
+ * ranks on several GPUs, or over one shared set (0, the default). */
+void mokk_cuda_set_spread(mokk_backend *b, int on);
 int mokk_cuda_device(const mokk_backend *b);
 /* The stream every step runs on (a cudaStream_t). */
 void *mokk_cuda_stream(mokk_backend *b);

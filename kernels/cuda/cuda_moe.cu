@@ -19,6 +19,12 @@
 /* the gathers' per-rank pointers hold every rank the backend runs */
 static_assert(ROUTE_MAX_RANKS >= MOKK_DEVICE_MAX_RANKS, "route_rows holds too few ranks");
 
+/* spread steps (below): EP ranks with a buffer set and a stream each */
+static int spread_forward(cuda_backend *cb, const mokk_shape *s, int64_t T,
+                          const mokk_fwd_rank *ranks, mokk_ctx **out_ctx, char *err);
+static int spread_backward(cuda_backend *cb, cuda_ctx *c, mokk_grad_mode mode,
+                           const mokk_bwd_rank *ranks, char *err);
+
 /* ---- launch helpers ------------------------------------------------------ */
 
 static int grid_for(const cuda_backend *cb, int64_t work, int per_sm)
@@ -275,6 +281,16 @@ static route_rows rows_of(const void *const *p, int P, int64_t T)
   return x;
 }
 
+/* Every row of a schedule in one buffer. */
+static route_owners one_owner(const void *p)
+{
+  route_owners o;
+  memset(&o, 0, sizeof o);
+  o.p[0] = p;
+  o.n = 1;
+  return o;
+}
+
 /* P ranks' [n] arrays of elem bytes each, back to back in dst (rank 0's first). */
 static int concat(cuda_backend *cb, void *dst, const void *const *src, int P, size_t n,
                   char *err)
@@ -319,6 +335,8 @@ static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
     px[r] = f->x;
   }
   CK(cudaSetDevice(cb->device));
+  if (cb->spread && P > 1)
+    return spread_forward(cb, s, T, ranks, out_ctx, err);
 
   if ((c = (cuda_ctx *)calloc(1, sizeof *c)) == NULL)
     return mokk_fail(err, MOK_ENOMEM, "out of memory");
@@ -406,8 +424,8 @@ static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
                  c->row_start, c->tile_off, c->slot, c->src, c->row_w, cb->status);
   if ((rc = launched(err, "schedule")))
     goto fail;
-  route_gather(cb->stream, grid_for(cb, TK, 16), rows_of(px, P, T), c->src, c->row_start + E,
-               (int)K, H, c->xr, NULL, NULL);
+  route_gather(cb->stream, grid_for(cb, TK, 16), rows_of(px, P, T), c->src, NULL,
+               c->row_start + E, (int)K, H, c->xr, NULL, NULL);
   if ((rc = launched(err, "dispatch")))
     goto fail;
   for (int r = 0; r < P; r++) {
@@ -420,7 +438,7 @@ static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
     bf16 *ys_r = Is ? ys + r * T * H : NULL;
     if (Is && (rc = mlp_forward(cb, &shared_mlp, (const bf16 *)ranks[r].x, H, ys_r, err)))
       goto fail;
-    route_combine_out(cb->stream, grid_for(cb, T, 16), c->y, c->slot + r * T * K,
+    route_combine_out(cb->stream, grid_for(cb, T, 16), one_owner(c->y), c->slot + r * T * K,
                       tw + r * T * K, ys_r, T, (int)K, H, (bf16 *)ranks[r].out);
     if ((rc = launched(err, "combine")))
       goto fail;
@@ -518,7 +536,7 @@ static int cuda_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
   const void *pd[ROUTE_MAX_RANKS];
   void *block = NULL;
 
-  if (c->g == NULL)
+  if ((c->spread ? c->part[0].g : c->g) == NULL)
     return mokk_fail(err, MOK_ECONTEXT, "the forward kept no state for a backward");
   for (int r = 0; r < P; r++) {
     const mokk_bwd_rank *br = &ranks[r];
@@ -530,6 +548,8 @@ static int cuda_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
     pd[r] = br->d_out;
   }
   CK(cudaSetDevice(cb->device));
+  if (c->spread)
+    return spread_backward(cb, c, mode, ranks, err);
 
   /* dor (bf16) is read by the d_h GEMMs only, and dxr (fp32) written by the
    * d_x GEMMs, which run after every rank's d_h: one region holds both */
@@ -560,14 +580,14 @@ static int cuda_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
       goto out;
   }
 
-  route_gather(cb->stream, grid_for(cb, TK, 16), rows_of(pd, P, T), c->src, c->row_start + E,
-               (int)K, H, dor, c->row_w, dy);
+  route_gather(cb->stream, grid_for(cb, TK, 16), rows_of(pd, P, T), c->src, NULL,
+               c->row_start + E, (int)K, H, dor, c->row_w, dy);
   if ((rc = launched(err, "backward dispatch")))
     goto out;
   for (int r = 0; r < P; r++) {
     const mokk_bwd_rank *br = &ranks[r];
-    route_dtw(cb->stream, grid_for(cb, (T * K + 7) / 8, 16), (const bf16 *)br->d_out, c->y,
-              c->slot + r * T * K, T * K, (int)K, H, br->d_topk_weights);
+    route_dtw(cb->stream, grid_for(cb, (T * K + 7) / 8, 16), (const bf16 *)br->d_out,
+              one_owner(c->y), c->slot + r * T * K, T * K, (int)K, H, br->d_topk_weights);
     if ((rc = launched(err, "d_topk_weights")))
       goto out;
   }
@@ -591,8 +611,8 @@ static int cuda_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
     if (Is && (rc = mlp_backward(cb, &shared_mlp, (const bf16 *)br->d_out, NULL, H,
                                  dgus + r * T * 2 * Is, dxs_r, err)))
       goto out;
-    route_combine_dx(cb->stream, grid_for(cb, T, 16), dxr, c->slot + r * T * K, dxs_r, T,
-                     (int)K, H, (bf16 *)br->d_x);
+    route_combine_dx(cb->stream, grid_for(cb, T, 16), one_owner(dxr), c->slot + r * T * K,
+                     dxs_r, T, (int)K, H, (bf16 *)br->d_x);
     if ((rc = launched(err, "d_x combine")))
       goto out;
   }
@@ -604,6 +624,372 @@ static int cuda_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
       goto out;
 out:
   cudaFreeAsync(block, cb->stream);
+  return rc;
+}
+
+/* ---- spread steps ---------------------------------------------------------
+ * An EP step laid out as ranks on several GPUs run it: each rank has its own
+ * buffer set and stream. Every rank computes the whole schedule from every
+ * rank's ids (the same schedule everywhere), gathers the rows of its own
+ * experts from every rank's x (or d_out), runs its experts' GEMMs, and
+ * combines its own tokens from the rows that every rank's buffers hold
+ * (route_owners); the ranks wait for each other only through events, never
+ * for the host. The shared expert's weight gradient, a sum over every
+ * rank's tokens, is computed by every rank from every rank's rows, in the
+ * global order. On one device (mokk_cuda_set_spread) the ranks are virtual
+ * and every number is the shared layout's, rank for rank. */
+
+/* The rank streams, their events and the fork event, made on first use. */
+static int spread_ready(cuda_backend *cb, int P, char *err)
+{
+  if (cb->arch == 0) { /* gemm() caches it in the backend, not in a rank's view */
+    int major = 0, minor = 0;
+    CK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, cb->device));
+    CK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, cb->device));
+    cb->arch = 10 * major + minor;
+  }
+  if (cb->fork_ev == NULL)
+    CK(cudaEventCreateWithFlags(&cb->fork_ev, cudaEventDisableTiming));
+  for (int r = 0; r < P; r++) {
+    if (cb->part_st[r] == NULL)
+      CK(cudaStreamCreateWithFlags(&cb->part_st[r], cudaStreamNonBlocking));
+    if (cb->part_ev[r] == NULL)
+      CK(cudaEventCreateWithFlags(&cb->part_ev[r], cudaEventDisableTiming));
+  }
+  return 0;
+}
+
+/* The rank streams start after what the backend's stream holds (the
+ * clients' ready events). */
+static int spread_fork(cuda_backend *cb, int P, char *err)
+{
+  CK(cudaEventRecord(cb->fork_ev, cb->stream));
+  for (int r = 0; r < P; r++)
+    CK(cudaStreamWaitEvent(cb->part_st[r], cb->fork_ev, 0));
+  return 0;
+}
+
+/* Each rank stream goes on once every other one has reached this point. */
+static int spread_barrier(cuda_backend *cb, int P, char *err)
+{
+  for (int q = 0; q < P; q++)
+    CK(cudaEventRecord(cb->part_ev[q], cb->part_st[q]));
+  for (int r = 0; r < P; r++)
+    for (int q = 0; q < P; q++)
+      if (q != r)
+        CK(cudaStreamWaitEvent(cb->part_st[r], cb->part_ev[q], 0));
+  return 0;
+}
+
+/* The backend's stream goes on once every rank stream is done: the done
+ * events, and the frees queued on it, come after all of a step's work. Run
+ * on failures too, so nothing is freed under a queued kernel; where a rank
+ * stream cannot be joined by an event, the host waits for it. */
+static int spread_join(cuda_backend *cb, int P, char *err)
+{
+  int rc = 0;
+  for (int r = 0; r < P; r++) {
+    cudaError_t e = cudaEventRecord(cb->part_ev[r], cb->part_st[r]);
+    if (e == cudaSuccess)
+      e = cudaStreamWaitEvent(cb->stream, cb->part_ev[r], 0);
+    if (e != cudaSuccess) {
+      cudaStreamSynchronize(cb->part_st[r]);
+      if (rc == 0)
+        rc = cuda_fail(err, e, "join of the rank streams");
+    }
+  }
+  return rc;
+}
+
+/* Rank r's view of the backend: its stream (and, on several GPUs, its
+ * device); the GEMM launchers take it where they take the backend. */
+static cuda_backend rank_backend(const cuda_backend *cb, int r)
+{
+  cuda_backend on = *cb;
+  on.stream = cb->part_st[r];
+  return on;
+}
+
+/* Rank r's view of a spread context, in the shape the shared layout's
+ * helpers (routed, mlp_*, weight_grads) read. */
+static cuda_ctx rank_view(const cuda_ctx *c, int r)
+{
+  const cuda_part *p = &c->part[r];
+  cuda_ctx v = *c;
+  v.spread = 0;
+  memset(v.part, 0, sizeof v.part);
+  v.x = p->x != NULL ? p->x : c->x;
+  v.count = p->count, v.row_start = p->row_start, v.tile_off = p->tile_off;
+  v.slot = p->slot, v.src = p->src, v.row_w = p->row_w;
+  v.xr = p->xr, v.g = p->g, v.u = p->u, v.h = p->h, v.y = p->y;
+  v.gs = p->gs, v.us = p->us, v.hs = p->hs;
+  return v;
+}
+
+/* The rows of every rank's buffer pointed to by field (y or d_x rows), as
+ * rank r finds them: through its own copy of the schedule. */
+static route_owners spread_owners(const void *const *p, const cuda_part *mine, int P, int El)
+{
+  route_owners o;
+  memset(&o, 0, sizeof o);
+  for (int q = 0; q < P; q++)
+    o.p[q] = p[q];
+  o.row_start = mine->row_start;
+  o.El = El;
+  o.n = P;
+  return o;
+}
+
+static int spread_forward(cuda_backend *cb, const mokk_shape *s, int64_t T,
+                          const mokk_fwd_rank *ranks, mokk_ctx **out_ctx, char *err)
+{
+  const int P = (int)s->P, El = (int)(s->E / s->P);
+  int64_t H = s->H, I = s->I, E = s->E, K = s->K, Is = s->I_s, TG = P * T, TK = TG * K;
+  int train = out_ctx != NULL, rc;
+  const void *px[ROUTE_MAX_RANKS], *pi[ROUTE_MAX_RANKS], *pw[ROUTE_MAX_RANKS];
+  const void *py[ROUTE_MAX_RANKS];
+  bf16 *ys[ROUTE_MAX_RANKS];
+  cuda_ctx *c;
+
+  if ((rc = spread_ready(cb, P, err)))
+    return rc;
+  if ((c = (cuda_ctx *)calloc(1, sizeof *c)) == NULL)
+    return mokk_fail(err, MOK_ENOMEM, "out of memory");
+  c->hdr.shape = *s;
+  c->hdr.T = T;
+  c->spread = 1;
+  for (int r = 0; r < P; r++) {
+    px[r] = ranks[r].x, pi[r] = ranks[r].topk_ids, pw[r] = ranks[r].topk_weights;
+    for (int w = 0; w < MOKK_NWEIGHTS; w++)
+      c->w[r][w] = (const bf16 *)ranks[r].w[w];
+  }
+  if ((rc = spread_fork(cb, P, err)))
+    goto fail;
+
+  for (int r = 0; r < P; r++) {
+    cuda_part *p = &c->part[r];
+    size_t off = 0, o_ids = carve(&off, 2 * TK * sizeof(int32_t)), o_tw = carve(&off, TK * 4),
+           o_count = carve(&off, E * sizeof(int)), o_rs = carve(&off, (E + 1) * sizeof(int)),
+           o_to = carve(&off, 2 * (E + 1) * sizeof(int)), o_slot = carve(&off, TK * 4),
+           o_src = carve(&off, TK * 4), o_rw = carve(&off, TK * 4),
+           o_xr = carve(&off, TK * H * 2), o_g = train ? carve(&off, TK * I * 4) : 0,
+           o_u = train ? carve(&off, TK * I * 4) : 0, o_h = carve(&off, TK * I * 2),
+           o_y = carve(&off, TK * H * 2), o_gs = train && Is ? carve(&off, TG * Is * 4) : 0,
+           o_us = train && Is ? carve(&off, TG * Is * 4) : 0,
+           o_hs = Is ? carve(&off, TG * Is * 2) : 0, o_ys = Is ? carve(&off, T * H * 2) : 0,
+           o_x = train && Is ? carve(&off, TG * H * 2) : 0;
+    cudaError_t e = cudaMallocAsync(&p->block, off, cb->part_st[r]);
+    if (e != cudaSuccess) {
+      p->block = NULL;
+      rc = mokk_fail(err, MOK_ENOMEM, "cannot allocate %zu bytes of GPU memory for EP rank "
+                     "%d of the step: %s", off, r, cudaGetErrorString(e));
+      goto fail;
+    }
+    char *base = (char *)p->block;
+    p->bytes = off;
+    c->bytes += off;
+    p->ids = (int32_t *)(base + o_ids);
+    p->tw = (float *)(base + o_tw);
+    p->count = (int *)(base + o_count);
+    p->row_start = (int *)(base + o_rs);
+    p->tile_off = (int *)(base + o_to);
+    p->slot = (int *)(base + o_slot);
+    p->src = (int *)(base + o_src);
+    p->row_w = (float *)(base + o_rw);
+    p->xr = (bf16 *)(base + o_xr);
+    p->g = train ? (float *)(base + o_g) : NULL;
+    p->u = train ? (float *)(base + o_u) : NULL;
+    p->h = (bf16 *)(base + o_h);
+    p->y = (bf16 *)(base + o_y);
+    p->gs = train && Is ? (float *)(base + o_gs) : NULL;
+    p->us = train && Is ? (float *)(base + o_us) : NULL;
+    p->hs = Is ? (bf16 *)(base + o_hs) : NULL;
+    ys[r] = Is ? (bf16 *)(base + o_ys) : NULL;
+    p->x = train && Is ? (const bf16 *)(base + o_x) : NULL;
+    py[r] = p->y;
+  }
+
+  /* each rank: the whole schedule, its experts' rows, their GEMMs, its
+   * shared expert */
+  for (int r = 0; r < P; r++) {
+    cuda_part *p = &c->part[r];
+    cuda_backend on = rank_backend(cb, r);
+    cuda_ctx v = rank_view(c, r);
+    if ((rc = concat(&on, p->ids, pi, P, T * K * sizeof(int32_t), err)) ||
+        (rc = concat(&on, p->tw, pw, P, T * K * sizeof(float), err)) ||
+        (p->x != NULL && (rc = concat(&on, (void *)p->x, px, P, T * H * 2, err))))
+      goto fail;
+    route_schedule(on.stream, p->ids, p->tw, TK, (int)E, p->ids + TK, p->count, p->row_start,
+                   p->tile_off, p->slot, p->src, p->row_w, cb->status);
+    if ((rc = launched(err, "schedule")))
+      goto fail;
+    route_gather(on.stream, grid_for(cb, TK, 16), rows_of(px, P, T), p->src,
+                 p->row_start + r * El, p->row_start + (r + 1) * El, (int)K, H, p->xr, NULL,
+                 NULL);
+    if ((rc = launched(err, "dispatch")))
+      goto fail;
+    mlp routed_mlp = mlp_routed(&v, TK, r);
+    if ((rc = mlp_forward(&on, &routed_mlp, p->xr, H, p->y, err)))
+      goto fail;
+    mlp shared_mlp = mlp_shared(&v, T, r);
+    if (Is && (rc = mlp_forward(&on, &shared_mlp, (const bf16 *)ranks[r].x, H, ys[r], err)))
+      goto fail;
+  }
+  /* every rank's rows are out: each combines its tokens from all of them */
+  if ((rc = spread_barrier(cb, P, err)))
+    goto fail;
+  for (int r = 0; r < P; r++) {
+    const cuda_part *p = &c->part[r];
+    route_combine_out(cb->part_st[r], grid_for(cb, T, 16), spread_owners(py, p, P, El),
+                      p->slot + r * T * K, p->tw + r * T * K, ys[r], T, (int)K, H,
+                      (bf16 *)ranks[r].out);
+    if ((rc = launched(err, "combine")))
+      goto fail;
+  }
+  if ((rc = spread_join(cb, P, err))) {
+    cudaMemsetAsync(cb->status, 0, sizeof *cb->status, cb->stream);
+    ctx_release(cb, c);
+    return rc;
+  }
+  if (train)
+    *out_ctx = &c->hdr;
+  else
+    ctx_release(cb, c);
+  return 0;
+fail: {
+  char jerr[MOK_ERRLEN]; /* err keeps the first failure's message */
+  spread_join(cb, P, jerr);
+  /* as in the shared layout: no step end reads (and clears) the flag */
+  cudaMemsetAsync(cb->status, 0, sizeof *cb->status, cb->stream);
+  ctx_release(cb, c);
+  return rc;
+}
+}
+
+static int spread_backward(cuda_backend *cb, cuda_ctx *c, mokk_grad_mode mode,
+                           const mokk_bwd_rank *ranks, char *err)
+{
+  const mokk_shape *s = &c->hdr.shape;
+  const int P = (int)s->P, El = (int)(s->E / s->P);
+  int64_t T = c->hdr.T, H = s->H, I = s->I, K = s->K, Is = s->I_s, TG = P * T, TK = TG * K;
+  int accum = mode == MOKK_GRAD_FP32_ACCUM, rc = 0;
+  const void *pd[ROUTE_MAX_RANKS], *py[ROUTE_MAX_RANKS], *pdx[ROUTE_MAX_RANKS];
+  void *block[ROUTE_MAX_RANKS] = {NULL};
+  bf16 *dor[ROUTE_MAX_RANKS], *dy[ROUTE_MAX_RANKS], *dgu[ROUTE_MAX_RANKS];
+  bf16 *dgus[ROUTE_MAX_RANKS], *dout[ROUTE_MAX_RANKS];
+  float *dxr[ROUTE_MAX_RANKS], *dxs[ROUTE_MAX_RANKS];
+  void *maps[ROUTE_MAX_RANKS];
+
+  if ((rc = spread_ready(cb, P, err)))
+    return rc;
+  for (int r = 0; r < P; r++)
+    pd[r] = ranks[r].d_out, py[r] = c->part[r].y;
+  if ((rc = spread_fork(cb, P, err)))
+    return rc;
+  for (int r = 0; r < P; r++) {
+    /* dor (bf16) is read by the d_h GEMMs only, and dxr (fp32) written by
+     * the d_x GEMMs after them: one region holds both */
+    size_t off = 0, o_dor = carve(&off, TK * H * 4), o_dy = carve(&off, TK * H * 2),
+           o_dgu = carve(&off, TK * 2 * I * 2),
+           o_maps = carve(&off, (size_t)El * GEMM_TN_MAP_BYTES),
+           o_dgus = Is ? carve(&off, TG * 2 * Is * 2) : 0,
+           o_dxs = Is ? carve(&off, T * H * 4) : 0, o_dout = Is ? carve(&off, TG * H * 2) : 0;
+    cudaError_t e = cudaMallocAsync(&block[r], off, cb->part_st[r]);
+    if (e != cudaSuccess) {
+      block[r] = NULL;
+      rc = mokk_fail(err, MOK_ENOMEM, "cannot allocate %zu bytes of GPU memory for EP rank "
+                     "%d of the backward: %s", off, r, cudaGetErrorString(e));
+      goto out;
+    }
+    char *base = (char *)block[r];
+    dor[r] = (bf16 *)(base + o_dor);
+    dxr[r] = (float *)(base + o_dor);
+    dy[r] = (bf16 *)(base + o_dy);
+    dgu[r] = (bf16 *)(base + o_dgu);
+    maps[r] = base + o_maps;
+    dgus[r] = Is ? (bf16 *)(base + o_dgus) : NULL;
+    dxs[r] = Is ? (float *)(base + o_dxs) : NULL;
+    dout[r] = Is ? (bf16 *)(base + o_dout) : NULL;
+    pdx[r] = dxr[r];
+  }
+
+  /* each rank: its experts' rows of d_out, d_topk_weights of its pairs, d_h
+   * and d_x of its experts' rows, its shared expert's backward */
+  for (int r = 0; r < P; r++) {
+    cuda_part *p = &c->part[r];
+    const mokk_bwd_rank *br = &ranks[r];
+    cuda_backend on = rank_backend(cb, r);
+    cuda_ctx v = rank_view(c, r);
+    if (Is) { /* every rank's d_out and hs, for the shared weight gradient */
+      if ((rc = concat(&on, dout[r], pd, P, T * H * 2, err)))
+        goto out;
+      for (int q = 0; q < P; q++) {
+        size_t at = (size_t)q * T * Is;
+        cudaError_t e = q == r ? cudaSuccess
+                               : cudaMemcpyAsync(p->hs + at, c->part[q].hs + at, T * Is * 2,
+                                                 cudaMemcpyDeviceToDevice, on.stream);
+        if (e != cudaSuccess) {
+          rc = cuda_fail(err, e, "copy of the ranks' shared h");
+          goto out;
+        }
+      }
+    }
+    route_gather(on.stream, grid_for(cb, TK, 16), rows_of(pd, P, T), p->src,
+                 p->row_start + r * El, p->row_start + (r + 1) * El, (int)K, H, dor[r],
+                 p->row_w, dy[r]);
+    if ((rc = launched(err, "backward dispatch")))
+      goto out;
+    route_dtw(on.stream, grid_for(cb, (T * K + 7) / 8, 16), (const bf16 *)br->d_out,
+              spread_owners(py, p, P, El), p->slot + r * T * K, T * K, (int)K, H,
+              br->d_topk_weights);
+    if ((rc = launched(err, "d_topk_weights")))
+      goto out;
+    mlp routed_mlp = mlp_routed(&v, TK, r);
+    moved_weights(&routed_mlp, br, MOKK_W_GATE);
+    if ((rc = mlp_dh(&on, &routed_mlp, dor[r], p->row_w, H, dgu[r], err)) ||
+        (rc = mlp_dx(&on, &routed_mlp, H, dgu[r], dxr[r], err)))
+      goto out;
+    mlp shared_mlp = mlp_shared(&v, T, r);
+    moved_weights(&shared_mlp, br, MOKK_S_GATE);
+    if (Is && (rc = mlp_backward(&on, &shared_mlp, (const bf16 *)br->d_out, NULL, H,
+                                 dgus[r] + r * T * 2 * Is, dxs[r], err)))
+      goto out;
+  }
+  /* every rank's d_x rows and shared d_g | d_u are out */
+  if ((rc = spread_barrier(cb, P, err)))
+    goto out;
+  for (int r = 0; r < P; r++) {
+    cuda_part *p = &c->part[r];
+    const mokk_bwd_rank *br = &ranks[r];
+    cuda_backend on = rank_backend(cb, r);
+    cuda_ctx v = rank_view(c, r);
+    route_combine_dx(on.stream, grid_for(cb, T, 16), spread_owners(pdx, p, P, El),
+                     p->slot + r * T * K, dxs[r], T, (int)K, H, (bf16 *)br->d_x);
+    if ((rc = launched(err, "d_x combine")))
+      goto out;
+    for (int q = 0; Is && q < P; q++) {
+      size_t at = (size_t)q * T * 2 * Is;
+      cudaError_t e = q == r ? cudaSuccess
+                             : cudaMemcpyAsync(dgus[r] + at, dgus[q] + at, T * 2 * Is * 2,
+                                               cudaMemcpyDeviceToDevice, on.stream);
+      if (e != cudaSuccess) {
+        rc = cuda_fail(err, e, "copy of the ranks' shared d_g | d_u");
+        goto out;
+      }
+    }
+    if ((rc = weight_grads(&on, &v, br, r, accum, dy[r], dgu[r], dout[r], dgus[r], maps[r],
+                           err)))
+      goto out;
+  }
+out: {
+  char jerr[MOK_ERRLEN];
+  int jr = spread_join(cb, P, rc ? jerr : err); /* err keeps the first failure's message */
+  if (rc == 0)
+    rc = jr;
+}
+  for (int r = 0; r < P; r++)
+    if (block[r] != NULL)
+      cudaFreeAsync(block[r], cb->stream);
   return rc;
 }
 

@@ -25,7 +25,33 @@ typedef struct cuda_backend {
   cudaStream_t stream;
   int *status;          /* device: bit 0 = an expert id out of range */
   cuda_buffer *retired; /* released, waiting for their fence (loop thread only) */
+  /* EP steps spread over a buffer set and a stream per rank (cuda_moe.cu,
+   * "spread steps"), as ranks on several GPUs will run; off by default,
+   * where the virtual ranks of this one device share one buffer set, and on
+   * with mokk_cuda_set_spread or MOKD_EP_SPREAD=1. The rank streams fork
+   * from `stream` and join into it, which is all the client's events see. */
+  int spread;
+  cudaStream_t part_st[MOKK_DEVICE_MAX_RANKS];
+  cudaEvent_t part_ev[MOKK_DEVICE_MAX_RANKS], fork_ev;
 } cuda_backend;
+
+/* One rank's buffer set of a spread step (cuda_moe.cu): the whole schedule,
+ * computed from every rank's ids, and the rows of its own experts, at their
+ * rows of that schedule (the rest of each [TK, ...] buffer is not written). */
+typedef struct cuda_part {
+  void *block;               /* one allocation holding the rest */
+  size_t bytes;
+  int32_t *ids;              /* [TK] every rank's ids, rank 0's first, then own ids */
+  float *tw;                 /* [TK] every rank's router weights */
+  int *count, *row_start, *tile_off, *slot, *src;
+  float *row_w;
+  __nv_bfloat16 *xr, *h, *y; /* [TK, ...]: this rank's experts' rows */
+  float *g, *u;
+  float *gs, *us;            /* [P T, I_s]: this rank's tokens, r T.. (all ranks' hs
+                              * once a backward has gathered them) */
+  __nv_bfloat16 *hs;
+  const __nv_bfloat16 *x;    /* [P T, H] every rank's x (train, shared expert) */
+} cuda_part;
 
 typedef struct cuda_ctx {
   mokk_ctx hdr;               /* T: tokens per rank; shape.P ranks (virtual, one device) */
@@ -43,6 +69,10 @@ typedef struct cuda_ctx {
   __nv_bfloat16 *hs;         /* [P T, I_s] */
   void *block;               /* one allocation holding all of the above */
   size_t bytes;
+  /* a spread step's buffer sets, one a rank; the pointers above then stay
+   * NULL, but for x and w */
+  int spread;
+  cuda_part part[MOKK_DEVICE_MAX_RANKS];
 } cuda_ctx;
 
 /* the step code's names for the checks of check.cuh */
@@ -51,8 +81,13 @@ typedef struct cuda_ctx {
 
 static inline void ctx_release(cuda_backend *cb, cuda_ctx *c)
 {
+  /* stream-ordered: after the queued work (a spread step's rank streams have
+   * joined the backend's stream) */
   if (c->block != NULL)
-    cudaFreeAsync(c->block, cb->stream); /* stream-ordered: after the queued work */
+    cudaFreeAsync(c->block, cb->stream);
+  for (int r = 0; r < MOKK_DEVICE_MAX_RANKS; r++)
+    if (c->part[r].block != NULL)
+      cudaFreeAsync(c->part[r].block, cb->stream);
   free(c);
 }
 

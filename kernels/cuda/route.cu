@@ -113,12 +113,13 @@ __global__ void k_slots(const int32_t *ids, const float *tw, int64_t TK, const i
 
 /* ---- dispatch and combine -------------------------------------------------- */
 
-/* xr[row] = x[token of row]; with scale, also dy[row] = w * x[token] (bf16). */
-__global__ void k_gather(route_rows x, const int *src, const int *total, int K, int64_t H,
-                         bf16 *xr, const float *row_w, bf16 *dy)
+/* Rows [*lo, *hi): xr[row] = x[token of row]; with scale, also dy[row] = w *
+ * x[token] (bf16). */
+__global__ void k_gather(route_rows x, const int *src, const int *lo, const int *hi, int K,
+                         int64_t H, bf16 *xr, const float *row_w, bf16 *dy)
 {
-  int rows = *total;
-  for (int row = blockIdx.x; row < rows; row += gridDim.x) {
+  int first = lo != NULL ? *lo : 0, rows = *hi;
+  for (int row = first + blockIdx.x; row < rows; row += gridDim.x) {
     int64_t t = src[row] / K;
     const bf16 *s = x.p[t / x.T] + (t % x.T) * H;
     for (int64_t c = threadIdx.x * 8; c < H; c += blockDim.x * 8) {
@@ -133,6 +134,17 @@ __global__ void k_gather(route_rows x, const int *src, const int *total, int K, 
       }
     }
   }
+}
+
+/* Where row r of a spread schedule lives (route_owners). */
+template <typename V>
+__device__ __forceinline__ const V *owned_row(const route_owners &o, int r, int64_t H)
+{
+  int q = 0;
+  for (int i = 1; i < o.n; i++)
+    if (r >= o.row_start[i * o.El])
+      q = i;
+  return (const V *)o.p[q] + (int64_t)r * H;
 }
 
 /* Eight consecutive elements of a row as fp32: one 16-byte load of bf16, two
@@ -158,7 +170,7 @@ __device__ __forceinline__ void load8(const float *p, float (&o)[8])
  * d_x (fp32 rows, no weights, shared part). tw and extra may be NULL. Each
  * thread owns eight columns; every element is summed in the same order. */
 template <typename V, typename X>
-__global__ void k_combine(const V *v, const int *slot, const float *tw, const X *extra,
+__global__ void k_combine(route_owners v, const int *slot, const float *tw, const X *extra,
                           int64_t T, int K, int64_t H, bf16 *out)
 {
   for (int64_t t = blockIdx.x; t < T; t += gridDim.x)
@@ -168,7 +180,7 @@ __global__ void k_combine(const V *v, const int *slot, const float *tw, const X 
         int r = slot[t * K + k];
         if (r < 0)
           continue;
-        load8(v + (int64_t)r * H + c, x);
+        load8(owned_row<V>(v, r, H) + c, x);
 #pragma unroll
         for (int j = 0; j < 8; j++)
           acc[j] = __fadd_rn(acc[j], tw != NULL ? __fmul_rn(tw[t * K + k], x[j]) : x[j]);
@@ -189,7 +201,7 @@ __global__ void k_combine(const V *v, const int *slot, const float *tw, const X 
 
 /* d_topk_weights[t,k] = sum_h d_out[t,h] y[t,k,h]: a warp per pair, each lane
  * sums its eight-column groups in order, then a fixed butterfly. */
-__global__ void k_dtw(const bf16 *d_out, const bf16 *y, const int *slot, int64_t TK, int K,
+__global__ void k_dtw(const bf16 *d_out, route_owners y, const int *slot, int64_t TK, int K,
                       int64_t H, float *dtw)
 {
   int lane = threadIdx.x & 31;
@@ -199,7 +211,7 @@ __global__ void k_dtw(const bf16 *d_out, const bf16 *y, const int *slot, int64_t
     int r = slot[p];
     float acc = 0.0f;
     if (r >= 0) {
-      const bf16 *d = d_out + (p / K) * H, *v = y + (int64_t)r * H;
+      const bf16 *d = d_out + (p / K) * H, *v = owned_row<bf16>(y, r, H);
       for (int64_t c = lane * 8; c < H; c += 32 * 8) {
         float a[8], b[8];
         load8(d + c, a);
@@ -230,25 +242,25 @@ void route_schedule(cudaStream_t st, const int32_t *ids, const float *tw, int64_
   k_slots<<<E, SCHED_THREADS, 0, st>>>(own_ids, tw, TK, row_start, slot, src, row_w);
 }
 
-void route_gather(cudaStream_t st, int grid, route_rows x, const int *src, const int *total,
-                  int K, int64_t H, bf16 *xr, const float *row_w, bf16 *dy)
+void route_gather(cudaStream_t st, int grid, route_rows x, const int *src, const int *lo,
+                  const int *hi, int K, int64_t H, bf16 *xr, const float *row_w, bf16 *dy)
 {
-  k_gather<<<grid, 128, 0, st>>>(x, src, total, K, H, xr, row_w, dy);
+  k_gather<<<grid, 128, 0, st>>>(x, src, lo, hi, K, H, xr, row_w, dy);
 }
 
-void route_combine_out(cudaStream_t st, int grid, const bf16 *y, const int *slot,
+void route_combine_out(cudaStream_t st, int grid, route_owners y, const int *slot,
                        const float *tw, const bf16 *ys, int64_t T, int K, int64_t H, bf16 *out)
 {
-  k_combine<<<grid, 256, 0, st>>>(y, slot, tw, ys, T, K, H, out);
+  k_combine<bf16><<<grid, 256, 0, st>>>(y, slot, tw, ys, T, K, H, out);
 }
 
-void route_combine_dx(cudaStream_t st, int grid, const float *dxr, const int *slot,
+void route_combine_dx(cudaStream_t st, int grid, route_owners dxr, const int *slot,
                       const float *dxs, int64_t T, int K, int64_t H, bf16 *dx)
 {
-  k_combine<<<grid, 256, 0, st>>>(dxr, slot, (const float *)NULL, dxs, T, K, H, dx);
+  k_combine<float><<<grid, 256, 0, st>>>(dxr, slot, (const float *)NULL, dxs, T, K, H, dx);
 }
 
-void route_dtw(cudaStream_t st, int grid, const bf16 *d_out, const bf16 *y, const int *slot,
+void route_dtw(cudaStream_t st, int grid, const bf16 *d_out, route_owners y, const int *slot,
                int64_t TK, int K, int64_t H, float *dtw)
 {
   k_dtw<<<grid, 256, 0, st>>>(d_out, y, slot, TK, K, H, dtw);

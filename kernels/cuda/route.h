@@ -29,17 +29,28 @@ typedef struct route_rows {
   int64_t T;
 } route_rows;
 
-/* xr[row] = x[token of row]; with dy, also dy[row] = bf16(row_w[row] x[token]). */
-void route_gather(cudaStream_t st, int grid, route_rows x, const int *src, const int *total,
-                  int K, int64_t H, bf16 *xr, const float *row_w, bf16 *dy);
+/* Rows of one schedule spread over the ranks that own their experts (an EP
+ * step with a buffer set per rank): row r, global, is in the buffer of the
+ * rank q whose experts' segments hold it (row_start[q El] <= r <
+ * row_start[(q + 1) El]), at the same index r. n = 1: every row in p[0]. */
+typedef struct route_owners {
+  const void *p[ROUTE_MAX_RANKS];
+  const int *row_start;
+  int El, n;
+} route_owners;
+
+/* Rows [*lo, *hi) of the schedule (lo NULL: from 0): xr[row] = x[token of
+ * row]; with dy, also dy[row] = bf16(row_w[row] x[token]). */
+void route_gather(cudaStream_t st, int grid, route_rows x, const int *src, const int *lo,
+                  const int *hi, int K, int64_t H, bf16 *xr, const float *row_w, bf16 *dy);
 /* out[t] = bf16(sum_k tw[t,k] y[slot[t,k]] (k ascending) + ys[t]); ys may be NULL. */
-void route_combine_out(cudaStream_t st, int grid, const bf16 *y, const int *slot,
+void route_combine_out(cudaStream_t st, int grid, route_owners y, const int *slot,
                        const float *tw, const bf16 *ys, int64_t T, int K, int64_t H, bf16 *out);
 /* dx[t] = bf16(sum_k dxr[slot[t,k]] (k ascending) + dxs[t]); dxs may be NULL. */
-void route_combine_dx(cudaStream_t st, int grid, const float *dxr, const int *slot,
+void route_combine_dx(cudaStream_t st, int grid, route_owners dxr, const int *slot,
                       const float *dxs, int64_t T, int K, int64_t H, bf16 *dx);
 /* dtw[p] = sum_h d_out[token of p, h] y[slot[p], h] */
-void route_dtw(cudaStream_t st, int grid, const bf16 *d_out, const bf16 *y, const int *slot,
+void route_dtw(cudaStream_t st, int grid, const bf16 *d_out, route_owners y, const int *slot,
                int64_t TK, int K, int64_t H, float *dtw);
 
 #endif

@@ -1349,7 +1349,9 @@ static int gpu_run_ranks(const moe_case *c, int P, mokk_grad_mode mode, float se
   return rc;
 }
 
-/* P = 2, 4, 8 virtual ranks against P = 1, bit for bit (DESIGN §2.3). */
+/* P = 2, 4, 8 virtual ranks against P = 1, bit for bit (DESIGN §2.3), on
+ * one buffer set for all ranks and on a buffer set and stream per rank (the
+ * layout of ranks on several GPUs: mokk_cuda_set_spread). */
 static void ranks_bitwise(mokk_shape s, int64_t T, route_kind route, mokk_grad_mode mode,
                           uint64_t seed)
 {
@@ -1377,32 +1379,39 @@ static void ranks_bitwise(mokk_shape s, int64_t T, route_kind route, mokk_grad_m
       expect_close_bf16(oc.g_bf16[w], base.g_bf16[w], n, TOL_BWD, wname[w]);
   }
   out_free(&oc);
-  for (int P = 2; P <= MOKK_DEVICE_MAX_RANKS; P *= 2) {
-    ck_assert_msg(gpu_run_ranks(&cs, P, mode, 0.25f, &o, err) == 0, "P=%d: %s", P, err);
-    ck_assert_msg(memcmp(o.out, base.out, (size_t)(T * H) * 2) == 0, "P=%d: out", P);
-    ck_assert_msg(memcmp(o.d_x, base.d_x, (size_t)(T * H) * 2) == 0, "P=%d: d_x", P);
+  for (int i = 0; i < 6; i++) {
+    int P = 2 << (i % 3), spread = i / 3;
+    mokk_cuda_set_spread(gpu, spread);
+    int rc = gpu_run_ranks(&cs, P, mode, 0.25f, &o, err);
+    mokk_cuda_set_spread(gpu, 0);
+    ck_assert_msg(rc == 0, "P=%d spread=%d: %s", P, spread, err);
+    ck_assert_msg(memcmp(o.out, base.out, (size_t)(T * H) * 2) == 0, "P=%d spread=%d: out", P,
+                  spread);
+    ck_assert_msg(memcmp(o.d_x, base.d_x, (size_t)(T * H) * 2) == 0, "P=%d spread=%d: d_x", P,
+                  spread);
     ck_assert_msg(memcmp(o.d_tw, base.d_tw, (size_t)(T * K) * 4) == 0,
-                  "P=%d: d_topk_weights", P);
+                  "P=%d spread=%d: d_topk_weights", P, spread);
     for (int w = 0; w < (s.I_s > 0 ? MOKK_NWEIGHTS : MOKK_S_GATE); w++) {
       size_t n = (size_t)case_weight_elems(&cs, w) * es;
       const void *want = fp32 ? (const void *)base.g_f32[w] : (const void *)base.g_bf16[w];
       if (w < MOKK_S_GATE) {
         const void *got = fp32 ? (const void *)o.g_f32[w] : (const void *)o.g_bf16[w];
-        ck_assert_msg(memcmp(got, want, n) == 0, "P=%d: gradient %s", P, wname[w]);
+        ck_assert_msg(memcmp(got, want, n) == 0, "P=%d spread=%d: gradient %s", P, spread,
+                      wname[w]);
         continue;
       }
       for (int r = 0; r < P; r++) {
         const char *got = fp32 ? (const char *)o.g_shared_copy32[w]
                                : (const char *)o.g_shared_copy[w];
-        ck_assert_msg(memcmp(got + r * n, want, n) == 0, "P=%d: rank %d's gradient %s", P,
-                      r, wname[w]);
+        ck_assert_msg(memcmp(got + r * n, want, n) == 0, "P=%d spread=%d: rank %d's "
+                      "gradient %s", P, spread, r, wname[w]);
       }
     }
     out_free(&o);
   }
   printf("ranks_bitwise: T=%lld H=%lld I=%lld E=%lld K=%lld I_s=%lld: P = 2, 4, 8 give the "
-         "bits of P = 1\n", (long long)T, (long long)H, (long long)s.I, (long long)s.E,
-         (long long)K, (long long)s.I_s);
+         "bits of P = 1, on one buffer set and on a set per rank\n", (long long)T,
+         (long long)H, (long long)s.I, (long long)s.E, (long long)K, (long long)s.I_s);
   out_free(&base);
   case_free(&cs);
 }
@@ -1419,6 +1428,9 @@ START_TEST(ep_ranks_bitwise)
                 MOKK_GRAD_BF16, 63);
   ranks_bitwise((mokk_shape){.H = 128, .I = 64, .E = 8, .K = 3, .I_s = 64, .P = 1}, 8 * 7,
                 ROUTE_DROPS, MOKK_GRAD_FP32_ACCUM, 64);
+  /* every token on experts 0 and 1: all ranks but rank 0 own no rows */
+  ranks_bitwise((mokk_shape){.H = 128, .I = 64, .E = 16, .K = 2, .I_s = 64, .P = 1}, 8 * 5,
+                ROUTE_SAME, MOKK_GRAD_BF16, 66);
 
   /* more virtual ranks than the backend runs on one GPU */
   char err[2 * MOK_ERRLEN] = "";
@@ -1541,91 +1553,100 @@ static int ep_rank_main(void)
  * the shared expert's. A group of 9 is refused at CreateLayer. */
 START_TEST(ep_daemon_bitwise)
 {
-  daemon_run dr;
-  mok_client *c = daemon_start(&dr, NULL, NULL);
-  int dev = mok_server_info(c)->device;
   uint64_t group = 1;
+  /* a mokd whose EP steps share one buffer set, then one whose steps take a
+   * set and a stream per rank (MOKD_EP_SPREAD=1, the multi-GPU layout) */
+  for (int spread = 0; spread < 2; spread++) {
+    daemon_run dr;
+    if (spread)
+      setenv("MOKD_EP_SPREAD", "1", 1);
+    mok_client *c = daemon_start(&dr, NULL, NULL);
+    unsetenv("MOKD_EP_SPREAD");
+    int dev = mok_server_info(c)->device;
 
-  for (int which = 0; which < (int)(sizeof ep_cases / sizeof ep_cases[0]); which++) {
-    moe_case cs;
-    moe_out og;
-    daemon_step st;
-    case_make(&cs, &ep_cases[which].s, ep_cases[which].T, ep_cases[which].seed,
-              ep_cases[which].route);
-    const mokk_shape s = cs.s;
-    daemon_layer(c, &cs, dev, &og, &st); /* P = 1, every expert, every token */
-    for (int P = 2; P <= 4; P *= 2) {
-      int64_t T = cs.T / P, H = s.H, K = s.K;
-      size_t bytes = ep_rank_bytes(&cs, P);
-      char path[4][128], env[6][64];
-      pid_t pid[4];
-      group++;
-      for (int r = 0; r < P; r++) {
-        snprintf(path[r], sizeof path[r], "/tmp/mokd-ep-%d-%d-%d.bin", (int)getpid(), P, r);
-        if ((pid[r] = fork()) == 0) {
-          snprintf(env[0], sizeof env[0], "%d", which);
-          snprintf(env[1], sizeof env[1], "%d", P);
-          snprintf(env[2], sizeof env[2], "%d", r);
-          snprintf(env[3], sizeof env[3], "%llu", (unsigned long long)group);
-          setenv("MOKD_EP_SOCK", dr.sock, 1);
-          setenv("MOKD_EP_OUT", path[r], 1);
-          setenv("MOKD_EP_CASE", env[0], 1);
-          setenv("MOKD_EP_P", env[1], 1);
-          setenv("MOKD_EP_RANK", env[2], 1);
-          setenv("MOKD_EP_GROUP", env[3], 1);
-          execl("/proc/self/exe", "check_gpu", "--ep-rank", (char *)NULL);
-          _exit(127);
+    for (int which = 0; which < (int)(sizeof ep_cases / sizeof ep_cases[0]); which++) {
+      moe_case cs;
+      moe_out og;
+      daemon_step st;
+      case_make(&cs, &ep_cases[which].s, ep_cases[which].T, ep_cases[which].seed,
+                ep_cases[which].route);
+      const mokk_shape s = cs.s;
+      daemon_layer(c, &cs, dev, &og, &st); /* P = 1, every expert, every token */
+      for (int P = 2; P <= 4; P *= 2) {
+        int64_t T = cs.T / P, H = s.H, K = s.K;
+        size_t bytes = ep_rank_bytes(&cs, P);
+        char path[4][128], env[6][64];
+        pid_t pid[4];
+        group++;
+        for (int r = 0; r < P; r++) {
+          snprintf(path[r], sizeof path[r], "/tmp/mokd-ep-%d-%d-%d.bin", (int)getpid(), P, r);
+          if ((pid[r] = fork()) == 0) {
+            snprintf(env[0], sizeof env[0], "%d", which);
+            snprintf(env[1], sizeof env[1], "%d", P);
+            snprintf(env[2], sizeof env[2], "%d", r);
+            snprintf(env[3], sizeof env[3], "%llu", (unsigned long long)group);
+            setenv("MOKD_EP_SOCK", dr.sock, 1);
+            setenv("MOKD_EP_OUT", path[r], 1);
+            setenv("MOKD_EP_CASE", env[0], 1);
+            setenv("MOKD_EP_P", env[1], 1);
+            setenv("MOKD_EP_RANK", env[2], 1);
+            setenv("MOKD_EP_GROUP", env[3], 1);
+            execl("/proc/self/exe", "check_gpu", "--ep-rank", (char *)NULL);
+            _exit(127);
+          }
+          ck_assert_int_gt(pid[r], 0);
         }
-        ck_assert_int_gt(pid[r], 0);
-      }
-      for (int r = 0; r < P; r++) {
-        int sts;
-        ck_assert_int_eq(waitpid(pid[r], &sts, 0), pid[r]);
-        ck_assert_msg(WIFEXITED(sts) && WEXITSTATUS(sts) == 0, "case %d P=%d: rank %d "
-                      "failed (status %d); its output is above", which, P, r, sts);
-      }
-      for (int r = 0; r < P; r++) {
-        char *got = xcalloc((int64_t)bytes, 1);
-        FILE *f = fopen(path[r], "rb");
-        ck_assert_msg(f != NULL && fread(got, 1, bytes, f) == bytes, "%s", path[r]);
-        fclose(f);
-        unlink(path[r]);
-        size_t off = 0, n = (size_t)(T * H) * 2;
-        ck_assert_msg(memcmp(got, og.out + r * T * H, n) == 0, "case %d P=%d rank %d: out",
-                      which, P, r);
-        off += n;
-        ck_assert_msg(memcmp(got + off, og.d_x + r * T * H, n) == 0,
-                      "case %d P=%d rank %d: d_x", which, P, r);
-        off += n;
-        n = (size_t)(T * K) * 4;
-        ck_assert_msg(memcmp(got + off, og.d_tw + r * T * K, n) == 0,
-                      "case %d P=%d rank %d: d_topk_weights", which, P, r);
-        off += n;
-        for (int w = 0; w < (s.I_s ? MOK_NWEIGHTS : MOK_S_GATE); w++) {
-          int64_t e = case_weight_elems(&cs, w) / (w < MOK_S_GATE ? P : 1);
-          ck_assert_msg(memcmp(got + off, og.g_bf16[w] + (w < MOK_S_GATE ? r * e : 0),
-                               (size_t)e * 2) == 0, "case %d P=%d rank %d: gradient %s",
-                        which, P, r, wname[w]);
-          off += (size_t)e * 2;
+        for (int r = 0; r < P; r++) {
+          int sts;
+          ck_assert_int_eq(waitpid(pid[r], &sts, 0), pid[r]);
+          ck_assert_msg(WIFEXITED(sts) && WEXITSTATUS(sts) == 0, "case %d P=%d: rank %d "
+                        "failed (status %d); its output is above", which, P, r, sts);
         }
-        free(got);
+        for (int r = 0; r < P; r++) {
+          char *got = xcalloc((int64_t)bytes, 1);
+          FILE *f = fopen(path[r], "rb");
+          ck_assert_msg(f != NULL && fread(got, 1, bytes, f) == bytes, "%s", path[r]);
+          fclose(f);
+          unlink(path[r]);
+          size_t off = 0, n = (size_t)(T * H) * 2;
+          ck_assert_msg(memcmp(got, og.out + r * T * H, n) == 0, "case %d P=%d rank %d: out",
+                        which, P, r);
+          off += n;
+          ck_assert_msg(memcmp(got + off, og.d_x + r * T * H, n) == 0,
+                        "case %d P=%d rank %d: d_x", which, P, r);
+          off += n;
+          n = (size_t)(T * K) * 4;
+          ck_assert_msg(memcmp(got + off, og.d_tw + r * T * K, n) == 0,
+                        "case %d P=%d rank %d: d_topk_weights", which, P, r);
+          off += n;
+          for (int w = 0; w < (s.I_s ? MOK_NWEIGHTS : MOK_S_GATE); w++) {
+            int64_t e = case_weight_elems(&cs, w) / (w < MOK_S_GATE ? P : 1);
+            ck_assert_msg(memcmp(got + off, og.g_bf16[w] + (w < MOK_S_GATE ? r * e : 0),
+                                 (size_t)e * 2) == 0, "case %d P=%d rank %d: gradient %s",
+                          which, P, r, wname[w]);
+            off += (size_t)e * 2;
+          }
+          free(got);
+        }
+        printf("ep_daemon_bitwise: case %d, P = %d rank processes%s: the bits of P = 1\n",
+               which, P, spread ? ", a buffer set per rank" : "");
       }
-      printf("ep_daemon_bitwise: case %d, P = %d rank processes: the bits of P = 1\n", which,
-             P);
+      out_free(&og);
+      case_free(&cs);
     }
-    out_free(&og);
-    case_free(&cs);
-  }
 
-  /* more virtual ranks than one GPU runs */
-  mok_layer_desc d = {.hidden = 256, .intermediate = 128, .experts = 18, .top_k = 2};
-  uint64_t layer;
-  ck_assert_int_eq(mok_layer_desc_ep(&d, ++group, 9, 0), 0);
-  ck_assert_int_eq(mok_layer_create(c, &d, &layer), MOK_ENOTSUP);
-  ck_assert_msg(strstr(mok_last_error(c), "at most 8 ranks") != NULL, "%s", mok_last_error(c));
-  printf("ep_daemon_bitwise: a group of 9: %s\n", mok_last_error(c));
-  mok_close(c);
-  daemon_stop(&dr);
+    if (!spread) { /* more virtual ranks than one GPU runs */
+      mok_layer_desc d = {.hidden = 256, .intermediate = 128, .experts = 18, .top_k = 2};
+      uint64_t layer;
+      ck_assert_int_eq(mok_layer_desc_ep(&d, ++group, 9, 0), 0);
+      ck_assert_int_eq(mok_layer_create(c, &d, &layer), MOK_ENOTSUP);
+      ck_assert_msg(strstr(mok_last_error(c), "at most 8 ranks") != NULL, "%s",
+                    mok_last_error(c));
+      printf("ep_daemon_bitwise: a group of 9: %s\n", mok_last_error(c));
+    }
+    mok_close(c);
+    daemon_stop(&dr);
+  }
 }
 END_TEST
 
