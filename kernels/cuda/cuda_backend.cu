@@ -205,6 +205,8 @@ static void cuda_destroy(mokk_backend *b)
     cudaEventDestroy(cb->fork_ev);
   if (cb->status != NULL)
     cudaFree(cb->status);
+  if (cb->tile_ctr != NULL)
+    cudaFree(cb->tile_ctr);
   free(cb);
 }
 
@@ -291,6 +293,11 @@ extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
   const char *clusters = getenv("MOKD_GEMM_CLUSTERS");
   if (clusters != NULL && strcmp(clusters, "0") != 0 && strcmp(clusters, "1") != 0)
     return mokk_fail(err, MOK_EINVAL, "MOKD_GEMM_CLUSTERS: \"%s\" is not 0 or 1", clusters);
+  /* and the tile order of grouped GEMMs: dynamic (the default) or static */
+  const char *order = getenv("MOKD_GEMM_ORDER");
+  if (order != NULL && strcmp(order, "dynamic") != 0 && strcmp(order, "static") != 0)
+    return mokk_fail(err, MOK_EINVAL, "MOKD_GEMM_ORDER: \"%s\" is not dynamic or static",
+                     order);
   /* EP steps over a buffer set per rank, the multi-GPU layout, on one GPU */
   const char *spread = getenv("MOKD_EP_SPREAD");
   if (spread != NULL && strcmp(spread, "0") != 0 && strcmp(spread, "1") != 0)
@@ -300,6 +307,7 @@ extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
   cb->tiles = tile_choice;
   cb->clusters = clusters == NULL || strcmp(clusters, "1") == 0;
   cb->spread = spread != NULL && strcmp(spread, "1") == 0;
+  cb->dynamic = order == NULL || strcmp(order, "dynamic") == 0;
   cb->base.iface = &cuda_iface;
   cb->base.device = device;
   cb->device = device;
@@ -309,6 +317,8 @@ extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
   CUDA_CHECK_GOTO(cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking), rc, fail);
   CUDA_CHECK_GOTO(cudaMalloc((void **)&cb->status, sizeof(int)), rc, fail);
   CUDA_CHECK_GOTO(cudaMemset(cb->status, 0, sizeof(int)), rc, fail);
+  CUDA_CHECK_GOTO(cudaMalloc((void **)&cb->tile_ctr, (1 + MOKK_DEVICE_MAX_RANKS) * sizeof(int)),
+                  rc, fail);
   /* keep freed step memory in the pool instead of returning it each time */
   CUDA_CHECK_GOTO(cudaDeviceGetDefaultMemPool(&pool, device), rc, fail);
   CUDA_CHECK_GOTO(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep), rc,
@@ -328,6 +338,11 @@ extern "C" void mokk_cuda_set_max_blocks(mokk_backend *b, int blocks)
 extern "C" void mokk_cuda_set_spread(mokk_backend *b, int on)
 {
   ((cuda_backend *)b)->spread = on != 0;
+}
+
+extern "C" void mokk_cuda_set_dynamic_tiles(mokk_backend *b, int on)
+{
+  ((cuda_backend *)b)->dynamic = on != 0;
 }
 
 extern "C" int mokk_cuda_device(const mokk_backend *b)

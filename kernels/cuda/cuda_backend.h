@@ -26,6 +26,10 @@ void mokk_cuda_set_max_blocks(mokk_backend *b, int blocks);
 /* EP steps over a buffer set and a stream per rank (on != 0), the layout of
  * ranks on several GPUs, or over one shared set (0, the default). */
 void mokk_cuda_set_spread(mokk_backend *b, int on);
+/* Grouped GEMMs take their tiles in order from a device counter (on != 0,
+ * the default) or every grid-th tile each (0); the results do not depend
+ * on it. */
+void mokk_cuda_set_dynamic_tiles(mokk_backend *b, int on);
 int mokk_cuda_device(const mokk_backend *b);
 /* The stream every step runs on (a cudaStream_t). */
 void *mokk_cuda_stream(mokk_backend *b);

@@ -78,6 +78,9 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
    * rows per expert on. MOKD_GEMM_TILES=wide or tall and
    * MOKD_GEMM_CLUSTERS=0 force a choice, to measure them against each other. */
   if (cb->arch == 90) {
+    gemm_args order = *a; /* the tile order: the stream's counter, or static */
+    order.sched = cb->dynamic ? cb->tile_ctr : NULL;
+    a = &order;
     int grid = grid_for(cb, gemm_tiles(a, LAYOUT), 1);
     /* over the whole schedule, so that a rank's slice of the experts takes
      * the tiles that one rank running them all would (the same bits) */
@@ -707,6 +710,7 @@ static cuda_backend rank_backend(const cuda_backend *cb, int r)
 {
   cuda_backend on = *cb;
   on.stream = cb->part_st[r];
+  on.tile_ctr = cb->tile_ctr + 1 + r;
   return on;
 }
 

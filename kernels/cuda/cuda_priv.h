@@ -22,8 +22,12 @@ typedef struct cuda_backend {
   int arch;             /* compute capability as 10 major + minor; 0 until asked */
   int tiles;            /* MOKK_TILES_*: MOKD_GEMM_TILES, auto unless measuring */
   int clusters;         /* grouped NT/NN GEMMs on clusters of two (MOKD_GEMM_CLUSTERS) */
+  int dynamic;          /* grouped NT GEMMs take tiles from a counter (MOKD_GEMM_ORDER) */
   cudaStream_t stream;
   int *status;          /* device: bit 0 = an expert id out of range */
+  /* device: the tile counter of the GEMMs on `stream` (dynamic order; each
+   * launch zeroes it), then one for each rank stream */
+  int *tile_ctr;
   cuda_buffer *retired; /* released, waiting for their fence (loop thread only) */
   /* EP steps spread over a buffer set and a stream per rank (cuda_moe.cu,
    * "spread steps"), as ranks on several GPUs will run; off by default,

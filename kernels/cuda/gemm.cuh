@@ -64,6 +64,9 @@ typedef struct gemm_args {
   int accum;            /* E_WGRAD: add into fp32 */
   void *maps;           /* grouped TN on the Hopper core: GEMM_TN_MAP_BYTES a group of
                          * device memory, 128-byte aligned, for its tensor maps */
+  int *sched;           /* grouped NT on the Hopper core, single blocks: a device counter that
+                         * hands out tiles in order (the launch zeroes it); NULL: each
+                         * block takes every grid-th tile */
 } gemm_args;
 
 /* The Hopper core's grouped weight gradients read each group through two

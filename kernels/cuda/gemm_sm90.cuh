@@ -59,6 +59,8 @@ constexpr int CHUNK = 64 * BK * 2; /* one MN-major 64-wide chunk of a stage */
 constexpr int RASTER_M = 16;       /* dense GEMMs: m-tiles per band */
 
 constexpr int SMEM_MAX = 232448;  /* dynamic shared memory a block may opt into */
+constexpr int SLOTS = 4;          /* the tile-order ring (ring_put) */
+constexpr int RING_BYTES = 2 * SLOTS * 8 + SLOTS * 4;
 
 /* BM: rows of a tile, 128 (64 per consumer warpgroup) or, for the grouped
  * GEMMs whose weight slabs must be read once per expert, 256 (128 each).
@@ -70,10 +72,11 @@ struct cfg {
   static constexpr int A_BYTES = BM * BK * 2;
   static constexpr int B_BYTES = BN * BK * 2;
   static constexpr int OUT_BYTES = TS ? (PP ? 2 : 1) * BM * BN * 2 : 0;
-  static constexpr int FIT = (SMEM_MAX - 1024 - OUT_BYTES - 96) / (A_BYTES + B_BYTES);
+  static constexpr int FIT = (SMEM_MAX - 1024 - OUT_BYTES - 96 - RING_BYTES) / (A_BYTES + B_BYTES);
   static constexpr int STAGES = TS ? (FIT < 6 ? FIT : 6) : BN + BM == 256 ? 6 : 4;
   /* + 1024 to align the ring by hand */
-  static constexpr int SMEM = STAGES * (A_BYTES + B_BYTES) + OUT_BYTES + 2 * STAGES * 8 + 1024;
+  static constexpr int SMEM =
+      STAGES * (A_BYTES + B_BYTES) + OUT_BYTES + 2 * STAGES * 8 + RING_BYTES + 1024;
   static_assert(SMEM <= SMEM_MAX, "shared memory");
 };
 
@@ -187,6 +190,66 @@ __device__ __forceinline__ tile unit_at(const gemm_args &a, int64_t u, int64_t t
       x.share = y.nt == x.nt ? SHARE_B : y.mt == x.mt ? SHARE_A : SHARE_NONE;
   }
   return x;
+}
+
+/* ---- tile order -------------------------------------------------------------
+ * Static (a.sched == NULL): block (or cluster) b takes units b, b + grid, ...
+ * Dynamic: the block's producer takes the next tile from a device counter
+ * (an integer atomic: scheduling only, no value depends on it) and passes
+ * it to the consumers through a ring of SLOTS slots. Tiles then run in
+ * their order, neighbours at the same time: with static tiles, blocks drift
+ * apart, and the tiles running at one time are scattered over the weights.
+ * The tile a block gets never changes a tile's bits. */
+struct ring {
+  uint64_t *full, *empty; /* full: the producer's arrival; empty: the 8 consumer warps' */
+  int *unit;
+  int j;
+  uint32_t ph;
+};
+
+__device__ __forceinline__ void ring_next(ring &q)
+{
+  if (++q.j == SLOTS) {
+    q.j = 0;
+    q.ph ^= 1;
+  }
+}
+
+/* The producer publishes tile u (or `tiles`: none left), once every
+ * consumer warp has taken the slot's previous one. */
+__device__ __forceinline__ void ring_put(ring &q, int u)
+{
+  bar_wait(&q.empty[q.j], q.ph ^ 1);
+  q.unit[q.j] = u;
+  bar_arrive(&q.full[q.j]);
+  ring_next(q);
+}
+
+/* A consumer warp (every lane calls it) takes the next tile. */
+__device__ __forceinline__ int ring_take(ring &q, int lane)
+{
+  bar_wait(&q.full[q.j], q.ph);
+  int u = *(volatile int *)&q.unit[q.j];
+  __syncwarp();
+  if (lane == 0)
+    bar_arrive(&q.empty[q.j]);
+  ring_next(q);
+  return u;
+}
+
+/* Which kernels compile the dynamic order: the grouped NT GEMMs on single
+ * blocks (the forward's, where experts average at most 128 rows). mok's
+ * forward: 13.09-13.20 ms static, 12.60-12.66 dynamic (bench_gpu, three
+ * rounds in each of three calls). On clusters (dsv3's gate/up) it read 16.5
+ * GB where static tiles read 21.5-23.7 and ran 0.2-0.4 ms faster under
+ * Nsight Compute, yet the layer's forward ran 1.5 % slower in bench_gpu, and
+ * 2.4 % slower with the code compiled in and the order static: clusters keep
+ * the static order until that is understood. d_x (NN) ran 6.69 static
+ * against 7.28 ms dynamic. */
+template <int LAYOUT, bool PP, int CL>
+__host__ __device__ constexpr bool dynamic_order()
+{
+  return LAYOUT == L_NT && !PP && CL == 1;
 }
 
 template <int LAYOUT>
@@ -610,8 +673,8 @@ __device__ __forceinline__ void stage_release(uint64_t *empty, int prev, int lan
 template <int LAYOUT, int EPI, int BN, int BM, int CL>
 __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsigned char *sa,
                                             unsigned char *sb, unsigned char *out, uint32_t sa0,
-                                            uint32_t sb0, uint64_t *full, uint64_t *empty, int cw,
-                                            int ct, int warp, int lane)
+                                            uint32_t sb0, uint64_t *full, uint64_t *empty, ring q,
+                                            int cw, int ct, int warp, int lane)
 {
   const gemm_args &a = p.g;
   constexpr int TA = LAYOUT == L_TN, TB = LAYOUT != L_NT;
@@ -623,9 +686,15 @@ __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsi
                 "tall tiles: 2 x 64 accumulators a thread, K-major A");
   const int b0 = TALL ? 2 * cw : cw; /* this warpgroup's first 64-row block */
   const int rank = CL == 2 ? (int)cluster_rank() : 0;
+  constexpr bool DYN = dynamic_order<LAYOUT, false, CL>();
+  const int64_t units = (tiles + CL - 1) / CL;
   int s = 0;
   uint32_t ph = 0;
-  for (int64_t u = blockIdx.x / CL; u < (tiles + CL - 1) / CL; u += gridDim.x / CL) {
+  for (int64_t u = blockIdx.x / CL;; u += gridDim.x / CL) {
+    if (DYN && a.sched != NULL)
+      u = ring_take(q, lane);
+    if (u >= units)
+      break;
     tile x = unit_at<LAYOUT, BN, BM, CL>(a, u, tiles, rank);
     int nk = k_blocks<LAYOUT>(a, x);
     /* a group's last m-tile often has no rows for some 64-row blocks: their
@@ -771,6 +840,7 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
   unsigned char *sa = (unsigned char *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
   unsigned char *sb = sa + STAGES * A_BYTES, *out = sb + STAGES * B_BYTES;
   uint64_t *full = (uint64_t *)(out + C::OUT_BYTES), *empty = full + STAGES;
+  ring q = {empty + STAGES, empty + STAGES + SLOTS, (int *)(empty + STAGES + 2 * SLOTS), 0, 0};
   const gemm_args &a = p.g;
   const int wg = threadIdx.x / 128;
 
@@ -779,6 +849,10 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
       bar_init(&full[s], 1);
       /* one arrival per warp that reads the stage, in both blocks of a cluster */
       bar_init(&empty[s], (PP ? 4 : 8) * CL);
+    }
+    for (int j = 0; j < SLOTS; j++) {
+      bar_init(&q.full[j], 1);
+      bar_init(&q.empty[j], 8);
     }
     bar_init_fence();
   }
@@ -799,7 +873,14 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
     int mg = -1;
     int s = 0;
     uint32_t ph = 0;
-    for (int64_t u = blockIdx.x / CL; u < (tiles + CL - 1) / CL; u += gridDim.x / CL) {
+    constexpr bool DYN = dynamic_order<LAYOUT, PP, CL>();
+    const int64_t units = (tiles + CL - 1) / CL;
+    const bool dyn = DYN && a.sched != NULL;
+    for (int64_t u = blockIdx.x / CL;;) {
+      if (dyn)
+        ring_put(q, (int)(u < units ? u : units));
+      if (u >= units)
+        break;
       tile x = unit_at<LAYOUT, BN, BM, CL>(a, u, tiles, rank);
       int nk = k_blocks<LAYOUT>(a, x), bytes = a_boxes<LAYOUT, BM>(x) * CHUNK + B_BYTES;
       if (LAYOUT != L_TN && x.rows == 0) /* a cluster's empty tile */
@@ -822,6 +903,7 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
           ph ^= 1;
         }
       }
+      u = (dyn ? atomicAdd(a.sched, 1) : u) + gridDim.x / CL;
     }
     /* a cluster: stay until both blocks' consumers have released every stage,
      * so none of the other block's arrivals lands after this block is gone */
@@ -843,8 +925,8 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
     pingpong<LAYOUT, EPI>(p, tiles, sa, sb, out, sa0, sb0, full, empty, cw, ct & 127, warp,
                           lane);
   else
-    cooperative<LAYOUT, EPI, BN, BM, CL>(p, tiles, sa, sb, out, sa0, sb0, full, empty, cw, ct,
-                                         warp, lane);
+    cooperative<LAYOUT, EPI, BN, BM, CL>(p, tiles, sa, sb, out, sa0, sb0, full, empty, q, cw,
+                                         ct, warp, lane);
 #else
   __trap(); /* launched only on sm_90 devices */
 #endif
@@ -939,9 +1021,14 @@ static int gemm(const gemm_args *a, int64_t a_rows, int grid, cudaStream_t strea
   int rc = make_params<LAYOUT, EPI, BN, BM, CL>(&p, a, a_rows, err);
   if (rc)
     return rc;
+  cudaError_t e = cudaSuccess;
+  if (!dynamic_order<LAYOUT, PP, CL>() || a->count == NULL) /* dense GEMMs: static order */
+    p.g.sched = NULL;
+  if (p.g.sched != NULL && (e = cudaMemsetAsync(p.g.sched, 0, sizeof(int), stream)) != cudaSuccess)
+    return mokk_fail(err, MOK_EDEVICE, "GEMM tile counter: %s (%s)", cudaGetErrorString(e),
+                     cudaGetErrorName(e));
   const int smem = cfg<BN, BM, PP, stores_tiles<EPI>()>::SMEM;
   void (*kernel)(params) = k_gemm90<LAYOUT, EPI, BN, PP, BM, CL>;
-  cudaError_t e = cudaSuccess;
   if (LAYOUT == L_TN && a->count != NULL && a->groups > 0) {
     k_tn_maps<<<(2 * a->groups + 127) / 128, 128, 0, stream>>>(p, a_rows);
     if ((e = cudaGetLastError()) != cudaSuccess)

@@ -71,7 +71,7 @@ int main(int argc, char **argv)
   }
   for (int v = 0; v < GEMM_VARIANTS; v++) {
     double worst = 0;
-    int f = gemm_core_check(v, 0, msg, sizeof msg, &worst);
+    int f = gemm_core_check(v, 0, 1, msg, sizeof msg, &worst);
     printf("check %s: %s(%d failing, worst %.3f of tolerance)\n", VNAME[v], msg, f, worst);
     bad += f != 0;
   }

@@ -301,7 +301,8 @@ static void expect_same(const moe_out *a, const moe_out *b, const moe_case *c, c
 }
 
 /* The Hopper GEMM core, layout by layout, against an fp32 reference: each
- * variant, on every SM and on three blocks (each walks many tiles). */
+ * variant, on every SM and on three blocks (each walks many tiles), with
+ * the grouped tiles in static order and from the tile counter. */
 START_TEST(gemm_core_layouts)
 {
   static const char *names[GEMM_VARIANTS] = {"coop128", "coop256", "pingpong", "tall",
@@ -315,11 +316,14 @@ START_TEST(gemm_core_layouts)
     return;
   }
   for (int v = 0; v < GEMM_VARIANTS; v++)
-    for (size_t i = 0; i < sizeof grids / sizeof grids[0]; i++) {
-      int f = gemm_core_check(v, grids[i], msg, sizeof msg, &worst);
-      printf("gemm_core_layouts %s grid=%d: %s\n", names[v], grids[i], msg);
-      ck_assert_msg(f == 0, "%s grid=%d: %d case(s) failed: %s", names[v], grids[i], f, msg);
-    }
+    for (size_t i = 0; i < sizeof grids / sizeof grids[0]; i++)
+      for (int dyn = 0; dyn < 2; dyn++) {
+        int f = gemm_core_check(v, grids[i], dyn, msg, sizeof msg, &worst);
+        printf("gemm_core_layouts %s grid=%d %s: %s\n", names[v], grids[i],
+               dyn ? "dynamic" : "static", msg);
+        ck_assert_msg(f == 0, "%s grid=%d %s: %d case(s) failed: %s", names[v], grids[i],
+                      dyn ? "dynamic" : "static", f, msg);
+      }
 }
 END_TEST
 
@@ -385,6 +389,34 @@ START_TEST(block_count_invariance)
   }
   mokk_cuda_set_max_blocks(gpu, 0);
   out_free(&full), case_free(&c);
+}
+END_TEST
+
+/* The forward's grouped GEMMs take tiles from a counter or every grid-th
+ * one: the same bits either way, on a full grid and on three blocks (the
+ * tile ring wraps several times). Experts of about 75 rows: single blocks,
+ * the kernels that take the counter. */
+START_TEST(tile_order_invariance)
+{
+  mokk_shape s = {.H = 256, .I = 128, .E = 32, .K = 4, .I_s = 64, .P = 1};
+  static const int blocks[] = {0, 3};
+  moe_case c;
+  moe_out dyn, fixed;
+  char err[2 * MOK_ERRLEN] = "";
+
+  case_make(&c, &s, 600, 12, ROUTE_RANDOM);
+  for (size_t i = 0; i < sizeof blocks / sizeof blocks[0]; i++) {
+    mokk_cuda_set_max_blocks(gpu, blocks[i]);
+    mokk_cuda_set_dynamic_tiles(gpu, 1);
+    ck_assert_msg(gpu_run(&c, 1, MOKK_GRAD_BF16, 0, &dyn, err) == 0, "%s", err);
+    mokk_cuda_set_dynamic_tiles(gpu, 0);
+    ck_assert_msg(gpu_run(&c, 1, MOKK_GRAD_BF16, 0, &fixed, err) == 0, "%s", err);
+    expect_same(&dyn, &fixed, &c, "static tile order");
+    out_free(&dyn), out_free(&fixed);
+  }
+  mokk_cuda_set_dynamic_tiles(gpu, 1);
+  mokk_cuda_set_max_blocks(gpu, 0);
+  case_free(&c);
 }
 END_TEST
 
@@ -1674,6 +1706,7 @@ static Suite *gpu_suite(void)
   tcase_add_test(tc, repeat_20_bitwise);
   tcase_add_test(tc, backward_reads_moved_weights);
   tcase_add_test(tc, block_count_invariance);
+  tcase_add_test(tc, tile_order_invariance);
   tcase_add_test(tc, batch_invariance);
   suite_add_tcase(su, tc);
   tc = tcase_create("errors");

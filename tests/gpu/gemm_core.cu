@@ -89,13 +89,14 @@ typedef struct grouping {
   int count[8], row_start[8], tile_off[18]; /* m-tiles of 128 rows, then of 256 */
   int *d_count, *d_row_start, *d_tile_off;
   void *d_maps; /* the grouped weight gradients' tensor maps */
+  int *d_sched; /* the tile counter of grouped NT and NN GEMMs; NULL: static order */
 } grouping;
 
 /* the weight gradients' last k-blocks: 1, 2 (90 rows), 3 and 4 k16 steps */
 static const int GROUP_ROWS[] = {0, 1, 130, 300, 64, 90};
 #define NG (int)(sizeof GROUP_ROWS / sizeof GROUP_ROWS[0])
 
-static void grouping_make(grouping *gp)
+static void grouping_make(grouping *gp, bool dynamic)
 {
   memset(gp, 0, sizeof *gp);
   gp->groups = NG;
@@ -114,12 +115,14 @@ static void grouping_make(grouping *gp)
   cudaMemcpy(gp->d_row_start, gp->row_start, sizeof gp->row_start, cudaMemcpyHostToDevice);
   cudaMemcpy(gp->d_tile_off, gp->tile_off, sizeof gp->tile_off, cudaMemcpyHostToDevice);
   cudaMalloc(&gp->d_maps, (size_t)gp->groups * GEMM_TN_MAP_BYTES);
+  if (dynamic)
+    cudaMalloc(&gp->d_sched, sizeof(int));
 }
 
 static void grouping_free(grouping *gp)
 {
   cudaFree(gp->d_count), cudaFree(gp->d_row_start), cudaFree(gp->d_tile_off);
-  cudaFree(gp->d_maps);
+  cudaFree(gp->d_maps), cudaFree(gp->d_sched);
 }
 
 static gemm_args grouped_args(const grouping *gp)
@@ -132,6 +135,7 @@ static gemm_args grouped_args(const grouping *gp)
   a.tile_off = gp->d_tile_off;
   a.tile_off_tall = gp->d_tile_off + gp->groups + 1;
   a.maps = gp->d_maps;
+  a.sched = gp->d_sched;
   return a;
 }
 
@@ -180,7 +184,7 @@ static int sms(void)
  * TN bf16 and fp32-accumulate with the C/C2 split, grouped and dense. Each
  * line of the report names a case and its error / tolerance. */
 template <int BN, bool PP, int BM, int CL = 1>
-static int run_cases(int grid, char *msg, size_t msglen, double *worst_out)
+static int run_cases(int grid, bool dynamic, char *msg, size_t msglen, double *worst_out)
 {
   grouping gp;
   char err[256];
@@ -190,7 +194,7 @@ static int run_cases(int grid, char *msg, size_t msglen, double *worst_out)
   const int K = 192, N = 320, IE = 192, R = 585; /* R = sum of GROUP_ROWS */
 
   constexpr int TN_BM = BM == 256 ? 128 : BM; /* tall tiles are for NT and NN */
-  grouping_make(&gp);
+  grouping_make(&gp, dynamic);
   if (gp.rows != R) {
     snprintf(msg, msglen, "grouping has %d rows", gp.rows);
     return -1;
@@ -389,24 +393,25 @@ extern "C" int gemm_core_available(void)
 /* Every case for one variant of the core (GEMM_COOP128, GEMM_COOP256,
  * GEMM_PINGPONG) on `grid` blocks (0: one per SM). Returns the number of
  * failing cases (the report names them), or -1 when a case could not run. */
-extern "C" int gemm_core_check(int variant, int grid, char *msg, size_t msglen, double *worst)
+extern "C" int gemm_core_check(int variant, int grid, int dynamic, char *msg, size_t msglen,
+                                double *worst)
 {
   if (grid <= 0)
     grid = sms();
   msg[0] = 0;
   switch (variant) {
   case GEMM_COOP256:
-    return run_cases<256, false, 128>(grid, msg, msglen, worst);
+    return run_cases<256, false, 128>(grid, dynamic != 0, msg, msglen, worst);
   case GEMM_PINGPONG:
-    return run_cases<128, true, 128>(grid, msg, msglen, worst);
+    return run_cases<128, true, 128>(grid, dynamic != 0, msg, msglen, worst);
   case GEMM_TALL:
-    return run_cases<128, false, 256>(grid, msg, msglen, worst);
+    return run_cases<128, false, 256>(grid, dynamic != 0, msg, msglen, worst);
   case GEMM_WIDE2:
-    return run_cases<256, false, 128, 2>(grid, msg, msglen, worst);
+    return run_cases<256, false, 128, 2>(grid, dynamic != 0, msg, msglen, worst);
   case GEMM_TALL2:
-    return run_cases<128, false, 256, 2>(grid, msg, msglen, worst);
+    return run_cases<128, false, 256, 2>(grid, dynamic != 0, msg, msglen, worst);
   default:
-    return run_cases<128, false, 128>(grid, msg, msglen, worst);
+    return run_cases<128, false, 128>(grid, dynamic != 0, msg, msglen, worst);
   }
 }
 

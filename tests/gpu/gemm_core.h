@@ -26,7 +26,8 @@ enum {
 
 /* 1 when the current device runs the Hopper core (sm_90). */
 int gemm_core_available(void);
-int gemm_core_check(int variant, int grid, char *msg, size_t msglen, double *worst);
+/* dynamic: grouped NT and NN GEMMs take their tiles from a counter */
+int gemm_core_check(int variant, int grid, int dynamic, char *msg, size_t msglen, double *worst);
 double gemm_core_time(int M, int N, int K, int variant, int iters, double *worst);
 double gemm_core_time_wgrad(int groups, int rows, int M, int N, int variant, int iters);
 double gemm_core_time_grouped(int groups, int rows, int N, int K, int variant, int iters);
