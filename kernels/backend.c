@@ -2,6 +2,16 @@
  * the defaults of the optional ones: host memory, steps done on return. */
 #include "backend_impl.h"
 
+/* A rank runs on the step's backend or on another of its kind, which the
+ * backend then accepts (linked GPUs) or refuses. */
+static int rank_dev_check(const mokk_backend *b, int r, const mokk_backend *dev, char *err)
+{
+  if (dev != NULL && dev->iface != b->iface)
+    return mokk_fail(err, MOK_EINVAL, "EP rank %d names a %s backend to run on; the step's "
+                     "backend is %s", r, dev->iface->name, b->iface->name);
+  return 0;
+}
+
 int mokk_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
                  const mokk_fwd_rank *ranks, mokk_ctx **ctx, char *err)
 {
@@ -13,6 +23,9 @@ int mokk_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
     *ctx = NULL;
   if ((rc = mokk_fwd_check(s, T, ranks, err)))
     return rc;
+  for (int r = 0; r < s->P; r++)
+    if ((rc = rank_dev_check(b, r, ranks[r].dev, err)))
+      return rc;
   return b->iface->forward(b, s, T, ranks, ctx, err);
 }
 
@@ -25,6 +38,9 @@ int mokk_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
     return mokk_fail(err, MOK_ENULL, "backend or forward context is NULL");
   if ((rc = mokk_bwd_check(&ctx->shape, ctx->T, mode, ranks, err)))
     return rc;
+  for (int r = 0; r < ctx->shape.P; r++)
+    if ((rc = rank_dev_check(b, r, ranks[r].dev, err)))
+      return rc;
   return b->iface->backward(b, ctx, mode, ranks, err);
 }
 

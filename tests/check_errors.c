@@ -26,8 +26,8 @@ static void setup(void)
     g16[w] = calloc((size_t)case_weight_elems(&c, w), 2);
   for (int r = 0; r < 2; r++) {
     fr[r] = (mokk_fwd_rank){c.x + r * 4 * 16, c.ids + r * 8, c.tw + r * 8, {0},
-                            out + r * 64};
-    br[r] = (mokk_bwd_rank){c.d_out + r * 64, dx + r * 64, dtw + r * 8, {0}, {0}, {0}};
+                            out + r * 64, NULL};
+    br[r] = (mokk_bwd_rank){c.d_out + r * 64, dx + r * 64, dtw + r * 8, {0}, {0}, {0}, NULL};
     for (int w = 0; w < MOKK_NWEIGHTS; w++) {
       int64_t per = w < MOKK_S_GATE ? case_weight_elems(&c, w) / 2 : 0;
       fr[r].w[w] = c.w[w] + r * per;

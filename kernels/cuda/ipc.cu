@@ -63,6 +63,11 @@ void mokk_cuda_events_free(mokk_events *ev)
   free(ev);
 }
 
+int mokk_cuda_events_device(const mokk_events *ev)
+{
+  return ev->device;
+}
+
 int mokk_cuda_wait(mokk_backend *b, mokk_events *ev, const void *handle,
                               char *err)
 {
@@ -95,7 +100,11 @@ int mokk_cuda_wait(mokk_backend *b, mokk_events *ev, const void *handle,
     r->ev = opened;
   }
   r->used = ++ev->clock;
+  /* the client may be on another GPU than b (an EP rank there): the wait
+   * crosses devices, and b's device is current again for the step */
   CUDA_CHECK(cudaStreamWaitEvent((cudaStream_t)mokk_cuda_stream(b), r->ev, 0));
+  if (ev->device != mokk_cuda_device(b))
+    CUDA_CHECK(cudaSetDevice(mokk_cuda_device(b)));
   return 0;
 }
 
