@@ -170,6 +170,7 @@ struct mokd_server {
   mokk_backend *backend;  /* the CPU backend, or the first GPU's */
   mokd_gpu gpus[MOKD_MAX_GPUS];
   int ngpus;
+  int gpus_linked;        /* peer access between all of them: EP groups may span them */
   uv_pipe_t listener;
   int listening;
   uv_signal_t sig_term, sig_int, sig_hup;

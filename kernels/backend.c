@@ -145,13 +145,20 @@ int mokk_backend_check(mokk_backend *b, char *err)
   return b->iface->check != NULL ? b->iface->check(b, err) : 0;
 }
 
+int mokk_events_make(mokk_backend *b, mokk_events **ev, char *err)
+{
+  if (b->iface->events_new == NULL || *ev != NULL)
+    return 0;
+  return b->iface->events_new(b, ev, err);
+}
+
 int mokk_step_begin(mokk_backend *b, mokk_events **ev, const void *ready, char *err)
 {
   int rc;
 
   if (b->iface->step_begin == NULL)
     return 0;
-  if (*ev == NULL && (rc = b->iface->events_new(b, ev, err)) != 0)
+  if ((rc = mokk_events_make(b, ev, err)) != 0)
     return rc;
   return b->iface->step_begin(b, *ev, ready, err);
 }

@@ -105,6 +105,10 @@ int mokk_backend_check(mokk_backend *b, char *err);
 
 /* ---- ordering with a client process (no host waits) --------------------- */
 
+/* Makes *ev, if it is NULL, for clients of b's device: the events of a
+ * client are its GPU's, whichever backend then runs its steps (an EP rank
+ * on another GPU of a linked step). Nothing on the CPU backend. */
+int mokk_events_make(mokk_backend *b, mokk_events **ev, char *err);
 /* Before a step: makes *ev on first use; on a device backend the step then
  * waits on the device for the client's ready event (ready: an IPC event
  * handle, or NULL). Nothing to do on the CPU backend, where *ev stays NULL. */
