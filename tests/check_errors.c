@@ -64,6 +64,25 @@ START_TEST(good_input_runs)
 }
 END_TEST
 
+START_TEST(rank_on_another_backend)
+{
+  mokk_backend *other;
+  mokk_ctx *ctx;
+
+  ck_assert_int_eq(mokk_cpu_create(1, &other, err), 0);
+  fr[1].dev = be; /* the step's own backend: as NULL */
+  ck_assert_int_eq(mokk_forward(be, &good, 4, fr, &ctx, err), 0);
+  br[1].dev = other;
+  ck_assert_int_eq(mokk_backward(be, ctx, MOKK_GRAD_BF16, br, err), MOK_ENOTSUP);
+  ck_assert_msg(strstr(err, "EP rank 1 names another backend") != NULL, "%s", err);
+  mokk_ctx_free(be, ctx);
+  fr[1].dev = other;
+  expect_fwd(good, 4, MOK_ENOTSUP, "the cpu backend runs every rank of a step itself");
+  fr[1].dev = NULL, br[1].dev = NULL;
+  mokk_backend_destroy(other);
+}
+END_TEST
+
 START_TEST(expert_id_out_of_range)
 {
   c.ids[8 + 3] = 4;
@@ -203,6 +222,7 @@ Suite *errors_suite(void)
   TCase *tc = tcase_create("invalid_input");
   tcase_add_checked_fixture(tc, setup, teardown);
   tcase_add_test(tc, good_input_runs);
+  tcase_add_test(tc, rank_on_another_backend);
   tcase_add_test(tc, expert_id_out_of_range);
   tcase_add_test(tc, experts_do_not_divide_over_ranks);
   tcase_add_test(tc, zero_sizes);
