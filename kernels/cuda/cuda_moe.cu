@@ -727,7 +727,6 @@ static int spread_ready(cuda_backend *cb, int P, const int *dev, char *err)
   if (cb->fork_ev == NULL)
     CK(cudaEventCreateWithFlags(&cb->fork_ev, cudaEventDisableTiming));
   for (int r = 0; r < P; r++) {
-    cuda_peer *pr = &cb->peer[dev[r]];
     if (dev[r] == cb->device) {
       if (cb->part_st[r] == NULL)
         CK(cudaStreamCreateWithFlags(&cb->part_st[r], cudaStreamNonBlocking));
@@ -737,6 +736,7 @@ static int spread_ready(cuda_backend *cb, int P, const int *dev, char *err)
     }
     if ((rc = cuda_peer_ready(cb, dev[r], err)))
       return rc;
+    cuda_peer *pr = &cb->peer[dev[r]];
     CK(cudaSetDevice(dev[r]));
     if (pr->part_st[r] == NULL)
       CUDA_CHECK_GOTO(cudaStreamCreateWithFlags(&pr->part_st[r], cudaStreamNonBlocking), rc,
@@ -756,9 +756,13 @@ out:
  * clients' ready events). */
 static int spread_fork(cuda_backend *cb, int P, const int *dev, char *err)
 {
+  int rc;
   CK(cudaEventRecord(cb->fork_ev, cb->stream));
-  for (int r = 0; r < P; r++)
+  for (int r = 0; r < P; r++) {
+    if ((rc = rank_enter(cb, dev, r, err)))
+      return rc;
     CK(cudaStreamWaitEvent(rank_stream(cb, dev, r), cb->fork_ev, 0));
+  }
   return 0;
 }
 
@@ -771,10 +775,13 @@ static int spread_barrier(cuda_backend *cb, int P, const int *dev, char *err)
       return rc;
     CK(cudaEventRecord(rank_event(cb, dev, q), rank_stream(cb, dev, q)));
   }
-  for (int r = 0; r < P; r++)
+  for (int r = 0; r < P; r++) {
+    if ((rc = rank_enter(cb, dev, r, err)))
+      return rc;
     for (int q = 0; q < P; q++)
       if (q != r)
         CK(cudaStreamWaitEvent(rank_stream(cb, dev, r), rank_event(cb, dev, q), 0));
+  }
   return 0;
 }
 
@@ -1004,7 +1011,7 @@ static int spread_backward(cuda_backend *cb, cuda_ctx *c, mokk_grad_mode mode,
   for (int r = 0; r < P; r++)
     pd[r] = ranks[r].d_out, py[r] = c->part[r].y;
   if ((rc = spread_fork(cb, P, dev, err)))
-    return rc;
+    goto out;
   for (int r = 0; r < P; r++) {
     if ((rc = rank_enter(cb, dev, r, err)))
       goto out;
