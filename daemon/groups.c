@@ -140,6 +140,15 @@ static int same_device(const mokd_group *g, const mokd_session *s, char *err)
   return 0;
 }
 
+int mokd_group_spans(const mokd_layer *l)
+{
+  const mokd_group *g = l->group;
+  for (int i = 0; g != NULL && i < g->P; i++)
+    if (g->member[i] != NULL && g->member[i]->owner->backend != l->owner->backend)
+      return 1;
+  return 0;
+}
+
 int mokd_group_join(mokd_session *s, mokd_layer *l, const Mokd__EpGroup *ep, uint64_t req_id,
                     char *err)
 {

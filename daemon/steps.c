@@ -592,7 +592,7 @@ static int forward_step(mokd_session *s, const Mokd__Request *q, mokd_layer *l, 
     goto fail;
   /* the context is charged before the step allocates it; a group's ranks
    * share one, each its 1/P */
-  uint64_t bound = mokk_ctx_bytes_bound(&l->shape, j->T);
+  uint64_t bound = mokk_backend_ctx_bound(s->backend, &l->shape, j->T, mokd_group_spans(l));
   bound = bound / (uint64_t)l->shape.P + (bound % (uint64_t)l->shape.P != 0);
   if (j->want_ctx && (rc = mokd_result_charge(s, r, bound, err))) {
     char why[MOK_ERRLEN];

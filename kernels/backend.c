@@ -44,6 +44,14 @@ int mokk_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
   return b->iface->backward(b, ctx, mode, ranks, err);
 }
 
+uint64_t mokk_backend_ctx_bound(const mokk_backend *b, const mokk_shape *s, int64_t T,
+                                int spans)
+{
+  if (b->iface->ctx_bound != NULL)
+    return b->iface->ctx_bound(b, s, T, spans);
+  return mokk_ctx_bytes_bound(s, T);
+}
+
 void mokk_ctx_free(mokk_backend *b, mokk_ctx *ctx)
 {
   if (b != NULL && ctx != NULL)

@@ -68,6 +68,11 @@ int mokk_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
 int mokk_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
                   const mokk_bwd_rank *ranks, char *err);
 void mokk_ctx_free(mokk_backend *b, mokk_ctx *ctx);
+/* At least the bytes of the forward context b makes for a step of s->P
+ * ranks of T tokens (mokk_ctx_bytes_bound, or more where the backend lays
+ * the step out otherwise); spans != 0: the ranks are on several devices. */
+uint64_t mokk_backend_ctx_bound(const mokk_backend *b, const mokk_shape *s, int64_t T,
+                                int spans);
 size_t mokk_ctx_bytes(const mokk_backend *b, const mokk_ctx *ctx);
 void mokk_backend_destroy(mokk_backend *b);
 const char *mokk_backend_name(const mokk_backend *b);

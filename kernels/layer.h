@@ -103,6 +103,11 @@ int64_t mokk_weight_elems(const mokk_shape *s, int which);
  * arrays. Known before the step, so that a quota can refuse a context
  * before any of it is allocated. UINT64_MAX when it overflows. */
 uint64_t mokk_ctx_bytes_bound(const mokk_shape *s, int64_t T);
+/* The same for a step laid out as ranks on several GPUs run it (the CUDA
+ * backend's spread layout), where each rank's buffers are sized for every
+ * pair landing on its experts: P times the above, and each rank's
+ * alignment slop. */
+uint64_t mokk_ctx_bytes_bound_spread(const mokk_shape *s, int64_t T);
 
 /* Checks shapes, pointers and expert ids of a forward step over s->P ranks. */
 int mokk_fwd_check(const mokk_shape *s, int64_t T, const mokk_fwd_rank *ranks,

@@ -20,6 +20,15 @@ static size_t cuda_ctx_bytes(const mokk_ctx *ctx)
   return ((const cuda_ctx *)ctx)->bytes;
 }
 
+/* A step over ranks on several GPUs, or spread on this one, takes a buffer
+ * set a rank (cuda_moe.cu): the spread bound; else the shared one. */
+static uint64_t cuda_ctx_bound(const mokk_backend *b, const mokk_shape *s, int64_t T, int spans)
+{
+  if (spans || (((const cuda_backend *)b)->spread && s->P > 1))
+    return mokk_ctx_bytes_bound_spread(s, T);
+  return mokk_ctx_bytes_bound(s, T);
+}
+
 /* ---- memory ------------------------------------------------------------- */
 
 static int cuda_buffer_alloc(mokk_backend *b, size_t bytes, mokk_buffer **out, int *fd,
@@ -364,6 +373,7 @@ static const mokk_backend_iface cuda_iface = {
     .step_begin = cuda_step_begin,
     .step_end = cuda_step_end,
     .check = cuda_check,
+    .ctx_bound = cuda_ctx_bound,
 };
 
 extern "C" int mokk_cuda_devices(char *err)

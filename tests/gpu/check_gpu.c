@@ -1294,7 +1294,7 @@ END_TEST
  * rank's backend (its dev), or NULL for none; the tensors are on the GPU of
  * `gpu` in either case (other GPUs reach them through peer access). */
 static int gpu_run_ranks_on(const moe_case *c, int P, mokk_grad_mode mode, float seed_grad,
-                            mokk_backend *const *on, moe_out *o, char *err)
+                            mokk_backend *const *on, moe_out *o, uint64_t *held, char *err)
 {
   mokk_shape s = c->s;
   int64_t T = c->T / P, H = s.H, K = s.K, El = s.E / P;
@@ -1358,6 +1358,8 @@ static int gpu_run_ranks_on(const moe_case *c, int P, mokk_grad_mode mode, float
     }
   }
   rc = mokk_forward(gpu, &s, T, fr, &ctx, err);
+  if (held != NULL)
+    *held = ctx != NULL ? mokk_ctx_bytes(gpu, ctx) : 0;
   if (rc == 0)
     rc = mokk_backward(gpu, ctx, mode, br, err);
   mokk_ctx_free(gpu, ctx);
@@ -1387,7 +1389,7 @@ static int gpu_run_ranks_on(const moe_case *c, int P, mokk_grad_mode mode, float
 static int gpu_run_ranks(const moe_case *c, int P, mokk_grad_mode mode, float seed_grad,
                          moe_out *o, char *err)
 {
-  return gpu_run_ranks_on(c, P, mode, seed_grad, NULL, o, err);
+  return gpu_run_ranks_on(c, P, mode, seed_grad, NULL, o, NULL, err);
 }
 
 /* P = 2, 4, 8 virtual ranks against P = 1, bit for bit (DESIGN §2.3), on
@@ -1423,10 +1425,20 @@ static void ranks_bitwise_on(mokk_shape s, int64_t T, route_kind route, mokk_gra
   out_free(&oc);
   for (int i = 0; i < 6; i++) {
     int P = 2 << (i % 3), spread = i / 3;
+    mokk_shape sp = s;
+    uint64_t held = 0, bound;
+    int spans = 0;
+    sp.P = P;
+    for (int r = 0; on != NULL && r < P; r++)
+      spans |= mokk_cuda_device(on[r]) != mokk_cuda_device(gpu);
     mokk_cuda_set_spread(gpu, spread);
-    int rc = gpu_run_ranks_on(&cs, P, mode, 0.25f, on, &o, err);
+    int rc = gpu_run_ranks_on(&cs, P, mode, 0.25f, on, &o, &held, err);
+    bound = mokk_backend_ctx_bound(gpu, &sp, T / P, spans);
     mokk_cuda_set_spread(gpu, 0);
     ck_assert_msg(rc == 0, "P=%d spread=%d: %s", P, spread, err);
+    /* what the daemon charges before the step covers what it holds */
+    ck_assert_msg(held > 0 && held <= bound, "P=%d spread=%d: context %llu bytes, bound %llu",
+                  P, spread, (unsigned long long)held, (unsigned long long)bound);
     ck_assert_msg(memcmp(o.out, base.out, (size_t)(T * H) * 2) == 0, "P=%d spread=%d: out", P,
                   spread);
     ck_assert_msg(memcmp(o.d_x, base.d_x, (size_t)(T * H) * 2) == 0, "P=%d spread=%d: d_x", P,
@@ -1503,7 +1515,7 @@ START_TEST(ep_rank_devices)
   case_make(&cs, &(mokk_shape){.H = 128, .I = 64, .E = 4, .K = 2, .P = 1}, 2 * 8,
             ROUTE_RANDOM, 67);
   on[1] = cpu;
-  ck_assert_int_eq(gpu_run_ranks_on(&cs, 2, MOKK_GRAD_BF16, 0, on, &o, err), MOK_EINVAL);
+  ck_assert_int_eq(gpu_run_ranks_on(&cs, 2, MOKK_GRAD_BF16, 0, on, &o, NULL, err), MOK_EINVAL);
   ck_assert_msg(strstr(err, "EP rank 1 names a cpu backend to run on") != NULL, "%s", err);
   out_free(&o);
   on[1] = gpu;
@@ -1519,7 +1531,8 @@ START_TEST(ep_rank_devices)
   for (int r = 0; r < MOKK_DEVICE_MAX_RANKS; r++)
     on[r] = r % 2 ? b1 : gpu;
   if (!mokk_cuda_linked(gpu, 1)) { /* an earlier test may have linked them */
-    ck_assert_int_eq(gpu_run_ranks_on(&cs, 2, MOKK_GRAD_BF16, 0, on, &o, err), MOK_ENOTSUP);
+    ck_assert_int_eq(gpu_run_ranks_on(&cs, 2, MOKK_GRAD_BF16, 0, on, &o, NULL, err),
+                     MOK_ENOTSUP);
     ck_assert_msg(strstr(err, "are not linked (mokk_cuda_link)") != NULL, "%s", err);
     printf("ep_rank_devices: before the link: %s\n", err);
     out_free(&o);
