@@ -183,15 +183,19 @@ __global__ void k_status(int *flag, int32_t *out, int last)
 /* A client of another GPU (an EP rank there) sees only that GPU's events:
  * its status and done event go on the tail stream of its GPU, after the
  * backend's stream, and the backend's stream then waits for them, so that
- * the last rank's clearing of the flag comes after every rank has read it. */
+ * the last rank's clearing of the flag comes after every rank has read it.
+ * The stream of the backend that made its events (its session's) waits
+ * too: the fences of that backend, behind which its buffers are freed,
+ * then come after the step that wrote them. */
 static int step_end_peer(cuda_backend *cb, mokk_events *ev, int32_t *status, int last,
                          void *done, char *err)
 {
   int d = mokk_cuda_events_device(ev), rc;
-  cuda_peer *pr = &cb->peer[d];
 
   if ((rc = cuda_peer_ready(cb, d, err)))
     return rc;
+  cuda_peer *pr = &cb->peer[d];
+  CUDA_CHECK(cudaSetDevice(cb->device));
   CUDA_CHECK(cudaEventRecord(cb->hop_ev, cb->stream));
   CUDA_CHECK(cudaSetDevice(d));
   CUDA_CHECK(cudaStreamWaitEvent(pr->tail, cb->hop_ev, 0));
@@ -202,6 +206,7 @@ static int step_end_peer(cuda_backend *cb, mokk_events *ev, int32_t *status, int
   if ((rc = mokk_cuda_events_record(ev, pr->tail, done, err)))
     return rc;
   CUDA_CHECK(cudaEventRecord(pr->tail_ev, pr->tail));
+  CUDA_CHECK(cudaStreamWaitEvent(mokk_cuda_events_home(ev), pr->tail_ev, 0));
   CUDA_CHECK(cudaSetDevice(cb->device));
   CUDA_CHECK(cudaStreamWaitEvent(cb->stream, pr->tail_ev, 0));
   return 0;
@@ -226,18 +231,18 @@ static int cuda_step_end(mokk_backend *b, mokk_events *ev, int32_t *status, int 
 
 int cuda_peer_ready(cuda_backend *cb, int device, char *err)
 {
-  cuda_peer *pr = &cb->peer[device];
   int rc = 0;
 
   if (device == cb->device)
     return 0;
-  if (device < 0 || device >= MOKK_CUDA_MAX_DEVICES || !pr->linked)
+  if (device < 0 || device >= MOKK_CUDA_MAX_DEVICES || !cb->peer[device].linked)
     return mokk_fail(err, MOK_ENOTSUP, "CUDA device %d is not linked with device %d, where "
                      "the step runs (mokk_cuda_link)", device, cb->device);
   if (cb->hop_ev == NULL) {
     CUDA_CHECK(cudaSetDevice(cb->device));
     CUDA_CHECK(cudaEventCreateWithFlags(&cb->hop_ev, cudaEventDisableTiming));
   }
+  cuda_peer *pr = &cb->peer[device];
   if (pr->tail != NULL)
     return 0;
   CUDA_CHECK(cudaSetDevice(device));
@@ -261,14 +266,14 @@ out:
 
 void cuda_free_after(cuda_backend *cb, int device, void *p)
 {
-  cuda_peer *pr = &cb->peer[device];
-
   if (device == cb->device) {
     cudaFreeAsync(p, cb->stream);
     return;
   }
+  cuda_peer *pr = &cb->peer[device];
   /* a part on another GPU exists only once its tail was made */
-  if (cudaEventRecord(cb->hop_ev, cb->stream) != cudaSuccess ||
+  if (cudaSetDevice(cb->device) != cudaSuccess ||
+      cudaEventRecord(cb->hop_ev, cb->stream) != cudaSuccess ||
       cudaSetDevice(device) != cudaSuccess ||
       cudaStreamWaitEvent(pr->tail, cb->hop_ev, 0) != cudaSuccess) {
     cudaSetDevice(cb->device); /* no order to free it in: wait for the step */

@@ -183,6 +183,8 @@ void mokk_cuda_events_free(mokk_events *ev);
 int mokk_cuda_wait(mokk_backend *b, mokk_events *ev, const void *handle, char *err);
 /* The GPU whose clients ev serves: its events are that device's. */
 int mokk_cuda_events_device(const mokk_events *ev);
+/* The stream of the backend that made ev. */
+cudaStream_t mokk_cuda_events_home(const mokk_events *ev);
 /* Records the session's done event on stream; handle gets its IPC handle. */
 int mokk_cuda_events_record(mokk_events *ev, cudaStream_t stream, void *handle,
                             char *err);
