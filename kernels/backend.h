@@ -23,7 +23,7 @@ struct mokk_ctx {
 };
 
 /* Most EP ranks a device backend runs in one step, as virtual ranks on its
- * one device. */
+ * one device or on the devices of backends linked with it. */
 #define MOKK_DEVICE_MAX_RANKS 8
 
 /* An interprocess event or memory handle (cudaIpc*Handle_t), in bytes. */
