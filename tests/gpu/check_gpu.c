@@ -1528,17 +1528,19 @@ START_TEST(ep_rank_devices)
     return;
   }
   ck_assert_msg(mokk_cuda_create(1, &b1, err) == 0, "%s", err);
+  /* the tensors stay on GPU 0 (making b1 made GPU 1 current): the ranks on
+   * GPU 1 reach them through peer access */
+  ck_assert_int_eq(cudaSetDevice(mokk_cuda_device(gpu)), cudaSuccess);
   for (int r = 0; r < MOKK_DEVICE_MAX_RANKS; r++)
     on[r] = r % 2 ? b1 : gpu;
-  if (!mokk_cuda_linked(gpu, 1)) { /* an earlier test may have linked them */
-    ck_assert_int_eq(gpu_run_ranks_on(&cs, 2, MOKK_GRAD_BF16, 0, on, &o, NULL, err),
-                     MOK_ENOTSUP);
-    ck_assert_msg(strstr(err, "are not linked (mokk_cuda_link)") != NULL, "%s", err);
-    printf("ep_rank_devices: before the link: %s\n", err);
-    out_free(&o);
-    pair[1] = b1;
-    ck_assert_msg(mokk_cuda_link(pair, 2, err) == 0, "%s", err);
-  }
+  ck_assert_int_eq(gpu_run_ranks_on(&cs, 2, MOKK_GRAD_BF16, 0, on, &o, NULL, err),
+                   MOK_ENOTSUP);
+  ck_assert_msg(strstr(err, "not linked (mokk_cuda_link)") != NULL, "%s", err);
+  printf("ep_rank_devices: before the link: %s\n", err);
+  out_free(&o);
+  pair[1] = b1;
+  ck_assert_msg(mokk_cuda_link(pair, 2, err) == 0, "%s", err);
+  ck_assert_msg(mokk_cuda_link(pair, 2, err) == 0, "a second link: %s", err);
   ranks_bitwise_cases(on);
   printf("ep_rank_devices: ranks on GPUs 0 and 1: the bits of P = 1\n");
   ck_assert_msg(mokk_cuda_sync(gpu, err) == 0, "%s", err);
