@@ -56,7 +56,7 @@ DAEMON_SRC := daemon/main.c daemon/config.c daemon/log.c daemon/server.c daemon/
               daemon/dispatch.c daemon/session.c daemon/arenas.c daemon/layers.c \
               daemon/steps.c daemon/results.c daemon/groups.c daemon/registry.c daemon/executor.c \
               daemon/notify.c daemon/idmap.c daemon/admin.c daemon/metrics.c daemon/http.c \
-              daemon/httpreq.c daemon/progress.c daemon/wfq.c kernels/devices.c
+              daemon/httpreq.c daemon/progress.c daemon/wfq.c daemon/placement.c kernels/devices.c
 CLIENT_SRC := client/mok.c client/cudamap.c client/impcache.c
 UNIT_SRC   := tests/check_main.c tests/ref.c tests/check_bf16.c \
               tests/check_schedule.c tests/check_forward.c tests/check_backward.c \
@@ -65,11 +65,11 @@ UNIT_SRC   := tests/check_main.c tests/ref.c tests/check_bf16.c \
               tests/check_registry.c
 UNIT_SRC   += tests/check_paths.c tests/check_wfq.c
 UNIT_SRC   += tests/check_mokctl.c tests/check_idmap.c tests/check_gpuid.c tests/check_ops.c
-UNIT_SRC   += tests/check_impcache.c
+UNIT_SRC   += tests/check_impcache.c tests/check_placement.c
 # config.c, log.c, registry.c, idmap.c, httpreq.c and progress.c are unit-tested
 # without the rest of the daemon
 UNIT_DAEMON := daemon/config.c daemon/log.c daemon/registry.c daemon/idmap.c \
-               daemon/httpreq.c daemon/progress.c daemon/wfq.c
+               daemon/httpreq.c daemon/progress.c daemon/wfq.c daemon/placement.c
 INTEG_SRC  := tests/check_daemon.c tests/daemon_fixture.c tests/check_daemon_steps.c \
               tests/check_daemon_wire.c tests/check_daemon_service.c tests/ref.c \
               tests/check_daemon_limits.c tests/check_daemon_ep.c tests/check_daemon_fair.c \

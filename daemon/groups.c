@@ -15,6 +15,7 @@
 
 #include "log.h"
 #include "mokd.h"
+#include "placement.h"
 
 struct mokd_group {
   mokd_server *srv;
@@ -109,19 +110,42 @@ static int same_layer(const mokd_group *g, const mokd_layer *l, char *err)
                    (double)b->swiglu_limit, (int)l->mode);
 }
 
-/* A group's step runs on one backend: on a device backend, all its ranks'
- * sessions use the same GPU (virtual ranks of one device). */
+/* A group's step runs on one backend: its ranks' sessions use the same GPU
+ * (virtual ranks of one device), or GPUs the daemon linked at start-up
+ * (each rank on its own). */
 static int same_device(const mokd_group *g, const mokd_session *s, char *err)
 {
   for (int i = 0; i < g->P; i++) {
     const mokd_session *m = g->member[i] != NULL ? g->member[i]->owner : NULL;
-    if (m != NULL && m->backend != s->backend)
+    if (m == NULL)
+      continue;
+    switch (mokd_place_ranks(m->backend, m->device, s->backend, s->device,
+                             s->srv->gpus_linked)) {
+    case MOKD_PLACE_OK:
+      break;
+    case MOKD_PLACE_NOT_LINKED:
+      return mokk_fail(err, MOK_ENOTSUP, "EP group %llu has rank %d on CUDA device %d; this "
+                       "rank's session is on device %d, and this daemon could not link its "
+                       "GPUs (peer access; see its start-up log): a group's ranks must share "
+                       "one GPU; it was not joined (the others wait on)",
+                       (unsigned long long)g->id, i, m->device, s->device);
+    default:
       return mokk_fail(err, MOK_ENOTSUP, "EP group %llu runs on %s %d (rank %d's session); "
-                       "this rank's session is on %s %d: ranks on different GPUs are not "
-                       "supported yet; it was not joined (the others wait on)",
+                       "this rank's session is on %s %d: a group's ranks must all be on "
+                       "GPUs or all on the CPU; it was not joined (the others wait on)",
                        (unsigned long long)g->id, mokk_backend_name(m->backend), m->device, i,
                        mokk_backend_name(s->backend), s->device);
+    }
   }
+  return 0;
+}
+
+int mokd_group_spans(const mokd_layer *l)
+{
+  const mokd_group *g = l->group;
+  for (int i = 0; g != NULL && i < g->P; i++)
+    if (g->member[i] != NULL && g->member[i]->owner->backend != l->owner->backend)
+      return 1;
   return 0;
 }
 

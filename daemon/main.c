@@ -23,6 +23,26 @@ static void destroy_backends(mokd_server *s)
   s->backend = NULL;
 }
 
+/* The GPUs an EP group's ranks may be spread over: all of them, or, where
+ * two cannot reach each other, none (each group then stays on one GPU). */
+static void link_gpus(mokd_server *s)
+{
+  mokk_backend *b[MOKD_MAX_GPUS];
+  char err[MOK_ERRLEN];
+
+  s->gpus_linked = 0;
+  if (s->ngpus < 2)
+    return;
+  for (int i = 0; i < s->ngpus; i++)
+    b[i] = s->gpus[i].backend;
+  if (mokk_gpu_link(b, s->ngpus, err) != 0) {
+    LOG_WARN(INIT, "EP groups stay on one GPU each: %s", err);
+    return;
+  }
+  s->gpus_linked = 1;
+  LOG_INFO(INIT, "%d GPUs linked: an EP group's ranks may be on different GPUs", s->ngpus);
+}
+
 /* One backend per GPU named in --devices (every visible one when empty). */
 static int open_gpus(mokd_server *s, int visible, char *err)
 {
@@ -56,6 +76,7 @@ static int open_gpus(mokd_server *s, int visible, char *err)
     LOG_INFO(INIT, "CUDA device %u is %s", ords[i], uuid);
   }
   s->backend = s->gpus[0].backend;
+  link_gpus(s);
   /* a GPU quota given as a share is of the smallest device */
   uint64_t least = 0;
   for (int i = 0; i < s->ngpus; i++) {

@@ -170,6 +170,7 @@ struct mokd_server {
   mokk_backend *backend;  /* the CPU backend, or the first GPU's */
   mokd_gpu gpus[MOKD_MAX_GPUS];
   int ngpus;
+  int gpus_linked;        /* peer access between all of them: EP groups may span them */
   uv_pipe_t listener;
   int listening;
   uv_signal_t sig_term, sig_int, sig_hup;
@@ -311,6 +312,8 @@ void mokd_groups_session_closing(mokd_session *s);
 /* Draining: whatever waits for a group is refused. */
 void mokd_groups_drain(mokd_server *srv);
 uint64_t mokd_group_serial(const mokd_layer *l);
+/* Whether l's group has ranks on other GPUs than l's (linked GPUs). */
+int mokd_group_spans(const mokd_layer *l);
 
 /* steps.c, for groups.c */
 /* Answers a parked step with an error and frees it; its session runs on. */

@@ -243,14 +243,19 @@ static void step_done(mokd_work *w)
 
 /* ---- a step of an EP group ------------------------------------------------ */
 
-/* A group step on a device backend (every rank's session on the same one):
- * the step waits for every rank's ready event, and each rank gets its
- * status word and its done event, as a step of one rank does. */
+/* A group step on a device backend: the step waits for every rank's ready
+ * event, and each rank gets its status word and its done event, as a step
+ * of one rank does. The step runs on rank 0's backend; a rank whose session
+ * is on another (linked) GPU keeps its events on its own GPU (made by its
+ * session's backend), which the step's backend waits on and records on that
+ * GPU, so that its client only ever meets events of its device. */
 static int group_begin(mokd_step *j0)
 {
   for (int r = 0; r < j0->P; r++) {
     mokd_step *j = j0->ranks[r];
-    int rc = mokk_step_begin(j0->backend, j->events, j->has_ready ? j->ready : NULL, j0->err);
+    int rc = mokk_events_make(j->backend, j->events, j0->err);
+    if (rc == 0)
+      rc = mokk_step_begin(j0->backend, j->events, j->has_ready ? j->ready : NULL, j0->err);
     if (rc != 0)
       return rc;
   }
@@ -274,7 +279,7 @@ static int group_end(mokd_step *j0)
 
 /* On an executor thread: one step over the P ranks (the CPU engine moves the
  * rows between them as a dispatch and combine would; the CUDA backend runs
- * them as virtual ranks of its one device). */
+ * them as virtual ranks of its one device, or each on its session's GPU). */
 static void group_work(mokd_work *w)
 {
   mokd_step *j = (mokd_step *)w;
@@ -287,12 +292,16 @@ static void group_work(mokd_work *w)
     return;
   }
   if (j->backward && (br = malloc((size_t)j->P * sizeof *br)) != NULL) {
-    for (int r = 0; r < j->P; r++)
+    for (int r = 0; r < j->P; r++) {
       br[r] = j->ranks[r]->br;
+      br[r].dev = j->ranks[r]->backend;
+    }
     rc = mokk_backward(j->backend, j->gctx->ctx, j->mode, br, j->err);
   } else if (!j->backward && (fr = malloc((size_t)j->P * sizeof *fr)) != NULL) {
-    for (int r = 0; r < j->P; r++)
+    for (int r = 0; r < j->P; r++) {
       fr[r] = j->ranks[r]->fr;
+      fr[r].dev = j->ranks[r]->backend;
+    }
     /* group_match made every rank ask what rank 0 asks */
     rc = mokk_forward(j->backend, &j->shape, j->T, fr, j->want_ctx ? &j->ctx : NULL, j->err);
   } else {
@@ -583,7 +592,7 @@ static int forward_step(mokd_session *s, const Mokd__Request *q, mokd_layer *l, 
     goto fail;
   /* the context is charged before the step allocates it; a group's ranks
    * share one, each its 1/P */
-  uint64_t bound = mokk_ctx_bytes_bound(&l->shape, j->T);
+  uint64_t bound = mokk_backend_ctx_bound(s->backend, &l->shape, j->T, mokd_group_spans(l));
   bound = bound / (uint64_t)l->shape.P + (bound % (uint64_t)l->shape.P != 0);
   if (j->want_ctx && (rc = mokd_result_charge(s, r, bound, err))) {
     char why[MOK_ERRLEN];

@@ -2,6 +2,16 @@
  * the defaults of the optional ones: host memory, steps done on return. */
 #include "backend_impl.h"
 
+/* A rank runs on the step's backend or on another of its kind, which the
+ * backend then accepts (linked GPUs) or refuses. */
+static int rank_dev_check(const mokk_backend *b, int r, const mokk_backend *dev, char *err)
+{
+  if (dev != NULL && dev->iface != b->iface)
+    return mokk_fail(err, MOK_EINVAL, "EP rank %d names a %s backend to run on; the step's "
+                     "backend is %s", r, dev->iface->name, b->iface->name);
+  return 0;
+}
+
 int mokk_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
                  const mokk_fwd_rank *ranks, mokk_ctx **ctx, char *err)
 {
@@ -13,6 +23,9 @@ int mokk_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
     *ctx = NULL;
   if ((rc = mokk_fwd_check(s, T, ranks, err)))
     return rc;
+  for (int r = 0; r < s->P; r++)
+    if ((rc = rank_dev_check(b, r, ranks[r].dev, err)))
+      return rc;
   return b->iface->forward(b, s, T, ranks, ctx, err);
 }
 
@@ -25,7 +38,18 @@ int mokk_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
     return mokk_fail(err, MOK_ENULL, "backend or forward context is NULL");
   if ((rc = mokk_bwd_check(&ctx->shape, ctx->T, mode, ranks, err)))
     return rc;
+  for (int r = 0; r < ctx->shape.P; r++)
+    if ((rc = rank_dev_check(b, r, ranks[r].dev, err)))
+      return rc;
   return b->iface->backward(b, ctx, mode, ranks, err);
+}
+
+uint64_t mokk_backend_ctx_bound(const mokk_backend *b, const mokk_shape *s, int64_t T,
+                                int spans)
+{
+  if (b->iface->ctx_bound != NULL)
+    return b->iface->ctx_bound(b, s, T, spans);
+  return mokk_ctx_bytes_bound(s, T);
 }
 
 void mokk_ctx_free(mokk_backend *b, mokk_ctx *ctx)
@@ -129,13 +153,20 @@ int mokk_backend_check(mokk_backend *b, char *err)
   return b->iface->check != NULL ? b->iface->check(b, err) : 0;
 }
 
+int mokk_events_make(mokk_backend *b, mokk_events **ev, char *err)
+{
+  if (b->iface->events_new == NULL || *ev != NULL)
+    return 0;
+  return b->iface->events_new(b, ev, err);
+}
+
 int mokk_step_begin(mokk_backend *b, mokk_events **ev, const void *ready, char *err)
 {
   int rc;
 
   if (b->iface->step_begin == NULL)
     return 0;
-  if (*ev == NULL && (rc = b->iface->events_new(b, ev, err)) != 0)
+  if ((rc = mokk_events_make(b, ev, err)) != 0)
     return rc;
   return b->iface->step_begin(b, *ev, ready, err);
 }

@@ -23,7 +23,7 @@ struct mokk_ctx {
 };
 
 /* Most EP ranks a device backend runs in one step, as virtual ranks on its
- * one device. */
+ * one device or on the devices of backends linked with it. */
 #define MOKK_DEVICE_MAX_RANKS 8
 
 /* An interprocess event or memory handle (cudaIpc*Handle_t), in bytes. */
@@ -68,6 +68,11 @@ int mokk_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
 int mokk_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
                   const mokk_bwd_rank *ranks, char *err);
 void mokk_ctx_free(mokk_backend *b, mokk_ctx *ctx);
+/* At least the bytes of the forward context b makes for a step of s->P
+ * ranks of T tokens (mokk_ctx_bytes_bound, or more where the backend lays
+ * the step out otherwise); spans != 0: the ranks are on several devices. */
+uint64_t mokk_backend_ctx_bound(const mokk_backend *b, const mokk_shape *s, int64_t T,
+                                int spans);
 size_t mokk_ctx_bytes(const mokk_backend *b, const mokk_ctx *ctx);
 void mokk_backend_destroy(mokk_backend *b);
 const char *mokk_backend_name(const mokk_backend *b);
@@ -105,6 +110,10 @@ int mokk_backend_check(mokk_backend *b, char *err);
 
 /* ---- ordering with a client process (no host waits) --------------------- */
 
+/* Makes *ev, if it is NULL, for clients of b's device: the events of a
+ * client are its GPU's, whichever backend then runs its steps (an EP rank
+ * on another GPU of a linked step). Nothing on the CPU backend. */
+int mokk_events_make(mokk_backend *b, mokk_events **ev, char *err);
 /* Before a step: makes *ev on first use; on a device backend the step then
  * waits on the device for the client's ready event (ready: an IPC event
  * handle, or NULL). Nothing to do on the CPU backend, where *ev stays NULL. */

@@ -40,6 +40,8 @@ typedef struct mokk_backend_iface {
                   char *err);
   /* health, on the executor thread: a sticky device error, or 0; NULL = none */
   int (*check)(mokk_backend *b, char *err);
+  /* the bound of mokk_backend_ctx_bound; NULL = mokk_ctx_bytes_bound */
+  uint64_t (*ctx_bound)(const mokk_backend *b, const mokk_shape *s, int64_t T, int spans);
 } mokk_backend_iface;
 
 struct mokk_backend {

@@ -29,6 +29,11 @@ int mokk_gpu_open(int ordinal, mokk_backend **out, char *err)
   return mokk_cuda_create(ordinal, out, err);
 }
 
+int mokk_gpu_link(mokk_backend **b, int n, char *err)
+{
+  return mokk_cuda_link(b, n, err);
+}
+
 int mokk_gpu_uuid(int ordinal, uint8_t uuid[16], char *err)
 {
   return mokk_cuda_uuid(ordinal, uuid, err);
@@ -44,6 +49,12 @@ int mokk_gpu_open(int ordinal, mokk_backend **out, char *err)
 {
   *out = NULL;
   return mokk_fail(err, MOK_ENOTSUP, "this build has no device backend (device %d)", ordinal);
+}
+
+int mokk_gpu_link(mokk_backend **b, int n, char *err)
+{
+  (void)b;
+  return mokk_fail(err, MOK_ENOTSUP, "this build has no device backend (%d to link)", n);
 }
 
 int mokk_gpu_uuid(int ordinal, uint8_t uuid[16], char *err)

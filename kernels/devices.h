@@ -22,6 +22,10 @@ static inline const char *mokk_gpu_backend(void)
 int mokk_gpu_count(char *err);
 /* A backend on the device with this ordinal. */
 int mokk_gpu_open(int ordinal, mokk_backend **out, char *err);
+/* Links the n backends' devices so that the ranks of one EP step can run on
+ * several of them (mokk_cuda_link): MOK_ENOTSUP, naming the pair, when two
+ * cannot reach each other. */
+int mokk_gpu_link(mokk_backend **b, int n, char *err);
 /* The 16-byte UUID of the device with this ordinal (see proto/gpuid.h). */
 int mokk_gpu_uuid(int ordinal, uint8_t uuid[16], char *err);
 

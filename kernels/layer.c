@@ -113,6 +113,18 @@ uint64_t mokk_ctx_bytes_bound(const mokk_shape *s, int64_t T)
   return b > UINT64_MAX ? UINT64_MAX : (uint64_t)b;
 }
 
+uint64_t mokk_ctx_bytes_bound_spread(const mokk_shape *s, int64_t T)
+{
+  typedef unsigned __int128 u128;
+  /* a rank's buffer set (cuda_moe.cu, spread_forward) holds what one rank
+   * running the whole step would, but for ys and the copies of every rank's
+   * x, which the slack of the shared bound covers (4 bytes a pair, 2 H a
+   * token, 8 P + 16 a expert), and up to 19 carves of 256-byte alignment */
+  uint64_t one = mokk_ctx_bytes_bound(s, T);
+  u128 b = ((u128)one + 4 * 256) * (uint64_t)s->P;
+  return one == UINT64_MAX || b > UINT64_MAX ? UINT64_MAX : (uint64_t)b;
+}
+
 static const char *const weight_names[MOKK_NWEIGHTS] = {
     "w_gate", "w_up", "w_down", "s_gate", "s_up", "s_down"};
 

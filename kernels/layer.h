@@ -46,16 +46,22 @@ typedef enum {
   MOKK_GRAD_FP32_ACCUM = 1 /* weight gradients added into caller fp32 buffers */
 } mokk_grad_mode;
 
-/* One EP rank's part of a forward step. */
+struct mokk_backend;
+
+/* One EP rank's part of a forward step. dev: the backend of the GPU the
+ * rank runs on, a CUDA backend linked with the step's (mokk_cuda_link);
+ * NULL (or the step's backend itself) runs it where the step runs. */
 typedef struct mokk_fwd_rank {
   const uint16_t *x;          /* [T, H] bf16 */
   const int32_t *topk_ids;    /* [T, K] global expert ids, or MOKK_NO_ROUTE */
   const float *topk_weights;  /* [T, K] */
   const uint16_t *w[MOKK_NWEIGHTS];
   uint16_t *out;              /* [T, H] bf16 */
+  struct mokk_backend *dev;
 } mokk_fwd_rank;
 
-/* One EP rank's part of a backward step. Weight gradients go to g_bf16 or to
+/* One EP rank's part of a backward step (dev: where its forward ran, as
+ * mokk_fwd_rank names it). Weight gradients go to g_bf16 or to
  * g_f32 (added into) as the grad mode says; the shared expert's gradient is
  * the reduction over every rank's tokens and is written for every rank.
  * w: where the weights are now, when they moved since the forward (FSDP
@@ -69,6 +75,7 @@ typedef struct mokk_bwd_rank {
   uint16_t *g_bf16[MOKK_NWEIGHTS];
   float *g_f32[MOKK_NWEIGHTS];
   const uint16_t *w[MOKK_NWEIGHTS];
+  struct mokk_backend *dev;
 } mokk_bwd_rank;
 
 /* Routing plan of one step over P ranks of T tokens each. Rows of expert e's
@@ -96,6 +103,11 @@ int64_t mokk_weight_elems(const mokk_shape *s, int which);
  * arrays. Known before the step, so that a quota can refuse a context
  * before any of it is allocated. UINT64_MAX when it overflows. */
 uint64_t mokk_ctx_bytes_bound(const mokk_shape *s, int64_t T);
+/* The same for a step laid out as ranks on several GPUs run it (the CUDA
+ * backend's spread layout), where each rank's buffers are sized for every
+ * pair landing on its experts: P times the above, and each rank's
+ * alignment slop. */
+uint64_t mokk_ctx_bytes_bound_spread(const mokk_shape *s, int64_t T);
 
 /* Checks shapes, pointers and expert ids of a forward step over s->P ranks. */
 int mokk_fwd_check(const mokk_shape *s, int64_t T, const mokk_fwd_rank *ranks,

@@ -26,8 +26,8 @@ static void setup(void)
     g16[w] = calloc((size_t)case_weight_elems(&c, w), 2);
   for (int r = 0; r < 2; r++) {
     fr[r] = (mokk_fwd_rank){c.x + r * 4 * 16, c.ids + r * 8, c.tw + r * 8, {0},
-                            out + r * 64};
-    br[r] = (mokk_bwd_rank){c.d_out + r * 64, dx + r * 64, dtw + r * 8, {0}, {0}, {0}};
+                            out + r * 64, NULL};
+    br[r] = (mokk_bwd_rank){c.d_out + r * 64, dx + r * 64, dtw + r * 8, {0}, {0}, {0}, NULL};
     for (int w = 0; w < MOKK_NWEIGHTS; w++) {
       int64_t per = w < MOKK_S_GATE ? case_weight_elems(&c, w) / 2 : 0;
       fr[r].w[w] = c.w[w] + r * per;
@@ -61,6 +61,25 @@ START_TEST(good_input_runs)
   ck_assert_int_eq(mokk_backward(be, ctx, MOKK_GRAD_BF16, br, err), 0);
   ck_assert_uint_gt(mokk_ctx_bytes(be, ctx), 0);
   mokk_ctx_free(be, ctx);
+}
+END_TEST
+
+START_TEST(rank_on_another_backend)
+{
+  mokk_backend *other;
+  mokk_ctx *ctx;
+
+  ck_assert_int_eq(mokk_cpu_create(1, &other, err), 0);
+  fr[1].dev = be; /* the step's own backend: as NULL */
+  ck_assert_int_eq(mokk_forward(be, &good, 4, fr, &ctx, err), 0);
+  br[1].dev = other;
+  ck_assert_int_eq(mokk_backward(be, ctx, MOKK_GRAD_BF16, br, err), MOK_ENOTSUP);
+  ck_assert_msg(strstr(err, "EP rank 1 names another backend") != NULL, "%s", err);
+  mokk_ctx_free(be, ctx);
+  fr[1].dev = other;
+  expect_fwd(good, 4, MOK_ENOTSUP, "the cpu backend runs every rank of a step itself");
+  fr[1].dev = NULL, br[1].dev = NULL;
+  mokk_backend_destroy(other);
 }
 END_TEST
 
@@ -203,6 +222,7 @@ Suite *errors_suite(void)
   TCase *tc = tcase_create("invalid_input");
   tcase_add_checked_fixture(tc, setup, teardown);
   tcase_add_test(tc, good_input_runs);
+  tcase_add_test(tc, rank_on_another_backend);
   tcase_add_test(tc, expert_id_out_of_range);
   tcase_add_test(tc, experts_do_not_divide_over_ranks);
   tcase_add_test(tc, zero_sizes);

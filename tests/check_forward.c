@@ -139,12 +139,20 @@ START_TEST(context_fits_its_bound)
       ck_assert_msg(held <= bound && bound <= 2 * held + 8192,
                     "shape %zu T %lld: context %llu bytes, bound %llu", i, (long long)Ts[t],
                     (unsigned long long)held, (unsigned long long)bound);
+      /* the cpu engine has one layout, wherever the ranks say they are */
+      ck_assert_uint_eq(mokk_backend_ctx_bound(b, &sh, Ts[t], 1), bound);
+      mokk_shape ep = sh;
+      ep.P = 4;
+      ep.E = sh.E * 4;
+      ck_assert_uint_ge(mokk_ctx_bytes_bound_spread(&ep, Ts[t]),
+                        4 * mokk_ctx_bytes_bound(&ep, Ts[t]));
       mokk_ctx_free(b, ctx);
       case_free(&c);
       free(out);
     }
   mokk_shape huge = {.H = 1 << 24, .I = 1 << 24, .E = 1 << 24, .K = 1 << 24, .P = 1};
   ck_assert_uint_eq(mokk_ctx_bytes_bound(&huge, 1 << 24), UINT64_MAX);
+  ck_assert_uint_eq(mokk_ctx_bytes_bound_spread(&huge, 1 << 24), UINT64_MAX);
   mokk_backend_destroy(b);
 }
 END_TEST

@@ -18,6 +18,7 @@ int main(void)
   srunner_add_suite(sr, mokctl_suite());
   srunner_add_suite(sr, gpuid_suite());
   srunner_add_suite(sr, wfq_suite());
+  srunner_add_suite(sr, placement_suite());
   srunner_add_suite(sr, impcache_suite());
   srunner_add_suite(sr, schedule_suite());
   srunner_add_suite(sr, errors_suite());

@@ -108,4 +108,5 @@ Suite *paths_suite(void);
 Suite *mokctl_suite(void);
 Suite *gpuid_suite(void);
 Suite *wfq_suite(void);
+Suite *placement_suite(void);
 Suite *impcache_suite(void);

@@ -117,8 +117,8 @@ int main(int argc, char **argv)
   float *dtw = malloc(TK * 4);
   void *in[4 + MOK_NWEIGHTS];
   mokk_fwd_rank fr = {in[0] = fetch(c, &tb.x), in[1] = fetch(c, &tb.ids),
-                      in[2] = fetch(c, &tb.tw), {0}, out};
-  mokk_bwd_rank br = {in[3] = fetch(c, &tb.d_out), dx, dtw, {0}, {0}, {0}};
+                      in[2] = fetch(c, &tb.tw), {0}, out, NULL};
+  mokk_bwd_rank br = {in[3] = fetch(c, &tb.d_out), dx, dtw, {0}, {0}, {0}, NULL};
   mokk_ctx *ctx;
   for (int w = 0; w < tb.nweights; w++) {
     fr.w[w] = in[4 + w] = fetch(c, &tb.w[w]);

@@ -272,6 +272,17 @@ static int64_t blocks(int64_t n, int64_t b)
   return (n + b - 1) / b;
 }
 
+/* Every rank of a step runs here: another backend of this kind holds no
+ * part of it. */
+static int cpu_rank_here(const mokk_backend *b, int64_t r, const mokk_backend *dev, char *err)
+{
+  if (dev != NULL && dev != b)
+    return mokk_fail(err, MOK_ENOTSUP, "EP rank %lld names another backend to run on; the "
+                     "cpu backend runs every rank of a step itself (leave dev NULL)",
+                     (long long)r);
+  return 0;
+}
+
 static int cpu_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
                        const mokk_fwd_rank *ranks, mokk_ctx **ctx_out, char *err)
 {
@@ -281,6 +292,9 @@ static int cpu_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
   cpu_ctx *c;
   int rc;
 
+  for (int64_t r = 0; r < s->P; r++)
+    if ((rc = cpu_rank_here(b, r, ranks[r].dev, err)))
+      return rc;
   c = calloc(1, sizeof *c);
   ids = malloc((size_t)s->P * sizeof *ids);
   if (c == NULL || ids == NULL) {
@@ -590,6 +604,10 @@ static int cpu_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
   const mokk_shape *s = &ctx->shape;
   step st = {.s = s, .T = ctx->T, .El = s->E / s->P, .c = c, .br = ranks, .mode = mode};
   int rc = 0;
+
+  for (int64_t r = 0; r < s->P; r++)
+    if ((rc = cpu_rank_here(b, r, ranks[r].dev, err)))
+      return rc;
 
   st.pairs = s->P * ctx->T * s->K;
   st.rows = c->plan.recv_base[s->P];

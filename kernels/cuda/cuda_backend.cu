@@ -20,6 +20,15 @@ static size_t cuda_ctx_bytes(const mokk_ctx *ctx)
   return ((const cuda_ctx *)ctx)->bytes;
 }
 
+/* A step over ranks on several GPUs, or spread on this one, takes a buffer
+ * set a rank (cuda_moe.cu): the spread bound; else the shared one. */
+static uint64_t cuda_ctx_bound(const mokk_backend *b, const mokk_shape *s, int64_t T, int spans)
+{
+  if (spans || (((const cuda_backend *)b)->spread && s->P > 1))
+    return mokk_ctx_bytes_bound_spread(s, T);
+  return mokk_ctx_bytes_bound(s, T);
+}
+
 /* ---- memory ------------------------------------------------------------- */
 
 static int cuda_buffer_alloc(mokk_backend *b, size_t bytes, mokk_buffer **out, int *fd,
@@ -171,17 +180,110 @@ __global__ void k_status(int *flag, int32_t *out, int last)
     *flag = 0;
 }
 
+/* A client of another GPU (an EP rank there) sees only that GPU's events:
+ * its status and done event go on the tail stream of its GPU, after the
+ * backend's stream, and the backend's stream then waits for them, so that
+ * the last rank's clearing of the flag comes after every rank has read it.
+ * The stream of the backend that made its events (its session's) waits
+ * too: the fences of that backend, behind which its buffers are freed,
+ * then come after the step that wrote them. */
+static int step_end_peer(cuda_backend *cb, mokk_events *ev, int32_t *status, int last,
+                         void *done, char *err)
+{
+  int d = mokk_cuda_events_device(ev), rc;
+
+  if ((rc = cuda_peer_ready(cb, d, err)))
+    return rc;
+  cuda_peer *pr = &cb->peer[d];
+  CUDA_CHECK(cudaSetDevice(cb->device));
+  CUDA_CHECK(cudaEventRecord(cb->hop_ev, cb->stream));
+  CUDA_CHECK(cudaSetDevice(d));
+  CUDA_CHECK(cudaStreamWaitEvent(pr->tail, cb->hop_ev, 0));
+  if (status != NULL || last) {
+    k_status<<<1, 1, 0, pr->tail>>>(cb->status, status, last);
+    CUDA_CHECK(cudaGetLastError());
+  }
+  if ((rc = mokk_cuda_events_record(ev, pr->tail, done, err)))
+    return rc;
+  CUDA_CHECK(cudaEventRecord(pr->tail_ev, pr->tail));
+  CUDA_CHECK(cudaStreamWaitEvent(mokk_cuda_events_home(ev), pr->tail_ev, 0));
+  CUDA_CHECK(cudaSetDevice(cb->device));
+  CUDA_CHECK(cudaStreamWaitEvent(cb->stream, pr->tail_ev, 0));
+  return 0;
+}
+
 static int cuda_step_end(mokk_backend *b, mokk_events *ev, int32_t *status, int last,
                          void *done, char *err)
 {
   cuda_backend *cb = (cuda_backend *)b;
 
+  if (mokk_cuda_events_device(ev) != cb->device)
+    return step_end_peer(cb, ev, status, last, done, err);
   CUDA_CHECK(cudaSetDevice(cb->device));
   if (status != NULL || last) {
     k_status<<<1, 1, 0, cb->stream>>>(cb->status, status, last);
     CUDA_CHECK(cudaGetLastError());
   }
   return mokk_cuda_events_record(ev, cb->stream, done, err);
+}
+
+/* ---- other GPUs ----------------------------------------------------------- */
+
+int cuda_peer_ready(cuda_backend *cb, int device, char *err)
+{
+  int rc = 0;
+
+  if (device == cb->device)
+    return 0;
+  if (device < 0 || device >= MOKK_CUDA_MAX_DEVICES || !cb->peer[device].linked)
+    return mokk_fail(err, MOK_ENOTSUP, "CUDA device %d is not linked with device %d, where "
+                     "the step runs (mokk_cuda_link)", device, cb->device);
+  if (cb->hop_ev == NULL) {
+    CUDA_CHECK(cudaSetDevice(cb->device));
+    CUDA_CHECK(cudaEventCreateWithFlags(&cb->hop_ev, cudaEventDisableTiming));
+  }
+  cuda_peer *pr = &cb->peer[device];
+  if (pr->tail != NULL)
+    return 0;
+  CUDA_CHECK(cudaSetDevice(device));
+  int major = 0, minor = 0;
+  CUDA_CHECK_GOTO(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
+                  rc, out);
+  CUDA_CHECK_GOTO(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device),
+                  rc, out);
+  pr->arch = 10 * major + minor;
+  if (pr->tile_ctr == NULL)
+    CUDA_CHECK_GOTO(cudaMalloc((void **)&pr->tile_ctr, MOKK_DEVICE_MAX_RANKS * sizeof(int)),
+                    rc, out);
+  if (pr->tail_ev == NULL)
+    CUDA_CHECK_GOTO(cudaEventCreateWithFlags(&pr->tail_ev, cudaEventDisableTiming), rc, out);
+  /* last: its presence says the rest is made */
+  CUDA_CHECK_GOTO(cudaStreamCreateWithFlags(&pr->tail, cudaStreamNonBlocking), rc, out);
+out:
+  cudaSetDevice(cb->device);
+  return rc;
+}
+
+void cuda_free_after(cuda_backend *cb, int device, void *p)
+{
+  if (device == cb->device) {
+    cudaFreeAsync(p, cb->stream);
+    return;
+  }
+  cuda_peer *pr = &cb->peer[device];
+  /* a part on another GPU exists only once its tail was made */
+  if (cudaSetDevice(cb->device) != cudaSuccess ||
+      cudaEventRecord(cb->hop_ev, cb->stream) != cudaSuccess ||
+      cudaSetDevice(device) != cudaSuccess ||
+      cudaStreamWaitEvent(pr->tail, cb->hop_ev, 0) != cudaSuccess) {
+    cudaSetDevice(cb->device); /* no order to free it in: wait for the step */
+    cudaStreamSynchronize(cb->stream);
+    cudaSetDevice(device);
+    cudaFree(p);
+  } else {
+    cudaFreeAsync(p, pr->tail);
+  }
+  cudaSetDevice(cb->device);
 }
 
 /* ---- lifecycle ----------------------------------------------------------- */
@@ -203,6 +305,29 @@ static void cuda_destroy(mokk_backend *b)
   }
   if (cb->fork_ev != NULL)
     cudaEventDestroy(cb->fork_ev);
+  if (cb->hop_ev != NULL)
+    cudaEventDestroy(cb->hop_ev);
+  for (int d = 0; d < MOKK_CUDA_MAX_DEVICES; d++) {
+    cuda_peer *pr = &cb->peer[d];
+    if (d == cb->device || (pr->tail == NULL && pr->tile_ctr == NULL && pr->tail_ev == NULL))
+      continue;
+    cudaSetDevice(d);
+    if (pr->tail != NULL) {
+      cudaStreamSynchronize(pr->tail);
+      cudaStreamDestroy(pr->tail);
+    }
+    for (int r = 0; r < MOKK_DEVICE_MAX_RANKS; r++) { /* joined into stream: idle */
+      if (pr->part_st[r] != NULL)
+        cudaStreamDestroy(pr->part_st[r]);
+      if (pr->part_ev[r] != NULL)
+        cudaEventDestroy(pr->part_ev[r]);
+    }
+    if (pr->tail_ev != NULL)
+      cudaEventDestroy(pr->tail_ev);
+    if (pr->tile_ctr != NULL)
+      cudaFree(pr->tile_ctr);
+  }
+  cudaSetDevice(cb->device);
   if (cb->status != NULL)
     cudaFree(cb->status);
   if (cb->tile_ctr != NULL)
@@ -253,6 +378,7 @@ static const mokk_backend_iface cuda_iface = {
     .step_begin = cuda_step_begin,
     .step_end = cuda_step_end,
     .check = cuda_check,
+    .ctx_bound = cuda_ctx_bound,
 };
 
 extern "C" int mokk_cuda_devices(char *err)
@@ -371,3 +497,74 @@ extern "C" int mokk_cuda_sync(mokk_backend *b, char *err)
   return 0;
 }
 
+
+/* Peer access from device a to device b, and b's pool readable by a (the
+ * pair was checked). */
+static int link_pair(int a, int b, char *err)
+{
+  cudaMemPool_t pool;
+  cudaMemAccessDesc acc;
+  cudaError_t e;
+
+  CUDA_CHECK(cudaSetDevice(a));
+  e = cudaDeviceEnablePeerAccess(b, 0);
+  if (e == cudaErrorPeerAccessAlreadyEnabled)
+    cudaGetLastError(); /* enabled by an earlier link: not an error to keep */
+  else if (e != cudaSuccess)
+    return cuda_fail(err, e, "cudaDeviceEnablePeerAccess");
+  /* steps allocate with cudaMallocAsync from b's default pool */
+  CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, b));
+  memset(&acc, 0, sizeof acc);
+  acc.location.type = cudaMemLocationTypeDevice;
+  acc.location.id = a;
+  acc.flags = cudaMemAccessFlagsProtReadWrite;
+  CUDA_CHECK(cudaMemPoolSetAccess(pool, &acc, 1));
+  return 0;
+}
+
+extern "C" int mokk_cuda_link(mokk_backend **b, int n, char *err)
+{
+  int cur = 0, rc = 0;
+
+  for (int i = 0; i < n; i++) {
+    if (b[i] == NULL || b[i]->iface != &cuda_iface)
+      return mokk_fail(err, MOK_EINVAL, "backend %d of the link is %s, not a CUDA backend", i,
+                       mokk_backend_name(b[i]));
+    if (b[i]->device >= MOKK_CUDA_MAX_DEVICES)
+      return mokk_fail(err, MOK_ENOTSUP, "CUDA device %d: links cover devices 0 to %d",
+                       b[i]->device, MOKK_CUDA_MAX_DEVICES - 1);
+  }
+  CUDA_CHECK(cudaGetDevice(&cur));
+  /* every pair is checked before anything is changed */
+  for (int i = 0; i < n; i++)
+    for (int j = 0; j < n; j++) {
+      int a = b[i]->device, d = b[j]->device, can = 0;
+      cudaError_t e;
+      if (a == d)
+        continue;
+      if ((e = cudaDeviceCanAccessPeer(&can, a, d)) != cudaSuccess)
+        return cuda_fail(err, e, "cudaDeviceCanAccessPeer");
+      if (!can)
+        return mokk_fail(err, MOK_ENOTSUP, "CUDA device %d cannot access the memory of "
+                         "device %d (no peer access between them); the GPUs cannot be "
+                         "linked, and an EP group cannot span them", a, d);
+    }
+  for (int i = 0; i < n && rc == 0; i++)
+    for (int j = 0; j < n && rc == 0; j++)
+      if (b[i]->device != b[j]->device && (rc = link_pair(b[i]->device, b[j]->device, err)) == 0)
+        mokk_gpu_mem_share(b[j]->device, b[i]->device);
+  for (int i = 0; i < n && rc == 0; i++)
+    for (int j = 0; j < n; j++)
+      if (b[i]->device != b[j]->device)
+        ((cuda_backend *)b[i])->peer[b[j]->device].linked = 1;
+  cudaSetDevice(cur);
+  return rc;
+}
+
+extern "C" int mokk_cuda_linked(const mokk_backend *b, int device)
+{
+  const cuda_backend *cb = (const cuda_backend *)b;
+  if (device == cb->device)
+    return 1;
+  return device >= 0 && device < MOKK_CUDA_MAX_DEVICES && cb->peer[device].linked;
+}

@@ -5,8 +5,9 @@
  * id outside [0, E): those pairs are dropped) travel in each step's status
  * word, which mokk_step_end queues for the client to read; a caller that uses
  * the backend directly gets them from mokk_cuda_sync(). Requires H, I and I_s
- * to be multiples of 64 and at most MOKK_DEVICE_MAX_RANKS EP ranks per step
- * (virtual ranks of its one GPU). */
+ * to be multiples of 64 and at most MOKK_DEVICE_MAX_RANKS EP ranks per step:
+ * virtual ranks of its one GPU, or ranks on the GPUs of backends linked with
+ * it (mokk_cuda_link), each named by its rank's `dev`. */
 #ifndef MOKK_CUDA_BACKEND_H
 #define MOKK_CUDA_BACKEND_H
 
@@ -20,6 +21,18 @@ extern "C" {
  * when the runtime or the driver cannot be used. */
 int mokk_cuda_devices(char *err);
 int mokk_cuda_create(int device, mokk_backend **out, char *err);
+/* Highest CUDA ordinal + 1 that a link covers. */
+#define MOKK_CUDA_MAX_DEVICES 16
+/* Links the backends of n GPUs, so that the ranks of one EP step can run on
+ * several of them: peer access between every pair of devices, both ways, and
+ * the devices' stream-ordered pools (where steps allocate) and the arenas
+ * made afterwards readable by each peer. MOK_ENOTSUP, naming the pair, when
+ * two devices cannot reach each other. Backends on one device, or one
+ * backend listed twice, need nothing: that is a no-op. Call it before the
+ * backends run steps. */
+int mokk_cuda_link(mokk_backend **b, int n, char *err);
+/* Whether b's steps may place ranks on `device` (its own, or linked). */
+int mokk_cuda_linked(const mokk_backend *b, int device);
 /* Caps the blocks of every launch (0 = as many as the GPU holds at once); the
  * results do not depend on it. */
 void mokk_cuda_set_max_blocks(mokk_backend *b, int blocks);

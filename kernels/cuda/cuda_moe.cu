@@ -21,9 +21,10 @@ static_assert(ROUTE_MAX_RANKS >= MOKK_DEVICE_MAX_RANKS, "route_rows holds too fe
 
 /* spread steps (below): EP ranks with a buffer set and a stream each */
 static int spread_forward(cuda_backend *cb, const mokk_shape *s, int64_t T,
-                          const mokk_fwd_rank *ranks, mokk_ctx **out_ctx, char *err);
+                          const mokk_fwd_rank *ranks, const int *dev, mokk_ctx **out_ctx,
+                          char *err);
 static int spread_backward(cuda_backend *cb, cuda_ctx *c, mokk_grad_mode mode,
-                           const mokk_bwd_rank *ranks, char *err);
+                           const mokk_bwd_rank *ranks, const int *dev, char *err);
 
 /* ---- launch helpers ------------------------------------------------------ */
 
@@ -307,6 +308,32 @@ static int concat(cuda_backend *cb, void *dst, const void *const *src, int P, si
   return 0;
 }
 
+/* The GPU of each rank (dev[r]: the step's own for a NULL or self rd[r]).
+ * Ranks on other GPUs need every pair of the step's devices linked: each
+ * rank reads every other rank's rows. *multi: some rank is elsewhere. */
+static int rank_devices(const cuda_backend *cb, int P, const mokk_backend *const *rd, int *dev,
+                        int *multi, char *err)
+{
+  *multi = 0;
+  for (int r = 0; r < P; r++) {
+    dev[r] = rd[r] != NULL ? rd[r]->device : cb->device;
+    *multi |= dev[r] != cb->device;
+  }
+  for (int r = 0; r < P && *multi; r++) {
+    const mokk_backend *a = rd[r] != NULL ? rd[r] : &cb->base;
+    if (!mokk_cuda_linked(&cb->base, dev[r]))
+      return mokk_fail(err, MOK_ENOTSUP, "EP rank %d is on CUDA device %d and the step runs "
+                       "on device %d: their backends are not linked (mokk_cuda_link)", r,
+                       dev[r], cb->device);
+    for (int q = 0; q < P; q++)
+      if (!mokk_cuda_linked(a, dev[q]))
+        return mokk_fail(err, MOK_ENOTSUP, "EP ranks %d and %d are on CUDA devices %d and "
+                         "%d, whose backends are not linked (mokk_cuda_link)", r, q, dev[r],
+                         dev[q]);
+  }
+  return 0;
+}
+
 /* One step over P ranks of T tokens (virtual ranks: one device, one
  * stream). The ranks' pairs are scheduled together, as one rank with P T
  * tokens (rank 0's first) and all E experts would: rows of an expert by
@@ -324,6 +351,8 @@ static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
   size_t off = 0, o_ids, o_count, o_rs, o_to, o_slot, o_src, o_rw, o_xr, o_g = 0, o_u = 0, o_h, o_y,
          o_gs = 0, o_us = 0, o_hs = 0, o_ys = 0, o_in = 0, in_x = 0;
   const void *px[ROUTE_MAX_RANKS];
+  const mokk_backend *rd[MOKK_DEVICE_MAX_RANKS] = {NULL};
+  int dev[MOKK_DEVICE_MAX_RANKS] = {0}, multi;
   cuda_ctx *c;
 
   if ((rc = check_shape(s, T, err)))
@@ -336,10 +365,15 @@ static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
       if (!aligned16(f->w[w]))
         return mokk_fail(err, MOK_EINVAL, "weight %d is not 16-byte aligned", w);
     px[r] = f->x;
+    rd[r] = f->dev;
   }
+  if ((rc = rank_devices(cb, P, rd, dev, &multi, err)))
+    return rc;
   CK(cudaSetDevice(cb->device));
-  if (cb->spread && P > 1)
-    return spread_forward(cb, s, T, ranks, out_ctx, err);
+  /* ranks on other GPUs: only the spread layout keeps each rank's rows on
+   * its own device */
+  if ((cb->spread && P > 1) || multi)
+    return spread_forward(cb, s, T, ranks, dev, out_ctx, err);
 
   if ((c = (cuda_ctx *)calloc(1, sizeof *c)) == NULL)
     return mokk_fail(err, MOK_ENOMEM, "out of memory");
@@ -537,6 +571,8 @@ static int cuda_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
   int accum = mode == MOKK_GRAD_FP32_ACCUM, rc = 0;
   size_t off = 0, o_dor, o_dy, o_dgu, o_dxr, o_maps, o_dgus = 0, o_dxs = 0, o_dout = 0;
   const void *pd[ROUTE_MAX_RANKS];
+  const mokk_backend *rd[MOKK_DEVICE_MAX_RANKS] = {NULL};
+  int dev[MOKK_DEVICE_MAX_RANKS] = {0}, multi;
   void *block = NULL;
 
   if ((c->spread ? c->part[0].g : c->g) == NULL)
@@ -549,10 +585,20 @@ static int cuda_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
       if (!aligned16(br->w[w]))
         return mokk_fail(err, MOK_EINVAL, "weight %d is not 16-byte aligned", w);
     pd[r] = br->d_out;
+    rd[r] = br->dev;
+  }
+  if ((rc = rank_devices(cb, P, rd, dev, &multi, err)))
+    return rc;
+  for (int r = 0; r < P; r++) { /* a rank's saved rows are on the GPU of its forward */
+    int fwd = c->spread ? c->part[r].device : cb->device;
+    if (dev[r] != fwd)
+      return mokk_fail(err, MOK_EINVAL, "EP rank %d of the backward names CUDA device %d; "
+                       "its forward ran on device %d, which holds its saved rows", r, dev[r],
+                       fwd);
   }
   CK(cudaSetDevice(cb->device));
   if (c->spread)
-    return spread_backward(cb, c, mode, ranks, err);
+    return spread_backward(cb, c, mode, ranks, dev, err);
 
   /* dor (bf16) is read by the d_h GEMMs only, and dxr (fp32) written by the
    * d_x GEMMs, which run after every rank's d_h: one region holds both */
@@ -640,11 +686,38 @@ out:
  * for the host. The shared expert's weight gradient, a sum over every
  * rank's tokens, is computed by every rank from every rank's rows, in the
  * global order. On one device (mokk_cuda_set_spread) the ranks are virtual
- * and every number is the shared layout's, rank for rank. */
+ * and every number is the shared layout's, rank for rank. A rank on another
+ * GPU (its `dev`) has its stream, buffers, tile counter and launches there:
+ * its device is current while its work is queued, and the step's again
+ * after. Its reads of the others' rows go over peer access (mokk_cuda_link);
+ * the schedule's flag of a bad expert id is the backend's one word, which a
+ * rank elsewhere sets through peer access as well (an integer atomic). */
 
-/* The rank streams, their events and the fork event, made on first use. */
-static int spread_ready(cuda_backend *cb, int P, char *err)
+/* Rank r's stream and event: the backend's own, or those it keeps on r's GPU. */
+static cudaStream_t rank_stream(const cuda_backend *cb, const int *dev, int r)
 {
+  return dev[r] == cb->device ? cb->part_st[r] : cb->peer[dev[r]].part_st[r];
+}
+
+static cudaEvent_t rank_event(const cuda_backend *cb, const int *dev, int r)
+{
+  return dev[r] == cb->device ? cb->part_ev[r] : cb->peer[dev[r]].part_ev[r];
+}
+
+/* Makes rank r's GPU current for its launches (nothing to do on the step's). */
+static int rank_enter(const cuda_backend *cb, const int *dev, int r, char *err)
+{
+  if (dev[r] != cb->device)
+    CK(cudaSetDevice(dev[r]));
+  return 0;
+}
+
+/* The rank streams, their events and the fork event, made on first use,
+ * each on its rank's GPU. */
+static int spread_ready(cuda_backend *cb, int P, const int *dev, char *err)
+{
+  int rc = 0;
+
   if (cb->arch == 0) { /* gemm() caches it in the backend, not in a rank's view */
     int major = 0, minor = 0;
     CK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, cb->device));
@@ -654,33 +727,61 @@ static int spread_ready(cuda_backend *cb, int P, char *err)
   if (cb->fork_ev == NULL)
     CK(cudaEventCreateWithFlags(&cb->fork_ev, cudaEventDisableTiming));
   for (int r = 0; r < P; r++) {
-    if (cb->part_st[r] == NULL)
-      CK(cudaStreamCreateWithFlags(&cb->part_st[r], cudaStreamNonBlocking));
-    if (cb->part_ev[r] == NULL)
-      CK(cudaEventCreateWithFlags(&cb->part_ev[r], cudaEventDisableTiming));
+    if (dev[r] == cb->device) {
+      if (cb->part_st[r] == NULL)
+        CK(cudaStreamCreateWithFlags(&cb->part_st[r], cudaStreamNonBlocking));
+      if (cb->part_ev[r] == NULL)
+        CK(cudaEventCreateWithFlags(&cb->part_ev[r], cudaEventDisableTiming));
+      continue;
+    }
+    if ((rc = cuda_peer_ready(cb, dev[r], err)))
+      return rc;
+    cuda_peer *pr = &cb->peer[dev[r]];
+    CK(cudaSetDevice(dev[r]));
+    if (pr->part_st[r] == NULL)
+      CUDA_CHECK_GOTO(cudaStreamCreateWithFlags(&pr->part_st[r], cudaStreamNonBlocking), rc,
+                      out);
+    if (pr->part_ev[r] == NULL)
+      CUDA_CHECK_GOTO(cudaEventCreateWithFlags(&pr->part_ev[r], cudaEventDisableTiming), rc,
+                      out);
+    CK(cudaSetDevice(cb->device));
   }
   return 0;
+out:
+  cudaSetDevice(cb->device);
+  return rc;
 }
 
 /* The rank streams start after what the backend's stream holds (the
  * clients' ready events). */
-static int spread_fork(cuda_backend *cb, int P, char *err)
+static int spread_fork(cuda_backend *cb, int P, const int *dev, char *err)
 {
+  int rc;
   CK(cudaEventRecord(cb->fork_ev, cb->stream));
-  for (int r = 0; r < P; r++)
-    CK(cudaStreamWaitEvent(cb->part_st[r], cb->fork_ev, 0));
+  for (int r = 0; r < P; r++) {
+    if ((rc = rank_enter(cb, dev, r, err)))
+      return rc;
+    CK(cudaStreamWaitEvent(rank_stream(cb, dev, r), cb->fork_ev, 0));
+  }
   return 0;
 }
 
 /* Each rank stream goes on once every other one has reached this point. */
-static int spread_barrier(cuda_backend *cb, int P, char *err)
+static int spread_barrier(cuda_backend *cb, int P, const int *dev, char *err)
 {
-  for (int q = 0; q < P; q++)
-    CK(cudaEventRecord(cb->part_ev[q], cb->part_st[q]));
-  for (int r = 0; r < P; r++)
+  int rc;
+  for (int q = 0; q < P; q++) {
+    if ((rc = rank_enter(cb, dev, q, err)))
+      return rc;
+    CK(cudaEventRecord(rank_event(cb, dev, q), rank_stream(cb, dev, q)));
+  }
+  for (int r = 0; r < P; r++) {
+    if ((rc = rank_enter(cb, dev, r, err)))
+      return rc;
     for (int q = 0; q < P; q++)
       if (q != r)
-        CK(cudaStreamWaitEvent(cb->part_st[r], cb->part_ev[q], 0));
+        CK(cudaStreamWaitEvent(rank_stream(cb, dev, r), rank_event(cb, dev, q), 0));
+  }
   return 0;
 }
 
@@ -688,29 +789,42 @@ static int spread_barrier(cuda_backend *cb, int P, char *err)
  * events, and the frees queued on it, come after all of a step's work. Run
  * on failures too, so nothing is freed under a queued kernel; where a rank
  * stream cannot be joined by an event, the host waits for it. */
-static int spread_join(cuda_backend *cb, int P, char *err)
+static int spread_join(cuda_backend *cb, int P, const int *dev, char *err)
 {
   int rc = 0;
   for (int r = 0; r < P; r++) {
-    cudaError_t e = cudaEventRecord(cb->part_ev[r], cb->part_st[r]);
+    cudaStream_t st = rank_stream(cb, dev, r);
+    cudaError_t e = dev[r] != cb->device ? cudaSetDevice(dev[r]) : cudaSuccess;
     if (e == cudaSuccess)
-      e = cudaStreamWaitEvent(cb->stream, cb->part_ev[r], 0);
+      e = cudaEventRecord(rank_event(cb, dev, r), st);
+    if (e == cudaSuccess)
+      e = cudaStreamWaitEvent(cb->stream, rank_event(cb, dev, r), 0);
     if (e != cudaSuccess) {
-      cudaStreamSynchronize(cb->part_st[r]);
+      cudaStreamSynchronize(st);
       if (rc == 0)
         rc = cuda_fail(err, e, "join of the rank streams");
     }
   }
+  /* the step's device is current again, for what follows on its stream */
+  cudaError_t e = cudaSetDevice(cb->device);
+  if (e != cudaSuccess && rc == 0)
+    rc = cuda_fail(err, e, "cudaSetDevice after the rank streams");
   return rc;
 }
 
-/* Rank r's view of the backend: its stream (and, on several GPUs, its
- * device); the GEMM launchers take it where they take the backend. */
-static cuda_backend rank_backend(const cuda_backend *cb, int r)
+/* Rank r's view of the backend: its stream, its tile counter and its
+ * device; the GEMM launchers take it where they take the backend. */
+static cuda_backend rank_backend(const cuda_backend *cb, const int *dev, int r)
 {
   cuda_backend on = *cb;
-  on.stream = cb->part_st[r];
-  on.tile_ctr = cb->tile_ctr + 1 + r;
+  on.stream = rank_stream(cb, dev, r);
+  if (dev[r] == cb->device) {
+    on.tile_ctr = cb->tile_ctr + 1 + r;
+  } else {
+    on.tile_ctr = cb->peer[dev[r]].tile_ctr + r;
+    on.device = dev[r];
+    on.arch = cb->peer[dev[r]].arch;
+  }
   return on;
 }
 
@@ -745,7 +859,8 @@ static route_owners spread_owners(const void *const *p, const cuda_part *mine, i
 }
 
 static int spread_forward(cuda_backend *cb, const mokk_shape *s, int64_t T,
-                          const mokk_fwd_rank *ranks, mokk_ctx **out_ctx, char *err)
+                          const mokk_fwd_rank *ranks, const int *dev, mokk_ctx **out_ctx,
+                          char *err)
 {
   const int P = (int)s->P, El = (int)(s->E / s->P);
   int64_t H = s->H, I = s->I, E = s->E, K = s->K, Is = s->I_s, TG = P * T, TK = TG * K;
@@ -755,7 +870,7 @@ static int spread_forward(cuda_backend *cb, const mokk_shape *s, int64_t T,
   bf16 *ys[ROUTE_MAX_RANKS];
   cuda_ctx *c;
 
-  if ((rc = spread_ready(cb, P, err)))
+  if ((rc = spread_ready(cb, P, dev, err)))
     return rc;
   if ((c = (cuda_ctx *)calloc(1, sizeof *c)) == NULL)
     return mokk_fail(err, MOK_ENOMEM, "out of memory");
@@ -766,12 +881,15 @@ static int spread_forward(cuda_backend *cb, const mokk_shape *s, int64_t T,
     px[r] = ranks[r].x, pi[r] = ranks[r].topk_ids, pw[r] = ranks[r].topk_weights;
     for (int w = 0; w < MOKK_NWEIGHTS; w++)
       c->w[r][w] = (const bf16 *)ranks[r].w[w];
+    c->part[r].device = dev[r];
   }
-  if ((rc = spread_fork(cb, P, err)))
+  if ((rc = spread_fork(cb, P, dev, err)))
     goto fail;
 
   for (int r = 0; r < P; r++) {
     cuda_part *p = &c->part[r];
+    if ((rc = rank_enter(cb, dev, r, err)))
+      goto fail;
     size_t off = 0, o_ids = carve(&off, 2 * TK * sizeof(int32_t)), o_tw = carve(&off, TK * 4),
            o_count = carve(&off, E * sizeof(int)), o_rs = carve(&off, (E + 1) * sizeof(int)),
            o_to = carve(&off, 2 * (E + 1) * sizeof(int)), o_slot = carve(&off, TK * 4),
@@ -782,11 +900,11 @@ static int spread_forward(cuda_backend *cb, const mokk_shape *s, int64_t T,
            o_us = train && Is ? carve(&off, TG * Is * 4) : 0,
            o_hs = Is ? carve(&off, TG * Is * 2) : 0, o_ys = Is ? carve(&off, T * H * 2) : 0,
            o_x = train && Is ? carve(&off, TG * H * 2) : 0;
-    cudaError_t e = cudaMallocAsync(&p->block, off, cb->part_st[r]);
+    cudaError_t e = cudaMallocAsync(&p->block, off, rank_stream(cb, dev, r));
     if (e != cudaSuccess) {
       p->block = NULL;
-      rc = mokk_fail(err, MOK_ENOMEM, "cannot allocate %zu bytes of GPU memory for EP rank "
-                     "%d of the step: %s", off, r, cudaGetErrorString(e));
+      rc = mokk_fail(err, MOK_ENOMEM, "cannot allocate %zu bytes of memory of CUDA device %d "
+                     "for EP rank %d of the step: %s", off, dev[r], r, cudaGetErrorString(e));
       goto fail;
     }
     char *base = (char *)p->block;
@@ -817,8 +935,10 @@ static int spread_forward(cuda_backend *cb, const mokk_shape *s, int64_t T,
    * shared expert */
   for (int r = 0; r < P; r++) {
     cuda_part *p = &c->part[r];
-    cuda_backend on = rank_backend(cb, r);
+    cuda_backend on = rank_backend(cb, dev, r);
     cuda_ctx v = rank_view(c, r);
+    if ((rc = rank_enter(cb, dev, r, err)))
+      goto fail;
     if ((rc = concat(&on, p->ids, pi, P, T * K * sizeof(int32_t), err)) ||
         (rc = concat(&on, p->tw, pw, P, T * K * sizeof(float), err)) ||
         (p->x != NULL && (rc = concat(&on, (void *)p->x, px, P, T * H * 2, err))))
@@ -840,17 +960,19 @@ static int spread_forward(cuda_backend *cb, const mokk_shape *s, int64_t T,
       goto fail;
   }
   /* every rank's rows are out: each combines its tokens from all of them */
-  if ((rc = spread_barrier(cb, P, err)))
+  if ((rc = spread_barrier(cb, P, dev, err)))
     goto fail;
   for (int r = 0; r < P; r++) {
     const cuda_part *p = &c->part[r];
-    route_combine_out(cb->part_st[r], grid_for(cb, T, 16), spread_owners(py, p, P, El),
-                      p->slot + r * T * K, p->tw + r * T * K, ys[r], T, (int)K, H,
-                      (bf16 *)ranks[r].out);
+    if ((rc = rank_enter(cb, dev, r, err)))
+      goto fail;
+    route_combine_out(rank_stream(cb, dev, r), grid_for(cb, T, 16),
+                      spread_owners(py, p, P, El), p->slot + r * T * K, p->tw + r * T * K,
+                      ys[r], T, (int)K, H, (bf16 *)ranks[r].out);
     if ((rc = launched(err, "combine")))
       goto fail;
   }
-  if ((rc = spread_join(cb, P, err))) {
+  if ((rc = spread_join(cb, P, dev, err))) {
     cudaMemsetAsync(cb->status, 0, sizeof *cb->status, cb->stream);
     ctx_release(cb, c);
     return rc;
@@ -862,7 +984,7 @@ static int spread_forward(cuda_backend *cb, const mokk_shape *s, int64_t T,
   return 0;
 fail: {
   char jerr[MOK_ERRLEN]; /* err keeps the first failure's message */
-  spread_join(cb, P, jerr);
+  spread_join(cb, P, dev, jerr);
   /* as in the shared layout: no step end reads (and clears) the flag */
   cudaMemsetAsync(cb->status, 0, sizeof *cb->status, cb->stream);
   ctx_release(cb, c);
@@ -871,7 +993,7 @@ fail: {
 }
 
 static int spread_backward(cuda_backend *cb, cuda_ctx *c, mokk_grad_mode mode,
-                           const mokk_bwd_rank *ranks, char *err)
+                           const mokk_bwd_rank *ranks, const int *dev, char *err)
 {
   const mokk_shape *s = &c->hdr.shape;
   const int P = (int)s->P, El = (int)(s->E / s->P);
@@ -884,13 +1006,15 @@ static int spread_backward(cuda_backend *cb, cuda_ctx *c, mokk_grad_mode mode,
   float *dxr[ROUTE_MAX_RANKS], *dxs[ROUTE_MAX_RANKS];
   void *maps[ROUTE_MAX_RANKS];
 
-  if ((rc = spread_ready(cb, P, err)))
+  if ((rc = spread_ready(cb, P, dev, err)))
     return rc;
   for (int r = 0; r < P; r++)
     pd[r] = ranks[r].d_out, py[r] = c->part[r].y;
-  if ((rc = spread_fork(cb, P, err)))
-    return rc;
+  if ((rc = spread_fork(cb, P, dev, err)))
+    goto out;
   for (int r = 0; r < P; r++) {
+    if ((rc = rank_enter(cb, dev, r, err)))
+      goto out;
     /* dor (bf16) is read by the d_h GEMMs only, and dxr (fp32) written by
      * the d_x GEMMs after them: one region holds both */
     size_t off = 0, o_dor = carve(&off, TK * H * 4), o_dy = carve(&off, TK * H * 2),
@@ -898,11 +1022,12 @@ static int spread_backward(cuda_backend *cb, cuda_ctx *c, mokk_grad_mode mode,
            o_maps = carve(&off, (size_t)El * GEMM_TN_MAP_BYTES),
            o_dgus = Is ? carve(&off, TG * 2 * Is * 2) : 0,
            o_dxs = Is ? carve(&off, T * H * 4) : 0, o_dout = Is ? carve(&off, TG * H * 2) : 0;
-    cudaError_t e = cudaMallocAsync(&block[r], off, cb->part_st[r]);
+    cudaError_t e = cudaMallocAsync(&block[r], off, rank_stream(cb, dev, r));
     if (e != cudaSuccess) {
       block[r] = NULL;
-      rc = mokk_fail(err, MOK_ENOMEM, "cannot allocate %zu bytes of GPU memory for EP rank "
-                     "%d of the backward: %s", off, r, cudaGetErrorString(e));
+      rc = mokk_fail(err, MOK_ENOMEM, "cannot allocate %zu bytes of memory of CUDA device %d "
+                     "for EP rank %d of the backward: %s", off, dev[r], r,
+                     cudaGetErrorString(e));
       goto out;
     }
     char *base = (char *)block[r];
@@ -922,8 +1047,10 @@ static int spread_backward(cuda_backend *cb, cuda_ctx *c, mokk_grad_mode mode,
   for (int r = 0; r < P; r++) {
     cuda_part *p = &c->part[r];
     const mokk_bwd_rank *br = &ranks[r];
-    cuda_backend on = rank_backend(cb, r);
+    cuda_backend on = rank_backend(cb, dev, r);
     cuda_ctx v = rank_view(c, r);
+    if ((rc = rank_enter(cb, dev, r, err)))
+      goto out;
     if (Is) { /* every rank's d_out and hs, for the shared weight gradient */
       if ((rc = concat(&on, dout[r], pd, P, T * H * 2, err)))
         goto out;
@@ -960,13 +1087,15 @@ static int spread_backward(cuda_backend *cb, cuda_ctx *c, mokk_grad_mode mode,
       goto out;
   }
   /* every rank's d_x rows and shared d_g | d_u are out */
-  if ((rc = spread_barrier(cb, P, err)))
+  if ((rc = spread_barrier(cb, P, dev, err)))
     goto out;
   for (int r = 0; r < P; r++) {
     cuda_part *p = &c->part[r];
     const mokk_bwd_rank *br = &ranks[r];
-    cuda_backend on = rank_backend(cb, r);
+    cuda_backend on = rank_backend(cb, dev, r);
     cuda_ctx v = rank_view(c, r);
+    if ((rc = rank_enter(cb, dev, r, err)))
+      goto out;
     route_combine_dx(on.stream, grid_for(cb, T, 16), spread_owners(pdx, p, P, El),
                      p->slot + r * T * K, dxs[r], T, (int)K, H, (bf16 *)br->d_x);
     if ((rc = launched(err, "d_x combine")))
@@ -987,13 +1116,14 @@ static int spread_backward(cuda_backend *cb, cuda_ctx *c, mokk_grad_mode mode,
   }
 out: {
   char jerr[MOK_ERRLEN];
-  int jr = spread_join(cb, P, rc ? jerr : err); /* err keeps the first failure's message */
+  /* err keeps the first failure's message */
+  int jr = spread_join(cb, P, dev, rc ? jerr : err);
   if (rc == 0)
     rc = jr;
 }
   for (int r = 0; r < P; r++)
     if (block[r] != NULL)
-      cudaFreeAsync(block[r], cb->stream);
+      cuda_free_after(cb, dev[r], block[r]);
   return rc;
 }
 

@@ -16,6 +16,21 @@ typedef struct cuda_buffer cuda_buffer;
 
 enum { MOKK_TILES_AUTO, MOKK_TILES_WIDE, MOKK_TILES_TALL };
 
+/* What a backend keeps on a linked GPU for the ranks of its steps that run
+ * there (made on first use): the backend owns them, so that the executors of
+ * two GPUs never share a stream or a tile counter. */
+typedef struct cuda_peer {
+  int linked;       /* peer access both ways, pools shared (mokk_cuda_link) */
+  int arch;         /* its compute capability, as cuda_backend.arch */
+  cudaStream_t part_st[MOKK_DEVICE_MAX_RANKS];
+  cudaEvent_t part_ev[MOKK_DEVICE_MAX_RANKS];
+  int *tile_ctr;    /* [MOKK_DEVICE_MAX_RANKS], on that device */
+  /* the work of that device that follows a step on the backend's stream:
+   * the done events of its clients and the frees of its rank buffers */
+  cudaStream_t tail;
+  cudaEvent_t tail_ev;
+} cuda_peer;
+
 typedef struct cuda_backend {
   mokk_backend base;
   int device, sms, max_blocks;
@@ -37,12 +52,17 @@ typedef struct cuda_backend {
   int spread;
   cudaStream_t part_st[MOKK_DEVICE_MAX_RANKS];
   cudaEvent_t part_ev[MOKK_DEVICE_MAX_RANKS], fork_ev;
+  /* ranks on other GPUs (indexed by ordinal; this one's entry stays unused)
+   * and the event that hands the backend's stream over to their tails */
+  cuda_peer peer[MOKK_CUDA_MAX_DEVICES];
+  cudaEvent_t hop_ev;
 } cuda_backend;
 
 /* One rank's buffer set of a spread step (cuda_moe.cu): the whole schedule,
  * computed from every rank's ids, and the rows of its own experts, at their
  * rows of that schedule (the rest of each [TK, ...] buffer is not written). */
 typedef struct cuda_part {
+  int device;                /* where the rank ran: its buffers are that GPU's */
   void *block;               /* one allocation holding the rest */
   size_t bytes;
   int32_t *ids;              /* [TK] every rank's ids, rank 0's first, then own ids */
@@ -83,6 +103,13 @@ typedef struct cuda_ctx {
 #define cuda_fail(err, e, what) mokk_cuda_fail_at((err), (e), (what), __FILE__, __LINE__)
 #define CK(call) CUDA_CHECK(call)
 
+/* The resources of rank streams on a linked GPU, made on first use. */
+int cuda_peer_ready(cuda_backend *cb, int device, char *err);
+/* Frees p, memory of `device`, after the work queued so far on the
+ * backend's stream: on that stream for this GPU, else on the tail stream of
+ * p's GPU. */
+void cuda_free_after(cuda_backend *cb, int device, void *p);
+
 static inline void ctx_release(cuda_backend *cb, cuda_ctx *c)
 {
   /* stream-ordered: after the queued work (a spread step's rank streams have
@@ -91,7 +118,7 @@ static inline void ctx_release(cuda_backend *cb, cuda_ctx *c)
     cudaFreeAsync(c->block, cb->stream);
   for (int r = 0; r < MOKK_DEVICE_MAX_RANKS; r++)
     if (c->part[r].block != NULL)
-      cudaFreeAsync(c->part[r].block, cb->stream);
+      cuda_free_after(cb, c->part[r].device, c->part[r].block);
   free(c);
 }
 
@@ -128,6 +155,9 @@ int mokk_gpu_import_fd(int device, int fd, size_t bytes, mokk_gpu_import *m, cha
 int mokk_gpu_import_reserve(int device, size_t bytes, mokk_gpu_import *m, char *err);
 int mokk_gpu_import_chunk(mokk_gpu_import *m, int fd, size_t offset, size_t bytes, char *err);
 int mokk_gpu_import_commit(mokk_gpu_import *m, char *err);
+/* The arenas and imports of device `owner` mapped from now on are readable
+ * and writable by `peer` too (mokk_cuda_link). */
+void mokk_gpu_mem_share(int owner, int peer);
 /* Unmap and release now: the caller has made sure no queued work uses them. */
 void mokk_gpu_mem_free_now(mokk_gpu_mem *m);
 void mokk_gpu_import_free_now(mokk_gpu_import *m);
@@ -151,6 +181,10 @@ int mokk_cuda_events_create(mokk_backend *b, mokk_events **out, char *err);
 void mokk_cuda_events_free(mokk_events *ev);
 /* The next step on b's stream waits for the client's event (its IPC handle). */
 int mokk_cuda_wait(mokk_backend *b, mokk_events *ev, const void *handle, char *err);
+/* The GPU whose clients ev serves: its events are that device's. */
+int mokk_cuda_events_device(const mokk_events *ev);
+/* The stream of the backend that made ev. */
+cudaStream_t mokk_cuda_events_home(const mokk_events *ev);
 /* Records the session's done event on stream; handle gets its IPC handle. */
 int mokk_cuda_events_record(mokk_events *ev, cudaStream_t stream, void *handle,
                             char *err);

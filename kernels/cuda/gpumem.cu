@@ -117,14 +117,38 @@ static CUmemAccessDesc device_rw(int device)
   return acc;
 }
 
-/* Maps h at va read-write for device; nothing stays mapped on failure. */
+/* The devices linked with each device (bit d: device d), set once at
+ * start-up, before any mapping that needs it, by mokk_cuda_link. */
+static unsigned shared_with[MOKK_CUDA_MAX_DEVICES];
+
+void mokk_gpu_mem_share(int owner, int peer)
+{
+  if (owner >= 0 && owner < MOKK_CUDA_MAX_DEVICES && peer >= 0 && peer < MOKK_CUDA_MAX_DEVICES)
+    shared_with[owner] |= 1u << peer;
+}
+
+/* Read-write access for device and the devices linked with it (the ranks
+ * of an EP step on other GPUs read and write its memory); returns how many. */
+static size_t rw_list(int device, CUmemAccessDesc acc[MOKK_CUDA_MAX_DEVICES])
+{
+  size_t n = 0;
+  acc[n++] = device_rw(device);
+  for (int d = 0; device < MOKK_CUDA_MAX_DEVICES && d < MOKK_CUDA_MAX_DEVICES; d++)
+    if (d != device && (shared_with[device] >> d & 1))
+      acc[n++] = device_rw(d);
+  return n;
+}
+
+/* Maps h at va read-write for device and its linked devices; nothing stays
+ * mapped on failure. */
 static CUresult map_rw(CUdeviceptr va, size_t bytes, CUmemGenericAllocationHandle h, int device)
 {
-  const CUmemAccessDesc acc = device_rw(device);
+  CUmemAccessDesc acc[MOKK_CUDA_MAX_DEVICES];
+  size_t n = rw_list(device, acc);
   CUresult r;
   if ((r = drv.map(va, bytes, 0, h, 0)) != CUDA_SUCCESS)
     return r;
-  if ((r = drv.access(va, bytes, &acc, 1)) != CUDA_SUCCESS)
+  if ((r = drv.access(va, bytes, acc, n)) != CUDA_SUCCESS)
     drv.unmap(va, bytes);
   return r;
 }
@@ -432,11 +456,12 @@ int mokk_gpu_import_chunk(mokk_gpu_import *m, int fd, size_t offset, size_t byte
 
 int mokk_gpu_import_commit(mokk_gpu_import *m, char *err)
 {
-  const CUmemAccessDesc acc = device_rw(m->device);
+  CUmemAccessDesc acc[MOKK_CUDA_MAX_DEVICES];
+  size_t n = rw_list(m->device, acc);
   CUresult r;
 
   cudaSetDevice(m->device);
-  if ((r = drv.access((CUdeviceptr)m->ptr, m->bytes, &acc, 1)) != CUDA_SUCCESS)
+  if ((r = drv.access((CUdeviceptr)m->ptr, m->bytes, acc, n)) != CUDA_SUCCESS)
     return CU_FAIL(r, "cuMemSetAccess over the imported chunks");
   return 0;
 }

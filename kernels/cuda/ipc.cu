@@ -21,6 +21,9 @@ typedef struct ready_event {
 
 struct mokk_events {
   int device;
+  /* the stream of the backend that made them (the client's GPU's): a step
+   * run by another backend is ordered before its later work and fences */
+  cudaStream_t home;
   cudaEvent_t done;
   cudaIpcEventHandle_t done_handle;
   ready_event ready[READY_SLOTS];
@@ -37,6 +40,7 @@ int mokk_cuda_events_create(mokk_backend *b, mokk_events **out, char *err)
   if (ev == NULL)
     return mokk_fail(err, MOK_ENOMEM, "out of memory");
   ev->device = mokk_cuda_device(b);
+  ev->home = (cudaStream_t)mokk_cuda_stream(b);
   CUDA_CHECK_GOTO(cudaSetDevice(ev->device), rc, fail);
   CUDA_CHECK_GOTO(cudaEventCreateWithFlags(&ev->done, cudaEventDisableTiming |
                                                           cudaEventInterprocess), rc, fail);
@@ -61,6 +65,16 @@ void mokk_cuda_events_free(mokk_events *ev)
     cudaEventDestroy(ev->ready[i].ev);
   cudaEventDestroy(ev->done);
   free(ev);
+}
+
+int mokk_cuda_events_device(const mokk_events *ev)
+{
+  return ev->device;
+}
+
+cudaStream_t mokk_cuda_events_home(const mokk_events *ev)
+{
+  return ev->home;
 }
 
 int mokk_cuda_wait(mokk_backend *b, mokk_events *ev, const void *handle,
@@ -95,7 +109,11 @@ int mokk_cuda_wait(mokk_backend *b, mokk_events *ev, const void *handle,
     r->ev = opened;
   }
   r->used = ++ev->clock;
+  /* the client may be on another GPU than b (an EP rank there): the wait
+   * crosses devices, and b's device is current again for the step */
   CUDA_CHECK(cudaStreamWaitEvent((cudaStream_t)mokk_cuda_stream(b), r->ev, 0));
+  if (ev->device != mokk_cuda_device(b))
+    CUDA_CHECK(cudaSetDevice(mokk_cuda_device(b)));
   return 0;
 }
 

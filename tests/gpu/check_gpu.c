@@ -1290,9 +1290,11 @@ END_TEST
 /* The case over P ranks on the GPU, laid out as case_run lays it out: rank
  * r's tokens at r T, its experts' slices of the global weights and
  * gradients, and its own copy of the shared expert's gradients
- * (g_shared_copy, [P][n]). The backend's own entry, no daemon. */
-static int gpu_run_ranks(const moe_case *c, int P, mokk_grad_mode mode, float seed_grad,
-                         moe_out *o, char *err)
+ * (g_shared_copy, [P][n]). The backend's own entry, no daemon. on: each
+ * rank's backend (its dev), or NULL for none; the tensors are on the GPU of
+ * `gpu` in either case (other GPUs reach them through peer access). */
+static int gpu_run_ranks_on(const moe_case *c, int P, mokk_grad_mode mode, float seed_grad,
+                            mokk_backend *const *on, moe_out *o, uint64_t *held, char *err)
 {
   mokk_shape s = c->s;
   int64_t T = c->T / P, H = s.H, K = s.K, El = s.E / P;
@@ -1343,6 +1345,7 @@ static int gpu_run_ranks(const moe_case *c, int P, mokk_grad_mode mode, float se
     br[r].d_out = dout + r * T * H;
     br[r].d_x = dx + r * T * H;
     br[r].d_topk_weights = dtw + r * T * K;
+    fr[r].dev = br[r].dev = on != NULL ? on[r] : NULL;
     for (int i = 0; i < MOKK_NWEIGHTS; i++) {
       if (w[i] == NULL)
         continue;
@@ -1355,6 +1358,8 @@ static int gpu_run_ranks(const moe_case *c, int P, mokk_grad_mode mode, float se
     }
   }
   rc = mokk_forward(gpu, &s, T, fr, &ctx, err);
+  if (held != NULL)
+    *held = ctx != NULL ? mokk_ctx_bytes(gpu, ctx) : 0;
   if (rc == 0)
     rc = mokk_backward(gpu, ctx, mode, br, err);
   mokk_ctx_free(gpu, ctx);
@@ -1381,11 +1386,18 @@ static int gpu_run_ranks(const moe_case *c, int P, mokk_grad_mode mode, float se
   return rc;
 }
 
+static int gpu_run_ranks(const moe_case *c, int P, mokk_grad_mode mode, float seed_grad,
+                         moe_out *o, char *err)
+{
+  return gpu_run_ranks_on(c, P, mode, seed_grad, NULL, o, NULL, err);
+}
+
 /* P = 2, 4, 8 virtual ranks against P = 1, bit for bit (DESIGN §2.3), on
  * one buffer set for all ranks and on a buffer set and stream per rank (the
- * layout of ranks on several GPUs: mokk_cuda_set_spread). */
-static void ranks_bitwise(mokk_shape s, int64_t T, route_kind route, mokk_grad_mode mode,
-                          uint64_t seed)
+ * layout of ranks on several GPUs: mokk_cuda_set_spread). on: each rank's
+ * backend (rank r runs on on[r]), or NULL. */
+static void ranks_bitwise_on(mokk_shape s, int64_t T, route_kind route, mokk_grad_mode mode,
+                             uint64_t seed, mokk_backend *const *on)
 {
   char err[2 * MOK_ERRLEN] = "";
   int64_t H = s.H, K = s.K;
@@ -1413,10 +1425,20 @@ static void ranks_bitwise(mokk_shape s, int64_t T, route_kind route, mokk_grad_m
   out_free(&oc);
   for (int i = 0; i < 6; i++) {
     int P = 2 << (i % 3), spread = i / 3;
+    mokk_shape sp = s;
+    uint64_t held = 0, bound;
+    int spans = 0;
+    sp.P = P;
+    for (int r = 0; on != NULL && r < P; r++)
+      spans |= mokk_cuda_device(on[r]) != mokk_cuda_device(gpu);
     mokk_cuda_set_spread(gpu, spread);
-    int rc = gpu_run_ranks(&cs, P, mode, 0.25f, &o, err);
+    int rc = gpu_run_ranks_on(&cs, P, mode, 0.25f, on, &o, &held, err);
+    bound = mokk_backend_ctx_bound(gpu, &sp, T / P, spans);
     mokk_cuda_set_spread(gpu, 0);
     ck_assert_msg(rc == 0, "P=%d spread=%d: %s", P, spread, err);
+    /* what the daemon charges before the step covers what it holds */
+    ck_assert_msg(held > 0 && held <= bound, "P=%d spread=%d: context %llu bytes, bound %llu",
+                  P, spread, (unsigned long long)held, (unsigned long long)bound);
     ck_assert_msg(memcmp(o.out, base.out, (size_t)(T * H) * 2) == 0, "P=%d spread=%d: out", P,
                   spread);
     ck_assert_msg(memcmp(o.d_x, base.d_x, (size_t)(T * H) * 2) == 0, "P=%d spread=%d: d_x", P,
@@ -1447,6 +1469,85 @@ static void ranks_bitwise(mokk_shape s, int64_t T, route_kind route, mokk_grad_m
   out_free(&base);
   case_free(&cs);
 }
+
+static void ranks_bitwise(mokk_shape s, int64_t T, route_kind route, mokk_grad_mode mode,
+                          uint64_t seed)
+{
+  ranks_bitwise_on(s, T, route, mode, seed, NULL);
+}
+
+/* The shapes of ep_ranks_bitwise, with each rank's backend named: the ranks
+ * of the one GPU, or of two linked ones. */
+static void ranks_bitwise_cases(mokk_backend *const *on)
+{
+  ranks_bitwise_on((mokk_shape){.H = 256, .I = 128, .E = 16, .K = 4, .I_s = 128, .P = 1,
+                                .swiglu_limit = 0.8f},
+                   8 * 75, ROUTE_RANDOM, MOKK_GRAD_BF16, 61, on);
+  ranks_bitwise_on((mokk_shape){.H = 128, .I = 192, .E = 8, .K = 8, .I_s = 64, .P = 1},
+                   8 * 75, ROUTE_RANDOM, MOKK_GRAD_FP32_ACCUM, 62, on);
+  ranks_bitwise_on((mokk_shape){.H = 128, .I = 64, .E = 8, .K = 3, .I_s = 64, .P = 1}, 8 * 7,
+                   ROUTE_DROPS, MOKK_GRAD_FP32_ACCUM, 64, on);
+  ranks_bitwise_on((mokk_shape){.H = 128, .I = 64, .E = 16, .K = 2, .I_s = 64, .P = 1}, 8 * 5,
+                   ROUTE_SAME, MOKK_GRAD_BF16, 66, on);
+}
+
+/* Each rank's backend named explicitly. On one GPU: the GPU's own backend
+ * for every rank, which must change nothing (a link of the backend with
+ * itself is a no-op), and a backend of another kind is refused. On two: the
+ * ranks alternate between GPUs 0 and 1, refused before mokk_cuda_link and
+ * the bits of P = 1 after it, in both layouts (ranks elsewhere always take
+ * the spread one). */
+START_TEST(ep_rank_devices)
+{
+  char err[2 * MOK_ERRLEN] = "";
+  mokk_backend *on[MOKK_DEVICE_MAX_RANKS], *pair[2] = {gpu, gpu}, *b1 = NULL;
+  moe_case cs;
+  moe_out o;
+
+  ck_assert_msg(mokk_cuda_link(&gpu, 1, err) == 0, "%s", err);
+  ck_assert_msg(mokk_cuda_link(pair, 2, err) == 0, "%s", err);
+  ck_assert_int_eq(mokk_cuda_linked(gpu, mokk_cuda_device(gpu)), 1);
+  for (int r = 0; r < MOKK_DEVICE_MAX_RANKS; r++)
+    on[r] = gpu;
+  ranks_bitwise_cases(on);
+  printf("ep_rank_devices: every rank's dev set to the one GPU's backend: the bits of P = 1\n");
+
+  case_make(&cs, &(mokk_shape){.H = 128, .I = 64, .E = 4, .K = 2, .P = 1}, 2 * 8,
+            ROUTE_RANDOM, 67);
+  on[1] = cpu;
+  ck_assert_int_eq(gpu_run_ranks_on(&cs, 2, MOKK_GRAD_BF16, 0, on, &o, NULL, err), MOK_EINVAL);
+  ck_assert_msg(strstr(err, "EP rank 1 names a cpu backend to run on") != NULL, "%s", err);
+  out_free(&o);
+  on[1] = gpu;
+  ck_assert_int_eq(mokk_cuda_link(&cpu, 1, err), MOK_EINVAL);
+  ck_assert_msg(strstr(err, "not a CUDA backend") != NULL, "%s", err);
+
+  if (mokk_cuda_devices(err) < 2) {
+    printf("ep_rank_devices: fewer than two GPUs visible; ranks on two GPUs skipped\n");
+    case_free(&cs);
+    return;
+  }
+  ck_assert_msg(mokk_cuda_create(1, &b1, err) == 0, "%s", err);
+  /* the tensors stay on GPU 0 (making b1 made GPU 1 current): the ranks on
+   * GPU 1 reach them through peer access */
+  ck_assert_int_eq(cudaSetDevice(mokk_cuda_device(gpu)), cudaSuccess);
+  for (int r = 0; r < MOKK_DEVICE_MAX_RANKS; r++)
+    on[r] = r % 2 ? b1 : gpu;
+  ck_assert_int_eq(gpu_run_ranks_on(&cs, 2, MOKK_GRAD_BF16, 0, on, &o, NULL, err),
+                   MOK_ENOTSUP);
+  ck_assert_msg(strstr(err, "not linked (mokk_cuda_link)") != NULL, "%s", err);
+  printf("ep_rank_devices: before the link: %s\n", err);
+  out_free(&o);
+  pair[1] = b1;
+  ck_assert_msg(mokk_cuda_link(pair, 2, err) == 0, "%s", err);
+  ck_assert_msg(mokk_cuda_link(pair, 2, err) == 0, "a second link: %s", err);
+  ranks_bitwise_cases(on);
+  printf("ep_rank_devices: ranks on GPUs 0 and 1: the bits of P = 1\n");
+  ck_assert_msg(mokk_cuda_sync(gpu, err) == 0, "%s", err);
+  mokk_backend_destroy(b1);
+  case_free(&cs);
+}
+END_TEST
 
 START_TEST(ep_ranks_bitwise)
 {
@@ -1531,7 +1632,11 @@ static int ep_rank_main(void)
             ep_cases[which].route);
   const mokk_shape s = c.s;
   int64_t T = c.T / P, H = s.H, K = s.K, El = s.E / P;
-  EP_TRY(mok_connect(sock, "ep-rank", &cl), cl);
+  const char *on = getenv("MOKD_EP_DEVICE");
+  if (on != NULL)
+    EP_TRY(mok_connect_device(sock, "ep-rank", atoi(on), &cl), cl);
+  else
+    EP_TRY(mok_connect(sock, "ep-rank", &cl), cl);
   size_t at = layer_place(0, &s, T, El, &x, &dout, &ids, &tw, w);
   EP_TRY(mok_arena_create(cl, at, &ar), cl);
   layer_place(ar.id, &s, T, El, &x, &dout, &ids, &tw, w);
@@ -1579,6 +1684,76 @@ static int ep_rank_main(void)
   return 0;
 }
 
+/* One EP group of P rank processes on the daemon of dr, case `which`, rank
+ * r's client on CUDA device r % ndev (ndev 1: where the daemon places it):
+ * each rank's results against og, the one session running the whole batch. */
+static void ep_group_check(const daemon_run *dr, int which, int P, uint64_t group,
+                           const moe_out *og, int ndev)
+{
+  moe_case cs;
+  case_make(&cs, &ep_cases[which].s, ep_cases[which].T, ep_cases[which].seed,
+            ep_cases[which].route);
+  const mokk_shape s = cs.s;
+  int64_t T = cs.T / P, H = s.H, K = s.K;
+  size_t bytes = ep_rank_bytes(&cs, P);
+  char path[4][128], env[6][64];
+  pid_t pid[4];
+  for (int r = 0; r < P; r++) {
+    snprintf(path[r], sizeof path[r], "/tmp/mokd-ep-%d-%d-%d.bin", (int)getpid(), P, r);
+    if ((pid[r] = fork()) == 0) {
+      snprintf(env[0], sizeof env[0], "%d", which);
+      snprintf(env[1], sizeof env[1], "%d", P);
+      snprintf(env[2], sizeof env[2], "%d", r);
+      snprintf(env[3], sizeof env[3], "%llu", (unsigned long long)group);
+      setenv("MOKD_EP_SOCK", dr->sock, 1);
+      setenv("MOKD_EP_OUT", path[r], 1);
+      setenv("MOKD_EP_CASE", env[0], 1);
+      setenv("MOKD_EP_P", env[1], 1);
+      setenv("MOKD_EP_RANK", env[2], 1);
+      setenv("MOKD_EP_GROUP", env[3], 1);
+      snprintf(env[4], sizeof env[4], "%d", r % ndev);
+      if (ndev > 1)
+        setenv("MOKD_EP_DEVICE", env[4], 1);
+      execl("/proc/self/exe", "check_gpu", "--ep-rank", (char *)NULL);
+      _exit(127);
+    }
+    ck_assert_int_gt(pid[r], 0);
+  }
+  for (int r = 0; r < P; r++) {
+    int sts;
+    ck_assert_int_eq(waitpid(pid[r], &sts, 0), pid[r]);
+    ck_assert_msg(WIFEXITED(sts) && WEXITSTATUS(sts) == 0, "case %d P=%d: rank %d "
+                  "failed (status %d); its output is above", which, P, r, sts);
+  }
+  for (int r = 0; r < P; r++) {
+    char *got = xcalloc((int64_t)bytes, 1);
+    FILE *f = fopen(path[r], "rb");
+    ck_assert_msg(f != NULL && fread(got, 1, bytes, f) == bytes, "%s", path[r]);
+    fclose(f);
+    unlink(path[r]);
+    size_t off = 0, n = (size_t)(T * H) * 2;
+    ck_assert_msg(memcmp(got, og->out + r * T * H, n) == 0, "case %d P=%d rank %d: out",
+                  which, P, r);
+    off += n;
+    ck_assert_msg(memcmp(got + off, og->d_x + r * T * H, n) == 0,
+                  "case %d P=%d rank %d: d_x", which, P, r);
+    off += n;
+    n = (size_t)(T * K) * 4;
+    ck_assert_msg(memcmp(got + off, og->d_tw + r * T * K, n) == 0,
+                  "case %d P=%d rank %d: d_topk_weights", which, P, r);
+    off += n;
+    for (int w = 0; w < (s.I_s ? MOK_NWEIGHTS : MOK_S_GATE); w++) {
+      int64_t e = case_weight_elems(&cs, w) / (w < MOK_S_GATE ? P : 1);
+      ck_assert_msg(memcmp(got + off, og->g_bf16[w] + (w < MOK_S_GATE ? r * e : 0),
+                           (size_t)e * 2) == 0, "case %d P=%d rank %d: gradient %s",
+                    which, P, r, wname[w]);
+      off += (size_t)e * 2;
+    }
+    free(got);
+  }
+  case_free(&cs);
+}
+
 /* P client processes, one a rank of an EP group on the cuda backend, get
  * the bits of one session running the whole batch with all experts: each
  * rank its tokens' out, d_x and d_topk_weights, its experts' gradients and
@@ -1602,64 +1777,9 @@ START_TEST(ep_daemon_bitwise)
       daemon_step st;
       case_make(&cs, &ep_cases[which].s, ep_cases[which].T, ep_cases[which].seed,
                 ep_cases[which].route);
-      const mokk_shape s = cs.s;
       daemon_layer(c, &cs, dev, &og, &st); /* P = 1, every expert, every token */
       for (int P = 2; P <= 4; P *= 2) {
-        int64_t T = cs.T / P, H = s.H, K = s.K;
-        size_t bytes = ep_rank_bytes(&cs, P);
-        char path[4][128], env[6][64];
-        pid_t pid[4];
-        group++;
-        for (int r = 0; r < P; r++) {
-          snprintf(path[r], sizeof path[r], "/tmp/mokd-ep-%d-%d-%d.bin", (int)getpid(), P, r);
-          if ((pid[r] = fork()) == 0) {
-            snprintf(env[0], sizeof env[0], "%d", which);
-            snprintf(env[1], sizeof env[1], "%d", P);
-            snprintf(env[2], sizeof env[2], "%d", r);
-            snprintf(env[3], sizeof env[3], "%llu", (unsigned long long)group);
-            setenv("MOKD_EP_SOCK", dr.sock, 1);
-            setenv("MOKD_EP_OUT", path[r], 1);
-            setenv("MOKD_EP_CASE", env[0], 1);
-            setenv("MOKD_EP_P", env[1], 1);
-            setenv("MOKD_EP_RANK", env[2], 1);
-            setenv("MOKD_EP_GROUP", env[3], 1);
-            execl("/proc/self/exe", "check_gpu", "--ep-rank", (char *)NULL);
-            _exit(127);
-          }
-          ck_assert_int_gt(pid[r], 0);
-        }
-        for (int r = 0; r < P; r++) {
-          int sts;
-          ck_assert_int_eq(waitpid(pid[r], &sts, 0), pid[r]);
-          ck_assert_msg(WIFEXITED(sts) && WEXITSTATUS(sts) == 0, "case %d P=%d: rank %d "
-                        "failed (status %d); its output is above", which, P, r, sts);
-        }
-        for (int r = 0; r < P; r++) {
-          char *got = xcalloc((int64_t)bytes, 1);
-          FILE *f = fopen(path[r], "rb");
-          ck_assert_msg(f != NULL && fread(got, 1, bytes, f) == bytes, "%s", path[r]);
-          fclose(f);
-          unlink(path[r]);
-          size_t off = 0, n = (size_t)(T * H) * 2;
-          ck_assert_msg(memcmp(got, og.out + r * T * H, n) == 0, "case %d P=%d rank %d: out",
-                        which, P, r);
-          off += n;
-          ck_assert_msg(memcmp(got + off, og.d_x + r * T * H, n) == 0,
-                        "case %d P=%d rank %d: d_x", which, P, r);
-          off += n;
-          n = (size_t)(T * K) * 4;
-          ck_assert_msg(memcmp(got + off, og.d_tw + r * T * K, n) == 0,
-                        "case %d P=%d rank %d: d_topk_weights", which, P, r);
-          off += n;
-          for (int w = 0; w < (s.I_s ? MOK_NWEIGHTS : MOK_S_GATE); w++) {
-            int64_t e = case_weight_elems(&cs, w) / (w < MOK_S_GATE ? P : 1);
-            ck_assert_msg(memcmp(got + off, og.g_bf16[w] + (w < MOK_S_GATE ? r * e : 0),
-                                 (size_t)e * 2) == 0, "case %d P=%d rank %d: gradient %s",
-                          which, P, r, wname[w]);
-            off += (size_t)e * 2;
-          }
-          free(got);
-        }
+        ep_group_check(&dr, which, P, ++group, &og, 1);
         printf("ep_daemon_bitwise: case %d, P = %d rank processes%s: the bits of P = 1\n",
                which, P, spread ? ", a buffer set per rank" : "");
       }
@@ -1679,6 +1799,42 @@ START_TEST(ep_daemon_bitwise)
     mok_close(c);
     daemon_stop(&dr);
   }
+}
+END_TEST
+
+/* An EP group whose rank processes sit on GPUs 0 and 1 (rank r on r % 2) of
+ * a daemon running both: each rank gets the bits of one session on GPU 0
+ * running the whole batch, its events and outputs on its own GPU. */
+START_TEST(ep_daemon_two_gpus)
+{
+  char err[MOK_ERRLEN];
+  uint64_t group = 1000;
+
+  if (mokk_cuda_devices(err) < 2) {
+    printf("ep_daemon_two_gpus: fewer than two GPUs visible; skipped\n");
+    return;
+  }
+  daemon_run dr;
+  mok_client *c = daemon_start(&dr, "--devices", "0,1");
+  mok_close(c);
+  ck_assert_msg(mok_connect_device(dr.sock, "gpu0", 0, &c) == 0, "%s", mok_last_error(c));
+  for (int which = 0; which < (int)(sizeof ep_cases / sizeof ep_cases[0]); which++) {
+    moe_case cs;
+    moe_out og;
+    daemon_step st;
+    case_make(&cs, &ep_cases[which].s, ep_cases[which].T, ep_cases[which].seed,
+              ep_cases[which].route);
+    daemon_layer(c, &cs, 0, &og, &st); /* P = 1 on GPU 0 */
+    for (int P = 2; P <= 4; P *= 2) {
+      ep_group_check(&dr, which, P, ++group, &og, 2);
+      printf("ep_daemon_two_gpus: case %d, P = %d rank processes on GPUs 0 and 1: the bits "
+             "of P = 1\n", which, P);
+    }
+    out_free(&og);
+    case_free(&cs);
+  }
+  mok_close(c);
+  daemon_stop(&dr);
 }
 END_TEST
 
@@ -1723,7 +1879,9 @@ static Suite *gpu_suite(void)
   tc = tcase_create("ep_cuda");
   tcase_set_timeout(tc, 600);
   tcase_add_test(tc, ep_ranks_bitwise);
+  tcase_add_test(tc, ep_rank_devices);
   tcase_add_test(tc, ep_daemon_bitwise);
+  tcase_add_test(tc, ep_daemon_two_gpus);
   suite_add_tcase(su, tc);
   tc = tcase_create("identity");
   tcase_set_timeout(tc, 120);
