@@ -704,11 +704,13 @@ static cudaEvent_t rank_event(const cuda_backend *cb, const int *dev, int r)
   return dev[r] == cb->device ? cb->part_ev[r] : cb->peer[dev[r]].part_ev[r];
 }
 
-/* Makes rank r's GPU current for its launches (nothing to do on the step's). */
+/* Makes rank r's GPU current for its launches, the step's own GPU too: the
+ * rank before may have left another one current, and a launch into a stream
+ * of a device that is not current fails. */
 static int rank_enter(const cuda_backend *cb, const int *dev, int r, char *err)
 {
-  if (dev[r] != cb->device)
-    CK(cudaSetDevice(dev[r]));
+  (void)cb;
+  CK(cudaSetDevice(dev[r]));
   return 0;
 }
 
