@@ -707,9 +707,8 @@ static cudaEvent_t rank_event(const cuda_backend *cb, const int *dev, int r)
 /* Makes rank r's GPU current for its launches, the step's own GPU too: the
  * rank before may have left another one current, and a launch into a stream
  * of a device that is not current fails. */
-static int rank_enter(const cuda_backend *cb, const int *dev, int r, char *err)
+static int rank_enter(const int *dev, int r, char *err)
 {
-  (void)cb;
   CK(cudaSetDevice(dev[r]));
   return 0;
 }
@@ -761,7 +760,7 @@ static int spread_fork(cuda_backend *cb, int P, const int *dev, char *err)
   int rc;
   CK(cudaEventRecord(cb->fork_ev, cb->stream));
   for (int r = 0; r < P; r++) {
-    if ((rc = rank_enter(cb, dev, r, err)))
+    if ((rc = rank_enter(dev, r, err)))
       return rc;
     CK(cudaStreamWaitEvent(rank_stream(cb, dev, r), cb->fork_ev, 0));
   }
@@ -773,12 +772,12 @@ static int spread_barrier(cuda_backend *cb, int P, const int *dev, char *err)
 {
   int rc;
   for (int q = 0; q < P; q++) {
-    if ((rc = rank_enter(cb, dev, q, err)))
+    if ((rc = rank_enter(dev, q, err)))
       return rc;
     CK(cudaEventRecord(rank_event(cb, dev, q), rank_stream(cb, dev, q)));
   }
   for (int r = 0; r < P; r++) {
-    if ((rc = rank_enter(cb, dev, r, err)))
+    if ((rc = rank_enter(dev, r, err)))
       return rc;
     for (int q = 0; q < P; q++)
       if (q != r)
@@ -890,7 +889,7 @@ static int spread_forward(cuda_backend *cb, const mokk_shape *s, int64_t T,
 
   for (int r = 0; r < P; r++) {
     cuda_part *p = &c->part[r];
-    if ((rc = rank_enter(cb, dev, r, err)))
+    if ((rc = rank_enter(dev, r, err)))
       goto fail;
     size_t off = 0, o_ids = carve(&off, 2 * TK * sizeof(int32_t)), o_tw = carve(&off, TK * 4),
            o_count = carve(&off, E * sizeof(int)), o_rs = carve(&off, (E + 1) * sizeof(int)),
@@ -939,7 +938,7 @@ static int spread_forward(cuda_backend *cb, const mokk_shape *s, int64_t T,
     cuda_part *p = &c->part[r];
     cuda_backend on = rank_backend(cb, dev, r);
     cuda_ctx v = rank_view(c, r);
-    if ((rc = rank_enter(cb, dev, r, err)))
+    if ((rc = rank_enter(dev, r, err)))
       goto fail;
     if ((rc = concat(&on, p->ids, pi, P, T * K * sizeof(int32_t), err)) ||
         (rc = concat(&on, p->tw, pw, P, T * K * sizeof(float), err)) ||
@@ -966,7 +965,7 @@ static int spread_forward(cuda_backend *cb, const mokk_shape *s, int64_t T,
     goto fail;
   for (int r = 0; r < P; r++) {
     const cuda_part *p = &c->part[r];
-    if ((rc = rank_enter(cb, dev, r, err)))
+    if ((rc = rank_enter(dev, r, err)))
       goto fail;
     route_combine_out(rank_stream(cb, dev, r), grid_for(cb, T, 16),
                       spread_owners(py, p, P, El), p->slot + r * T * K, p->tw + r * T * K,
@@ -1015,7 +1014,7 @@ static int spread_backward(cuda_backend *cb, cuda_ctx *c, mokk_grad_mode mode,
   if ((rc = spread_fork(cb, P, dev, err)))
     goto out;
   for (int r = 0; r < P; r++) {
-    if ((rc = rank_enter(cb, dev, r, err)))
+    if ((rc = rank_enter(dev, r, err)))
       goto out;
     /* dor (bf16) is read by the d_h GEMMs only, and dxr (fp32) written by
      * the d_x GEMMs after them: one region holds both */
@@ -1051,7 +1050,7 @@ static int spread_backward(cuda_backend *cb, cuda_ctx *c, mokk_grad_mode mode,
     const mokk_bwd_rank *br = &ranks[r];
     cuda_backend on = rank_backend(cb, dev, r);
     cuda_ctx v = rank_view(c, r);
-    if ((rc = rank_enter(cb, dev, r, err)))
+    if ((rc = rank_enter(dev, r, err)))
       goto out;
     if (Is) { /* every rank's d_out and hs, for the shared weight gradient */
       if ((rc = concat(&on, dout[r], pd, P, T * H * 2, err)))
@@ -1096,7 +1095,7 @@ static int spread_backward(cuda_backend *cb, cuda_ctx *c, mokk_grad_mode mode,
     const mokk_bwd_rank *br = &ranks[r];
     cuda_backend on = rank_backend(cb, dev, r);
     cuda_ctx v = rank_view(c, r);
-    if ((rc = rank_enter(cb, dev, r, err)))
+    if ((rc = rank_enter(dev, r, err)))
       goto out;
     route_combine_dx(on.stream, grid_for(cb, T, 16), spread_owners(pdx, p, P, El),
                      p->slot + r * T * K, dxs[r], T, (int)K, H, (bf16 *)br->d_x);

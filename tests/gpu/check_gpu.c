@@ -1591,6 +1591,13 @@ static const struct {
     {{.H = 128, .I = 64, .E = 8, .K = 2, .I_s = 64, .P = 1}, 4 * 9, ROUTE_HALF, 72},
 };
 
+/* Case `which` of ep_cases, whole: P = 1, every token. */
+static void ep_case_make(moe_case *c, int which)
+{
+  case_make(c, &ep_cases[which].s, ep_cases[which].T, ep_cases[which].seed,
+            ep_cases[which].route);
+}
+
 /* What one rank's process writes to its file: out, d_x, d_topk_weights of
  * its tokens, then its gradients (bf16, its experts' and the shared ones). */
 static size_t ep_rank_bytes(const moe_case *c, int P)
@@ -1628,8 +1635,7 @@ static int ep_rank_main(void)
   mok_backward_result br;
   uint64_t layer;
 
-  case_make(&c, &ep_cases[which].s, ep_cases[which].T, ep_cases[which].seed,
-            ep_cases[which].route);
+  ep_case_make(&c, which);
   const mokk_shape s = c.s;
   int64_t T = c.T / P, H = s.H, K = s.K, El = s.E / P;
   const char *on = getenv("MOKD_EP_DEVICE");
@@ -1691,8 +1697,7 @@ static void ep_group_check(const daemon_run *dr, int which, int P, uint64_t grou
                            const moe_out *og, int ndev)
 {
   moe_case cs;
-  case_make(&cs, &ep_cases[which].s, ep_cases[which].T, ep_cases[which].seed,
-            ep_cases[which].route);
+  ep_case_make(&cs, which);
   const mokk_shape s = cs.s;
   int64_t T = cs.T / P, H = s.H, K = s.K;
   size_t bytes = ep_rank_bytes(&cs, P);
@@ -1775,8 +1780,7 @@ START_TEST(ep_daemon_bitwise)
       moe_case cs;
       moe_out og;
       daemon_step st;
-      case_make(&cs, &ep_cases[which].s, ep_cases[which].T, ep_cases[which].seed,
-                ep_cases[which].route);
+      ep_case_make(&cs, which);
       daemon_layer(c, &cs, dev, &og, &st); /* P = 1, every expert, every token */
       for (int P = 2; P <= 4; P *= 2) {
         ep_group_check(&dr, which, P, ++group, &og, 1);
@@ -1822,8 +1826,7 @@ START_TEST(ep_daemon_two_gpus)
     moe_case cs;
     moe_out og;
     daemon_step st;
-    case_make(&cs, &ep_cases[which].s, ep_cases[which].T, ep_cases[which].seed,
-              ep_cases[which].route);
+    ep_case_make(&cs, which);
     daemon_layer(c, &cs, 0, &og, &st); /* P = 1 on GPU 0 */
     for (int P = 2; P <= 4; P *= 2) {
       ep_group_check(&dr, which, P, ++group, &og, 2);
