@@ -201,7 +201,7 @@ __device__ __forceinline__ tile unit_at(const gemm_args &a, int64_t u, int64_t t
  * apart, and the tiles running at one time are scattered over the weights.
  * The tile a block gets never changes a tile's bits. */
 struct ring {
-  uint64_t *full, *empty; /* full: the producer's arrival; empty: the 8 consumer warps' */
+  uint64_t *full, *empty; /* full: the producer's arrival; empty: every consumer thread's */
   int *unit;
   int j;
   uint32_t ph;
@@ -225,14 +225,17 @@ __device__ __forceinline__ void ring_put(ring &q, int u)
   ring_next(q);
 }
 
-/* A consumer warp (every lane calls it) takes the next tile. */
-__device__ __forceinline__ int ring_take(ring &q, int lane)
+/* Every consumer thread takes the next tile, and each arrives once it has
+ * read it. One arrival a warp after __syncwarp (a branch on the lane) made
+ * ptxas guard every shuffle of the epilogue against a diverged warp: twice
+ * the convergence barriers and a WARPSYNC.COLLECTIVE path per shuffle
+ * (cuobjdump of the NT kernel on clusters), and that kernel ran slower
+ * even with the ring unused. */
+__device__ __forceinline__ int ring_take(ring &q)
 {
   bar_wait(&q.full[q.j], q.ph);
   int u = *(volatile int *)&q.unit[q.j];
-  __syncwarp();
-  if (lane == 0)
-    bar_arrive(&q.empty[q.j]);
+  bar_arrive(&q.empty[q.j]);
   ring_next(q);
   return u;
 }
@@ -692,7 +695,7 @@ __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsi
   uint32_t ph = 0;
   for (int64_t u = blockIdx.x / CL;; u += gridDim.x / CL) {
     if (DYN && a.sched != NULL)
-      u = ring_take(q, lane);
+      u = ring_take(q);
     if (u >= units)
       break;
     tile x = unit_at<LAYOUT, BN, BM, CL>(a, u, tiles, rank);
@@ -852,7 +855,7 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
     }
     for (int j = 0; j < SLOTS; j++) {
       bar_init(&q.full[j], 1);
-      bar_init(&q.empty[j], 8);
+      bar_init(&q.empty[j], 256);
     }
     bar_init_fence();
   }
