@@ -216,39 +216,42 @@ __device__ __forceinline__ void ring_next(ring &q)
 }
 
 /* The producer publishes tile u (or `tiles`: none left), once every
- * consumer warp has taken the slot's previous one. */
+ * consumer thread has taken the slot's previous one. */
 __device__ __forceinline__ void ring_put(ring &q, int u)
 {
   bar_wait(&q.empty[q.j], q.ph ^ 1);
-  q.unit[q.j] = u;
+  st_shared(&q.unit[q.j], u);
   bar_arrive(&q.full[q.j]);
   ring_next(q);
 }
 
 /* Every consumer thread takes the next tile, and each arrives once it has
- * read it. One arrival a warp after __syncwarp (a branch on the lane) made
- * ptxas guard every shuffle of the epilogue against a diverged warp: twice
- * the convergence barriers and a WARPSYNC.COLLECTIVE path per shuffle
- * (cuobjdump of the NT kernel on clusters), and that kernel ran slower
- * even with the ring unused. */
+ * read it; the tile goes through a warp reduction, whose result the
+ * compiler knows to be the same in every lane. Read by each lane from
+ * shared memory (and arrived on by lane 0 after __syncwarp), it could
+ * differ between lanes for all the compiler knew, and every shuffle of the
+ * epilogue after it ran behind a convergence guard (cuobjdump of the
+ * single-block NT kernel: 160 WARPSYNC.COLLECTIVE paths, now none). */
 __device__ __forceinline__ int ring_take(ring &q)
 {
   bar_wait(&q.full[q.j], q.ph);
-  int u = *(volatile int *)&q.unit[q.j];
+  int u = ld_shared(&q.unit[q.j]);
   bar_arrive(&q.empty[q.j]);
   ring_next(q);
-  return u;
+  return (int)__reduce_min_sync(0xffffffffu, (unsigned)u);
 }
 
 /* Which kernels compile the dynamic order: the grouped NT GEMMs on single
  * blocks (the forward's, where experts average at most 128 rows). mok's
  * forward: 13.09-13.20 ms static, 12.60-12.66 dynamic (bench_gpu, three
- * rounds in each of three calls). On clusters (dsv3's gate/up) it read 16.5
- * GB where static tiles read 21.5-23.7 and ran 0.2-0.4 ms faster under
- * Nsight Compute, yet the layer's forward ran 1.5 % slower in bench_gpu, and
- * 2.4 % slower with the code compiled in and the order static: clusters keep
- * the static order until that is understood. d_x (NN) ran 6.69 static
- * against 7.28 ms dynamic. */
+ * rounds in each of three calls). On clusters (dsv3's gate/up; block 0
+ * took the tile and handed it to block 1 with st.async) it read 16.5 GB
+ * where static tiles read 21.5-23.7, yet no layer ran faster: compiled
+ * into a kernel on clusters, the ring took the tile arithmetic off the
+ * uniform datapath (cuobjdump, gate/up: 254 -> 140 uniform instructions,
+ * even through the warp reduction) and dsv3's forward ran 2.6-3.5 %
+ * slower with the order static, 1.5-2.6 % dynamic; in the data-gradient
+ * GEMMs, the backward 1.5 ms slower (PERF.md v9). */
 template <int LAYOUT, bool PP, int CL>
 __host__ __device__ constexpr bool dynamic_order()
 {
