@@ -412,9 +412,11 @@ extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
     tile_choice = MOKK_TILES_WIDE;
   else if (tiles != NULL && strcmp(tiles, "tall") == 0)
     tile_choice = MOKK_TILES_TALL;
+  else if (tiles != NULL && strcmp(tiles, "pingpong") == 0)
+    tile_choice = MOKK_TILES_PINGPONG;
   else if (tiles != NULL && strcmp(tiles, "auto") != 0)
-    return mokk_fail(err, MOK_EINVAL, "MOKD_GEMM_TILES: \"%s\" is not auto, wide or tall",
-                     tiles);
+    return mokk_fail(err, MOK_EINVAL,
+                     "MOKD_GEMM_TILES: \"%s\" is not auto, wide, tall or pingpong", tiles);
   /* and for measuring clusters of two blocks against single blocks */
   const char *clusters = getenv("MOKD_GEMM_CLUSTERS");
   if (clusters != NULL && strcmp(clusters, "0") != 0 && strcmp(clusters, "1") != 0)

@@ -97,6 +97,8 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
       if constexpr (EPI == E_DH)
         if (a->count != NULL && rows_per_group <= sm90::BK && cb->tiles == MOKK_TILES_AUTO)
           return sm90::gemm<LAYOUT, EPI, 128, true>(a, a_rows, grid, cb->stream, err);
+      if (a->count != NULL && cb->tiles == MOKK_TILES_PINGPONG)
+        return sm90::gemm<LAYOUT, EPI, 128, true>(a, a_rows, grid, cb->stream, err);
       bool tall = a->count != NULL && cb->tiles == MOKK_TILES_TALL;
       bool cl = a->count != NULL && cb->clusters && rows_per_group > 128 && EPI != E_DH;
       if (tall && cl)

@@ -14,7 +14,7 @@
 
 typedef struct cuda_buffer cuda_buffer;
 
-enum { MOKK_TILES_AUTO, MOKK_TILES_WIDE, MOKK_TILES_TALL };
+enum { MOKK_TILES_AUTO, MOKK_TILES_WIDE, MOKK_TILES_TALL, MOKK_TILES_PINGPONG };
 
 /* What a backend keeps on a linked GPU for the ranks of its steps that run
  * there (made on first use): the backend owns them, so that the executors of

@@ -201,7 +201,7 @@ __device__ __forceinline__ tile unit_at(const gemm_args &a, int64_t u, int64_t t
  * apart, and the tiles running at one time are scattered over the weights.
  * The tile a block gets never changes a tile's bits. */
 struct ring {
-  uint64_t *full, *empty; /* full: the producer's arrival; empty: the 8 consumer warps' */
+  uint64_t *full, *empty; /* full: the producer's arrival; empty: every consumer thread's */
   int *unit;
   int j;
   uint32_t ph;
@@ -216,36 +216,42 @@ __device__ __forceinline__ void ring_next(ring &q)
 }
 
 /* The producer publishes tile u (or `tiles`: none left), once every
- * consumer warp has taken the slot's previous one. */
+ * consumer thread has taken the slot's previous one. */
 __device__ __forceinline__ void ring_put(ring &q, int u)
 {
   bar_wait(&q.empty[q.j], q.ph ^ 1);
-  q.unit[q.j] = u;
+  st_shared(&q.unit[q.j], u);
   bar_arrive(&q.full[q.j]);
   ring_next(q);
 }
 
-/* A consumer warp (every lane calls it) takes the next tile. */
-__device__ __forceinline__ int ring_take(ring &q, int lane)
+/* Every consumer thread takes the next tile, and each arrives once it has
+ * read it; the tile goes through a warp reduction, whose result the
+ * compiler knows to be the same in every lane. Read by each lane from
+ * shared memory (and arrived on by lane 0 after __syncwarp), it could
+ * differ between lanes for all the compiler knew, and every shuffle of the
+ * epilogue after it ran behind a convergence guard (cuobjdump of the
+ * single-block NT kernel: 160 WARPSYNC.COLLECTIVE paths, now none). */
+__device__ __forceinline__ int ring_take(ring &q)
 {
   bar_wait(&q.full[q.j], q.ph);
-  int u = *(volatile int *)&q.unit[q.j];
-  __syncwarp();
-  if (lane == 0)
-    bar_arrive(&q.empty[q.j]);
+  int u = ld_shared(&q.unit[q.j]);
+  bar_arrive(&q.empty[q.j]);
   ring_next(q);
-  return u;
+  return (int)__reduce_min_sync(0xffffffffu, (unsigned)u);
 }
 
 /* Which kernels compile the dynamic order: the grouped NT GEMMs on single
  * blocks (the forward's, where experts average at most 128 rows). mok's
  * forward: 13.09-13.20 ms static, 12.60-12.66 dynamic (bench_gpu, three
- * rounds in each of three calls). On clusters (dsv3's gate/up) it read 16.5
- * GB where static tiles read 21.5-23.7 and ran 0.2-0.4 ms faster under
- * Nsight Compute, yet the layer's forward ran 1.5 % slower in bench_gpu, and
- * 2.4 % slower with the code compiled in and the order static: clusters keep
- * the static order until that is understood. d_x (NN) ran 6.69 static
- * against 7.28 ms dynamic. */
+ * rounds in each of three calls). On clusters (dsv3's gate/up; block 0
+ * took the tile and handed it to block 1 with st.async) it read 16.5 GB
+ * where static tiles read 21.5-23.7, yet no layer ran faster: compiled
+ * into a kernel on clusters, the ring took the tile arithmetic off the
+ * uniform datapath (cuobjdump, gate/up: 254 -> 140 uniform instructions,
+ * even through the warp reduction) and dsv3's forward ran 2.6-3.5 %
+ * slower with the order static, 1.5-2.6 % dynamic; in the data-gradient
+ * GEMMs, the backward 1.5 ms slower (PERF.md v9). */
 template <int LAYOUT, bool PP, int CL>
 __host__ __device__ constexpr bool dynamic_order()
 {
@@ -692,7 +698,7 @@ __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsi
   uint32_t ph = 0;
   for (int64_t u = blockIdx.x / CL;; u += gridDim.x / CL) {
     if (DYN && a.sched != NULL)
-      u = ring_take(q, lane);
+      u = ring_take(q);
     if (u >= units)
       break;
     tile x = unit_at<LAYOUT, BN, BM, CL>(a, u, tiles, rank);
@@ -852,7 +858,7 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
     }
     for (int j = 0; j < SLOTS; j++) {
       bar_init(&q.full[j], 1);
-      bar_init(&q.empty[j], 8);
+      bar_init(&q.empty[j], 256);
     }
     bar_init_fence();
   }

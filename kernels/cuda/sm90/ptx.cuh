@@ -70,6 +70,19 @@ __device__ __forceinline__ void bar_arrive_remote(uint64_t *bar, uint32_t rank)
   asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
 }
 
+/* Shared-memory words other threads write between barrier phases. */
+__device__ __forceinline__ int ld_shared(const int *p)
+{
+  int v;
+  asm volatile("ld.volatile.shared.b32 %0, [%1];" : "=r"(v) : "r"(smem_addr(p)) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_shared(int *p, int v)
+{
+  asm volatile("st.volatile.shared.b32 [%0], %1;" ::"r"(smem_addr(p)), "r"(v) : "memory");
+}
+
 /* ---- clusters ------------------------------------------------------------- */
 
 __device__ __forceinline__ uint32_t cluster_rank()
