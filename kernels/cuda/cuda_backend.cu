@@ -165,8 +165,28 @@ static void cuda_events_free(mokk_backend *b, mokk_events *ev)
   mokk_cuda_events_free(ev);
 }
 
+/* A member of a step on another GPU (an EP rank there): the step comes
+ * after what its own GPU's stream holds, ready event or not. Its last
+ * single-GPU step may still be writing an output block that the client
+ * released without waiting for its done event, and that this step reuses. */
 static int cuda_step_begin(mokk_backend *b, mokk_events *ev, const void *ready, char *err)
 {
+  cuda_backend *cb = (cuda_backend *)b;
+  int d = mokk_cuda_events_device(ev), rc;
+  cudaError_t e;
+
+  if (d != cb->device) {
+    if ((rc = cuda_peer_ready(cb, d, err)))
+      return rc;
+    if ((e = cudaSetDevice(d)) == cudaSuccess)
+      e = cudaEventRecord(cb->peer[d].tail_ev, mokk_cuda_events_home(ev));
+    cudaSetDevice(cb->device);
+    if (e == cudaSuccess)
+      e = cudaStreamWaitEvent(cb->stream, cb->peer[d].tail_ev, 0);
+    if (e != cudaSuccess)
+      return mokk_fail(err, MOK_EDEVICE, "ordering a step after GPU %d's stream: %s (%s)", d,
+                       cudaGetErrorString(e), cudaGetErrorName(e));
+  }
   return ready != NULL ? mokk_cuda_wait(b, ev, ready, err) : 0;
 }
 

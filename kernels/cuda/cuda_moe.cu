@@ -815,6 +815,20 @@ static int spread_join(cuda_backend *cb, int P, const int *dev, char *err)
   return rc;
 }
 
+/* After a failed step whose ranks span GPUs: the host waits for what was
+ * queued. The members' own streams are ordered after a step at its end
+ * (cuda_step_end), which a failed step never reaches: without the wait,
+ * their next steps, or the frees behind their fences, could run under its
+ * last kernels. Steps on one GPU need nothing: they share its stream. */
+static void spread_settle(cuda_backend *cb, int P, const int *dev)
+{
+  for (int r = 0; r < P; r++)
+    if (dev[r] != cb->device) {
+      cudaStreamSynchronize(cb->stream);
+      return;
+    }
+}
+
 /* Rank r's view of the backend: its stream, its tile counter and its
  * device; the GEMM launchers take it where they take the backend. */
 static cuda_backend rank_backend(const cuda_backend *cb, const int *dev, int r)
@@ -977,6 +991,7 @@ static int spread_forward(cuda_backend *cb, const mokk_shape *s, int64_t T,
   }
   if ((rc = spread_join(cb, P, dev, err))) {
     cudaMemsetAsync(cb->status, 0, sizeof *cb->status, cb->stream);
+    spread_settle(cb, P, dev);
     ctx_release(cb, c);
     return rc;
   }
@@ -990,6 +1005,7 @@ fail: {
   spread_join(cb, P, dev, jerr);
   /* as in the shared layout: no step end reads (and clears) the flag */
   cudaMemsetAsync(cb->status, 0, sizeof *cb->status, cb->stream);
+  spread_settle(cb, P, dev);
   ctx_release(cb, c);
   return rc;
 }
@@ -1123,6 +1139,8 @@ out: {
   int jr = spread_join(cb, P, dev, rc ? jerr : err);
   if (rc == 0)
     rc = jr;
+  if (rc != 0)
+    spread_settle(cb, P, dev);
 }
   for (int r = 0; r < P; r++)
     if (block[r] != NULL)
