@@ -100,8 +100,13 @@ int main(int argc, char **argv)
         printf(" %9s %9s\n", "-", "-");
     }
   }
-  /* grouped forward GEMMs as the layer computes them: 256 and 2048 rows an expert */
-  static const int GR[][4] = {{256, 256, 4096, 7168}, {64, 2048, 3072, 4096}};
+  /* grouped forward GEMMs as the layer computes them: 256 and 2048 rows an
+   * expert; then what a ragged tail costs: 264 rows (two full 128-row
+   * m-tiles and one of 8 rows), 320 (a tail of one warpgroup's 64 rows) and
+   * 192 (one full m-tile, one half) */
+  static const int GR[][4] = {{256, 256, 4096, 7168}, {64, 2048, 3072, 4096},
+                              {256, 264, 4096, 7168}, {256, 320, 4096, 7168},
+                              {256, 192, 4096, 7168}};
   printf("\n%-28s %9s %9s %9s\n", "grouped groups,rows,N,K", "variant", "ms", "TFLOP/s");
   for (size_t i = 0; i < sizeof GR / sizeof GR[0]; i++) {
     double flops = 2.0 * GR[i][0] * GR[i][1] * GR[i][2] * GR[i][3];
