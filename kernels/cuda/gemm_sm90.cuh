@@ -30,6 +30,9 @@
  *   halves of one B tile, so the SwiGLU runs on registers in the epilogue.
  * - Tile order: an expert's tiles run together, m-tiles fastest; dense GEMMs
  *   walk bands of 16 m-tiles.
+ * - Ragged experts: a tail of a few rows past an expert's last full m-tile
+ *   rides on that tile (riding tails, below) rather than streaming the
+ *   expert's weight tiles again for an m-tile of its own.
  * - Determinism: a tile is owned by one block that sums k in order, and the
  *   tile a block gets never changes any tile's bits, so results are the same
  *   for any grid (DESIGN §2). Weight gradients sum an expert's rows in blocks
