@@ -446,6 +446,10 @@ extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
   if (order != NULL && strcmp(order, "dynamic") != 0 && strcmp(order, "static") != 0)
     return mokk_fail(err, MOK_EINVAL, "MOKD_GEMM_ORDER: \"%s\" is not dynamic or static",
                      order);
+  /* and riding tails (on by default) against tails on m-tiles of their own */
+  const char *ride = getenv("MOKD_GEMM_RIDE");
+  if (ride != NULL && strcmp(ride, "0") != 0 && strcmp(ride, "1") != 0)
+    return mokk_fail(err, MOK_EINVAL, "MOKD_GEMM_RIDE: \"%s\" is not 0 or 1", ride);
   /* EP steps over a buffer set per rank, the multi-GPU layout, on one GPU */
   const char *spread = getenv("MOKD_EP_SPREAD");
   if (spread != NULL && strcmp(spread, "0") != 0 && strcmp(spread, "1") != 0)
@@ -456,6 +460,7 @@ extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
   cb->clusters = clusters == NULL || strcmp(clusters, "1") == 0;
   cb->spread = spread != NULL && strcmp(spread, "1") == 0;
   cb->dynamic = order == NULL || strcmp(order, "dynamic") == 0;
+  cb->ride = ride == NULL || strcmp(ride, "1") == 0;
   cb->base.iface = &cuda_iface;
   cb->base.device = device;
   cb->device = device;
@@ -491,6 +496,11 @@ extern "C" void mokk_cuda_set_spread(mokk_backend *b, int on)
 extern "C" void mokk_cuda_set_dynamic_tiles(mokk_backend *b, int on)
 {
   ((cuda_backend *)b)->dynamic = on != 0;
+}
+
+extern "C" void mokk_cuda_set_ride(mokk_backend *b, int on)
+{
+  ((cuda_backend *)b)->ride = on != 0;
 }
 
 extern "C" int mokk_cuda_device(const mokk_backend *b)

@@ -43,6 +43,9 @@ void mokk_cuda_set_spread(mokk_backend *b, int on);
  * the default) or every grid-th tile each (0); the results do not depend
  * on it. */
 void mokk_cuda_set_dynamic_tiles(mokk_backend *b, int on);
+/* Tails of experts' rows ride on their last full m-tile (on by default,
+ * MOKD_GEMM_RIDE); off: each tail takes an m-tile of its own. Same bits. */
+void mokk_cuda_set_ride(mokk_backend *b, int on);
 int mokk_cuda_device(const mokk_backend *b);
 /* The stream every step runs on (a cudaStream_t). */
 void *mokk_cuda_stream(mokk_backend *b);

@@ -38,6 +38,7 @@ typedef struct cuda_backend {
   int tiles;            /* MOKK_TILES_*: MOKD_GEMM_TILES, auto unless measuring */
   int clusters;         /* grouped NT/NN GEMMs on clusters of two (MOKD_GEMM_CLUSTERS) */
   int dynamic;          /* grouped NT GEMMs take tiles from a counter (MOKD_GEMM_ORDER) */
+  int ride;             /* experts' short tails ride on their last full m-tile (MOKD_GEMM_RIDE) */
   cudaStream_t stream;
   int *status;          /* device: bit 0 = an expert id out of range */
   /* device: the tile counter of the GEMMs on `stream` (dynamic order; each

@@ -29,6 +29,11 @@
 #define G_TILE_ELEMS (G_BM * (G_BK + 8) > G_BK * (G_BM + 8) ? G_BM * (G_BK + 8) : G_BK * (G_BM + 8))
 #define G_SMEM_BYTES (G_BM * (G_BN + 4) * 4)
 
+/* The most rows past an expert's last full 128-row m-tile that ride on that
+ * tile (gemm_sm90.cuh, "riding tails") instead of taking an m-tile of their
+ * own: wgmma's N of the swapped product. */
+#define MOKK_RIDE_ROWS 32
+
 typedef __nv_bfloat16 bf16;
 
 enum { L_NT, L_NN, L_TN };
@@ -53,6 +58,9 @@ typedef struct gemm_args {
   const int *tile_off;  /* [groups + 1] m-tile prefix (NT, NN grouped), counted from
                          * tile_off[0]: groups may be a slice of a longer schedule */
   const int *tile_off_tall; /* the same for m-tiles of 256 rows (the Hopper core) */
+  const int *tile_off_ride; /* the same for m-tiles of 128 rows where a tail of at most
+                             * MOKK_RIDE_ROWS rows past a group's last full m-tile rides on
+                             * it (the Hopper core's cooperative tiles); NULL: no rides */
   int tiles_max;        /* worst-case m-tiles (NT, NN) */
   int groups_all;       /* groups of the whole schedule (every EP rank's experts) */
   void *C, *C2;

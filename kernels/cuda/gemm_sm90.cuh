@@ -30,6 +30,9 @@
  *   halves of one B tile, so the SwiGLU runs on registers in the epilogue.
  * - Tile order: an expert's tiles run together, m-tiles fastest; dense GEMMs
  *   walk bands of 16 m-tiles.
+ * - Ragged experts: a tail of a few rows past an expert's last full m-tile
+ *   rides on that tile (riding tails, below) rather than streaming the
+ *   expert's weight tiles again for an m-tile of its own.
  * - Determinism: a tile is owned by one block that sums k in order, and the
  *   tile a block gets never changes any tile's bits, so results are the same
  *   for any grid (DESIGN §2). Weight gradients sum an expert's rows in blocks
@@ -67,9 +70,10 @@ constexpr int RING_BYTES = 2 * SLOTS * 8 + SLOTS * 4;
  * TS: the bf16 tiles leave through shared memory and the copy engine
  * (out_*), whose staging area, a tile per warpgroup in ping-pong, takes the
  * place of one or two stages. */
-template <int BN, int BM, bool PP = false, bool TS = false>
+template <int BN, int BM, bool PP = false, bool TS = false, bool RIDE = false>
 struct cfg {
-  static constexpr int A_BYTES = BM * BK * 2;
+  /* RIDE: a riding tail's rows follow the tile's own in its A stage */
+  static constexpr int A_BYTES = (BM + (RIDE ? MOKK_RIDE_ROWS : 0)) * BK * 2;
   static constexpr int B_BYTES = BN * BK * 2;
   static constexpr int OUT_BYTES = TS ? (PP ? 2 : 1) * BM * BN * 2 : 0;
   static constexpr int FIT = (SMEM_MAX - 1024 - OUT_BYTES - 96 - RING_BYTES) / (A_BYTES + B_BYTES);
@@ -91,6 +95,7 @@ __host__ __device__ constexpr bool stores_tiles()
 typedef struct params { /* 64-byte aligned, as CUtensorMap is */
   CUtensorMap a, b, b2; /* b2: the up weights (gate/up), or B's rows k >= split (NN) */
   CUtensorMap c, c2;    /* TS stores: C, and C2 for rows m >= split */
+  CUtensorMap at;       /* RIDE: A in boxes of MOKK_RIDE_ROWS rows, for riding tails */
   gemm_args g;
 } params;
 
@@ -99,6 +104,7 @@ enum { SHARE_NONE, SHARE_A, SHARE_B };
 typedef struct tile {
   int g, mt, nt;
   int rows;   /* NT, NN: valid rows of the group; TN: the group's reduction length */
+  int tail;   /* NT, NN: rows past the tile riding on it (gemm_args.tile_off_ride), else 0 */
   int64_t rb; /* first row of the group */
   int share;  /* clusters: the operand this tile has in common with the other block's */
 } tile;
@@ -144,6 +150,9 @@ __device__ __forceinline__ tile tile_at(const gemm_args &a, int64_t t)
     x.mt = local % mtg;
     x.rows = a.count[lo];
     x.rb = a.row_start[lo];
+    /* the rows past the group's last m-tile: none unless the m-tiles were
+     * counted with riding tails */
+    x.tail = x.mt == mtg - 1 ? max(0, x.rows - mtg * BM) : 0;
   } else {
     int64_t band = t / ((int64_t)RASTER_M * ntn);
     int m0 = (int)band * RASTER_M, mb = min(RASTER_M, mtn - m0);
@@ -154,6 +163,8 @@ __device__ __forceinline__ tile tile_at(const gemm_args &a, int64_t t)
     x.rows = a.M;
     x.rb = 0;
   }
+  if (LAYOUT == L_TN || a.count == NULL)
+    x.tail = 0;
   x.share = SHARE_NONE;
   return x;
 }
@@ -278,7 +289,7 @@ __device__ __forceinline__ int a_boxes(const tile &x)
 /* The producer's copies for k-block kb of tile x into stage (sa, sb); in a
  * cluster, block `rank` loads its half of the operand it shares (x.share).
  * TN reads A and B through ma and mb, the maps of x's group. */
-template <int LAYOUT, int EPI, int BN, int BM, int CL>
+template <int LAYOUT, int EPI, int BN, int BM, int CL, bool RIDE>
 __device__ __forceinline__ void load_stage(const params &p, const tile &x, int kb,
                                            unsigned char *sa, unsigned char *sb, uint64_t *bar,
                                            int rank, const CUtensorMap *ma,
@@ -305,6 +316,8 @@ __device__ __forceinline__ void load_stage(const params &p, const tile &x, int k
       else if ((c & 1) == rank)
         tma_load_mc(sa + c * CHUNK, &p.a, k, r, 0, bar, 3);
     }
+    if (RIDE && x.tail > 0) /* each block its own: a pair's other tile may have none */
+      tma_load(sa + BM * 128, &p.at, k, (int)x.rb + (x.mt + 1) * BM, 0, bar);
     if (LAYOUT == L_NT) { /* B [groups, N, K], K-major */
       if (EPI == E_GATEUP || CL == 2) { /* two boxes of BN / 2 rows */
 #pragma unroll
@@ -392,6 +405,52 @@ __device__ __forceinline__ void mma_run_tn(float (&acc0)[BN / 2], float (&acc1)[
     mma_run<TA, TB, BN, 3, TWO>(acc0, acc1, sa, sb, blk);
   else
     mma_run<TA, TB, BN, BK / 16, TWO>(acc0, acc1, sa, sb, blk);
+}
+
+/* ---- riding tails ------------------------------------------------------------
+ * An expert's rows rarely fill its last 128-row m-tile: on dsv3 an expert
+ * has 256 +- 14 rows, and half of them end a few rows past a multiple of
+ * 128. Such a tail on an m-tile of its own costs most of a full tile: the
+ * tile streams the same weight tiles for 8 rows as for 128 (bench_gemm,
+ * gate/up shape, wide2: 256 rows an expert 6.758 ms, 264 rows 9.143). So a
+ * tail of up to MOKK_RIDE_ROWS rows rides on the expert's last full m-tile
+ * instead (the m-tiles of gemm_args.tile_off_ride): its rows come with each
+ * A stage, and each warpgroup multiplies them by the stage's B tile, which
+ * is already in shared memory, with the operands swapped: the B tile's 64-row
+ * blocks cw and cw + 2 (the gate and the up block of the same columns, for
+ * E_GATEUP) as wgmma's A, the tail as its B (N = 32). A riding row's dot
+ * products are the same products summed over the same k steps as in a tile
+ * of its own; the ride_invariance test holds their bits to that. */
+
+/* One stage of a tile with a riding tail: the tile's MMAs into acc, then the
+ * tail's into t0 (B block cw) and t1 (B block cw + 2), one straight run. The
+ * tail's rows sit after the tile's 128 in the A stage. TB: B is MN-major
+ * (NN), and so the tail's A operand is. */
+template <int TB, int BN>
+__device__ __forceinline__ void mma_run_ride(float (&acc)[BN / 2], float (&t0)[16],
+                                             float (&t1)[16], uint32_t sa, uint32_t sb, int cw)
+{
+  acc_fence(acc);
+  acc_fence(t0);
+  acc_fence(t1);
+  wgmma_fence();
+  mma_stage<0, TB, BN, BK / 16>(acc, sa, sb, cw);
+  const uint32_t st = sa + 128 * 128;
+#pragma unroll
+  for (int kk = 0; kk < BK / 16; kk++) {
+    uint64_t dt = wgmma_desc(st + kk * 32, 16, 1024);
+    uint64_t d0 = TB ? wgmma_desc(sb + cw * CHUNK + kk * 2048, CHUNK, 1024)
+                     : wgmma_desc(sb + cw * CHUNK + kk * 32, 16, 1024);
+    uint64_t d1 = TB ? wgmma_desc(sb + (cw + 2) * CHUNK + kk * 2048, CHUNK, 1024)
+                     : wgmma_desc(sb + (cw + 2) * CHUNK + kk * 32, 16, 1024);
+    wgmma_32<TB, 0>(t0, d0, dt, 1);
+    wgmma_32<TB, 0>(t1, d1, dt, 1);
+  }
+  wgmma_commit();
+  wgmma_wait<1>();
+  acc_fence(acc);
+  acc_fence(t0);
+  acc_fence(t1);
 }
 
 /* Stores pair accumulator blocks j and j + 1 (16 columns) between the two
@@ -602,6 +661,63 @@ __device__ __forceinline__ void epilogue(const gemm_args &a, const tile &x, floa
   }
 }
 
+/* A riding tail's results: thread (warp w, lane l) of warpgroup cw holds, in
+ * t0 and t1, columns 64 cw + 16 w + l / 4 + {0, 8} of the tile's B blocks cw
+ * and cw + 2, for tail rows 8 j + 2 (l % 4) + {0, 1}: t[4 j + 2 r + c]. Each
+ * value goes out as the epilogue of a tile of its own would write it. */
+template <int EPI, int BN, int BM>
+__device__ __forceinline__ void epilogue_ride(const gemm_args &a, const tile &x,
+                                              const float (&t0)[16], const float (&t1)[16],
+                                              int cw, int warp, int lane)
+{
+  const int64_t row0 = x.rb + (int64_t)(x.mt + 1) * BM;
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    const int col = 16 * warp + lane / 4 + 8 * r;
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+#pragma unroll
+      for (int c = 0; c < 2; c++) {
+        const int tr = 8 * j + 2 * (lane & 3) + c;
+        if (tr >= x.tail)
+          continue;
+        const int64_t row = row0 + tr;
+        const float v0 = t0[4 * j + 2 * r + c], v1 = t1[4 * j + 2 * r + c];
+        if constexpr (EPI == E_GATEUP) {
+          const int i = x.nt * (BN / 2) + 64 * cw + col;
+          if (i >= a.N / 2)
+            continue;
+          ((bf16 *)a.C)[row * a.ldc + i] = __float2bfloat16_rn(mokk_swiglu(v0, v1, a.limit));
+          if (a.sg != NULL) {
+            a.sg[row * a.lds + i] = v0;
+            a.su[row * a.lds + i] = v1;
+          }
+        } else {
+#pragma unroll
+          for (int b = 0; b < 2; b++) {
+            const int n = x.nt * BN + 64 * (cw + 2 * b) + col;
+            const float v = b ? v1 : v0;
+            if (n >= a.N)
+              continue;
+            if constexpr (EPI == E_DH) {
+              float dd = a.scale != NULL ? a.scale[row] * v : v, dg, du;
+              mokk_swiglu_grads(a.sg[row * a.lds + n], a.su[row * a.lds + n], dd, a.limit, &dg,
+                                &du);
+              bf16 *d = (bf16 *)a.C + row * a.ldc + n;
+              d[0] = __float2bfloat16_rn(dg);
+              d[a.lds] = __float2bfloat16_rn(du);
+            } else if constexpr (EPI == E_BF16) {
+              ((bf16 *)a.C)[row * a.ldc + n] = __float2bfloat16_rn(v);
+            } else {
+              static_assert(EPI == E_F32, "the epilogues of NT and NN");
+              ((float *)a.C)[row * a.ldc + n] = v;
+            }
+          }
+        }
+      }
+  }
+}
+
 /* ---- bf16 tiles out through shared memory ---------------------------------
  * Each consumer warpgroup writes its 64-row blocks into its own staging area
  * with stmatrix, in the 128-byte swizzle of {64, 64} boxes (8 KiB each, 16-byte
@@ -676,7 +792,7 @@ __device__ __forceinline__ void stage_release(uint64_t *empty, int prev, int lan
 
 /* The cooperative consumer: both warpgroups on one BM x BN tile, BM / 2 rows
  * each, as one (BM = 128) or two (BM = 256) 64-row blocks. */
-template <int LAYOUT, int EPI, int BN, int BM, int CL>
+template <int LAYOUT, int EPI, int BN, int BM, int CL, bool RIDE>
 __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsigned char *sa,
                                             unsigned char *sb, unsigned char *out, uint32_t sa0,
                                             uint32_t sb0, uint64_t *full, uint64_t *empty, ring q,
@@ -685,9 +801,11 @@ __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsi
   const gemm_args &a = p.g;
   constexpr int TA = LAYOUT == L_TN, TB = LAYOUT != L_NT;
   constexpr bool TS = stores_tiles<EPI>();
-  typedef cfg<BN, BM, false, TS> C;
+  typedef cfg<BN, BM, false, TS, RIDE> C;
   constexpr int STAGES = C::STAGES, A_BYTES = C::A_BYTES, B_BYTES = C::B_BYTES;
   constexpr bool TALL = BM == 256;
+  static_assert(!RIDE || (BM == 128 && BN == 256 && LAYOUT != L_TN && !TS),
+                "riding tails: 128 x 256 NT and NN tiles");
   static_assert(!TALL || (BN == 128 && LAYOUT != L_TN),
                 "tall tiles: 2 x 64 accumulators a thread, K-major A");
   const int b0 = TALL ? 2 * cw : cw; /* this warpgroup's first 64-row block */
@@ -718,6 +836,34 @@ __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsi
     /* one batch of MMAs stays in flight: k-block kb's are issued before
      * kb - 1's are waited for and its stage handed back */
     int prev = -1;
+    if constexpr (RIDE) {
+      if (x.tail > 0) {
+        /* a loop of its own: the tail's accumulators live only here, and the
+         * other tiles' loop stays what it is without rides */
+        float t0[16], t1[16];
+#pragma unroll
+        for (int i = 0; i < 16; i++)
+          t0[i] = t1[i] = 0.0f;
+        for (int kb = 0; kb < nk; kb++) {
+          bar_wait(&full[s], ph);
+          mma_run_ride<TB, BN>(acc0, t0, t1, sa0 + s * A_BYTES, sb0 + s * B_BYTES, cw);
+          stage_release<CL>(empty, prev, lane, rank);
+          prev = s;
+          if (++s == STAGES) {
+            s = 0;
+            ph ^= 1;
+          }
+        }
+        wgmma_wait<0>();
+        acc_fence(acc0);
+        acc_fence(t0);
+        acc_fence(t1);
+        stage_release<CL>(empty, prev, lane, rank);
+        epilogue<LAYOUT, EPI, BN, BM>(a, x, acc0, b0, warp, lane);
+        epilogue_ride<EPI, BN, BM>(a, x, t0, t1, cw, warp, lane);
+        continue;
+      }
+    }
     for (int kb = 0; kb < nk; kb++) {
       bar_wait(&full[s], ph);
       const uint32_t at = sa0 + s * A_BYTES, bt = sb0 + s * B_BYTES;
@@ -836,11 +982,11 @@ __device__ __forceinline__ void pingpong(const params &p, int64_t tiles, unsigne
     tma_store_wait<0, false>(); /* the staging lives as long as the block */
 }
 
-template <int LAYOUT, int EPI, int BN, bool PP, int BM, int CL>
+template <int LAYOUT, int EPI, int BN, bool PP, int BM, int CL, bool RIDE>
 __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ params p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  typedef cfg<BN, BM, PP, stores_tiles<EPI>()> C;
+  typedef cfg<BN, BM, PP, stores_tiles<EPI>(), RIDE> C;
   constexpr int STAGES = C::STAGES, A_BYTES = C::A_BYTES, B_BYTES = C::B_BYTES;
   extern __shared__ unsigned char smem_raw[];
   unsigned char *sa = (unsigned char *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
@@ -888,7 +1034,9 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
       if (u >= units)
         break;
       tile x = unit_at<LAYOUT, BN, BM, CL>(a, u, tiles, rank);
-      int nk = k_blocks<LAYOUT>(a, x), bytes = a_boxes<LAYOUT, BM>(x) * CHUNK + B_BYTES;
+      int nk = k_blocks<LAYOUT>(a, x),
+          bytes = a_boxes<LAYOUT, BM>(x) * CHUNK + B_BYTES +
+                  (RIDE && x.tail > 0 ? MOKK_RIDE_ROWS * 128 : 0);
       if (LAYOUT != L_TN && x.rows == 0) /* a cluster's empty tile */
         bytes = 0;
       if (LAYOUT == L_TN && a.count != NULL && x.g != mg && nk > 0) {
@@ -902,8 +1050,8 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
         bar_wait(&empty[s], ph ^ 1);
         bar_expect(&full[s], bytes);
         if (bytes != 0)
-          load_stage<LAYOUT, EPI, BN, BM, CL>(p, x, kb, sa + s * A_BYTES, sb + s * B_BYTES,
-                                              &full[s], rank, ma, mb);
+          load_stage<LAYOUT, EPI, BN, BM, CL, RIDE>(p, x, kb, sa + s * A_BYTES,
+                                                    sb + s * B_BYTES, &full[s], rank, ma, mb);
         if (++s == STAGES) {
           s = 0;
           ph ^= 1;
@@ -931,8 +1079,8 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
     pingpong<LAYOUT, EPI>(p, tiles, sa, sb, out, sa0, sb0, full, empty, cw, ct & 127, warp,
                           lane);
   else
-    cooperative<LAYOUT, EPI, BN, BM, CL>(p, tiles, sa, sb, out, sa0, sb0, full, empty, q, cw,
-                                         ct, warp, lane);
+    cooperative<LAYOUT, EPI, BN, BM, CL, RIDE>(p, tiles, sa, sb, out, sa0, sb0, full, empty, q,
+                                               cw, ct, warp, lane);
 #else
   __trap(); /* launched only on sm_90 devices */
 #endif
@@ -940,7 +1088,7 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
 
 /* Tensor maps for the layout, from the same gemm_args as the portable
  * kernel; a_rows: the rows of A (and of B in TN) in memory. */
-template <int LAYOUT, int EPI, int BN, int BM, int CL>
+template <int LAYOUT, int EPI, int BN, int BM, int CL, bool RIDE>
 static int make_params(params *p, const gemm_args *a, int64_t a_rows, char *err)
 {
   int rc;
@@ -948,6 +1096,13 @@ static int make_params(params *p, const gemm_args *a, int64_t a_rows, char *err)
   p->g = *a;
   if (BM == 256) /* the grouped tiles count m-tiles of 256 rows */
     p->g.tile_off = a->tile_off_tall;
+  if (RIDE) { /* or of 128 rows with riding tails */
+    if (a->tile_off_ride == NULL)
+      return mokk_fail(err, MOK_EINVAL, "riding tails without their m-tile offsets");
+    p->g.tile_off = a->tile_off_ride;
+    if ((rc = mokk_tmap_bf16(&p->at, a->A, a->K, a_rows, 1, a->lda, 0, MOKK_RIDE_ROWS, err)))
+      return rc;
+  }
   if (LAYOUT == L_TN) {
     /* dense: the tensor ends at row K, so a partial last block reads zeros;
      * grouped: k_tn_maps cuts these at each group's end */
@@ -1018,13 +1173,16 @@ static __global__ void k_tn_maps(const __grid_constant__ params p, int64_t rows)
  * take in turns. BM = 256 is for the grouped NT and NN GEMMs (gemm_args'
  * tile_off_tall). CL = 2: clusters of two blocks that share operands (NT and
  * NN; unit_at), as many as fit, at most grid / 2. */
-template <int LAYOUT, int EPI, int BN, bool PP = false, int BM = 128, int CL = 1>
+template <int LAYOUT, int EPI, int BN, bool PP = false, int BM = 128, int CL = 1,
+          bool RIDE = false>
 static int gemm(const gemm_args *a, int64_t a_rows, int grid, cudaStream_t stream, char *err)
 {
   static_assert(!PP || (BN == 128 && BM == 128), "ping-pong tiles are 128 x 128");
   static_assert(CL == 1 || (CL == 2 && !PP && LAYOUT != L_TN), "clusters: NT and NN, cooperative");
+  static_assert(!RIDE || (!PP && BM == 128 && BN == 256 && LAYOUT != L_TN),
+                "riding tails: 128 x 256 cooperative NT and NN tiles");
   params p;
-  int rc = make_params<LAYOUT, EPI, BN, BM, CL>(&p, a, a_rows, err);
+  int rc = make_params<LAYOUT, EPI, BN, BM, CL, RIDE>(&p, a, a_rows, err);
   if (rc)
     return rc;
   cudaError_t e = cudaSuccess;
@@ -1033,8 +1191,8 @@ static int gemm(const gemm_args *a, int64_t a_rows, int grid, cudaStream_t strea
   if (p.g.sched != NULL && (e = cudaMemsetAsync(p.g.sched, 0, sizeof(int), stream)) != cudaSuccess)
     return mokk_fail(err, MOK_EDEVICE, "GEMM tile counter: %s (%s)", cudaGetErrorString(e),
                      cudaGetErrorName(e));
-  const int smem = cfg<BN, BM, PP, stores_tiles<EPI>()>::SMEM;
-  void (*kernel)(params) = k_gemm90<LAYOUT, EPI, BN, PP, BM, CL>;
+  const int smem = cfg<BN, BM, PP, stores_tiles<EPI>(), RIDE>::SMEM;
+  void (*kernel)(params) = k_gemm90<LAYOUT, EPI, BN, PP, BM, CL, RIDE>;
   if (LAYOUT == L_TN && a->count != NULL && a->groups > 0) {
     k_tn_maps<<<(2 * a->groups + 127) / 128, 128, 0, stream>>>(p, a_rows);
     if ((e = cudaGetLastError()) != cudaSuccess)
@@ -1064,7 +1222,7 @@ static int gemm(const gemm_args *a, int64_t a_rows, int grid, cudaStream_t strea
     if (cudaOccupancyMaxActiveClusters(&fit, kernel, &lc) != cudaSuccess || fit < 1) {
       /* no cluster of two fits (a GPU partition of few SMs): single blocks */
       cudaGetLastError();
-      return gemm<LAYOUT, EPI, BN, PP, BM, 1>(a, a_rows, grid, stream, err);
+      return gemm<LAYOUT, EPI, BN, PP, BM, 1, RIDE>(a, a_rows, grid, stream, err);
     }
     int n = grid / CL < fit ? grid / CL : fit;
     lc.gridDim = dim3(CL * (n < 1 ? 1 : n));

@@ -58,21 +58,26 @@ __global__ void k_count(const int32_t *ids, int64_t TK, int *count)
   }
 }
 
-/* One thread: segment starts and m-tile offsets (of 128 and of 256 rows), in
- * expert order. */
+/* One thread: segment starts and m-tile offsets (of 128 and of 256 rows, and
+ * of 128 rows with riding tails), in expert order. */
 __global__ void k_scan(const int *count, int E, int *row_start, int *tile_off)
 {
-  int rows = 0, tiles = 0, tall = 0;
+  int rows = 0, tiles = 0, tall = 0, ride = 0;
   for (int e = 0; e < E; e++) {
+    int c = count[e], tail = c % G_BM;
     row_start[e] = rows;
     tile_off[e] = tiles;
     tile_off[E + 1 + e] = tall;
-    rows += count[e];
-    tiles += (count[e] + G_BM - 1) / G_BM;
-    tall += (count[e] + 2 * G_BM - 1) / (2 * G_BM);
+    tile_off[2 * (E + 1) + e] = ride;
+    rows += c;
+    tiles += (c + G_BM - 1) / G_BM;
+    tall += (c + 2 * G_BM - 1) / (2 * G_BM);
+    /* a tail of up to MOKK_RIDE_ROWS rows rides on the last full m-tile */
+    ride += c / G_BM + (tail > 0 && (c < G_BM || tail > MOKK_RIDE_ROWS));
   }
   tile_off[E] = tiles;
   tile_off[2 * E + 1] = tall;
+  tile_off[3 * E + 2] = ride;
   row_start[E] = rows; /* total rows */
 }
 

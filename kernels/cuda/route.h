@@ -12,7 +12,8 @@ typedef __nv_bfloat16 bf16;
 /* The schedule of T K pairs over E experts: count[e], row_start[e] (and the
  * total at row_start[E]), tile_off[e] (m-tiles of 128 rows before e, the
  * total at tile_off[E]; then the same for m-tiles of 256 rows at
- * tile_off[E + 1 ...]), each pair's row in slot (-1 for a pair with no
+ * tile_off[E + 1 ...], and for m-tiles of 128 rows with riding tails
+ * (gemm_args.tile_off_ride) at tile_off[2 (E + 1) ...]), each pair's row in slot (-1 for a pair with no
  * route, id -1; -1 and bit 0 of status for any other id outside [0, E)),
  * each row's pair in src and its router weight.
  * The ids are read once, into own_ids (TK ints), which the rest reads. */

@@ -9,7 +9,7 @@
 #include "gpu/gemm_core.h"
 
 static const char *VNAME[GEMM_VARIANTS] = {"coop128", "coop256", "pingpong", "tall",
-                                            "wide2",   "tall2"};
+                                            "wide2",   "tall2", "wide2r"};
 
 static const int SHAPES[][3] = {{8192, 4096, 7168}, {8192, 7168, 2048}, {8192, 8192, 8192}};
 #define NSHAPES (int)(sizeof SHAPES / sizeof SHAPES[0])

@@ -244,6 +244,20 @@ START_TEST(tokens_not_tile_multiple)
 }
 END_TEST
 
+/* Experts that end a few rows past a multiple of 128: their tails ride on
+ * the last full m-tile (gemm_sm90.cuh). 150 rows on every expert (a tail of
+ * 22), then about 150 an expert, with I and H of 192, whose last n-tile is
+ * partly past N. */
+START_TEST(riding_tails)
+{
+  mokk_shape s = {.H = 192, .I = 192, .E = 4, .K = 4, .I_s = 64, .swiglu_limit = 1.5f};
+  matches_cpu(s, 150, ROUTE_SAME, 14, MOKK_GRAD_BF16);
+  s.K = 2;
+  matches_cpu(s, 300, ROUTE_RANDOM, 15, MOKK_GRAD_BF16);
+  matches_cpu(s, 300, ROUTE_RANDOM, 16, MOKK_GRAD_FP32_ACCUM);
+}
+END_TEST
+
 /* id -1 (no route): the pair is absent, as on the CPU; it sets no error. */
 START_TEST(pairs_with_no_route)
 {
@@ -306,7 +320,7 @@ static void expect_same(const moe_out *a, const moe_out *b, const moe_case *c, c
 START_TEST(gemm_core_layouts)
 {
   static const char *names[GEMM_VARIANTS] = {"coop128", "coop256", "pingpong", "tall",
-                                                "wide2",   "tall2"};
+                                                "wide2",   "tall2", "wide2r"};
   static const int grids[] = {0, 3};
   char msg[2048];
   double worst = 0;
@@ -415,6 +429,47 @@ START_TEST(tile_order_invariance)
     out_free(&dyn), out_free(&fixed);
   }
   mokk_cuda_set_dynamic_tiles(gpu, 1);
+  mokk_cuda_set_max_blocks(gpu, 0);
+  case_free(&c);
+}
+END_TEST
+
+/* A tail riding on its expert's last m-tile (swapped operands) gives the
+ * bits of the same rows on an m-tile of their own, forward and backward, on
+ * a full grid and on three blocks. The routing must make riding tails:
+ * experts of 129 to 160 rows. */
+START_TEST(ride_invariance)
+{
+  mokk_shape s = {.H = 256, .I = 192, .E = 4, .K = 2, .I_s = 64, .P = 1};
+  static const int blocks[] = {0, 3};
+  static const mokk_grad_mode modes[] = {MOKK_GRAD_BF16, MOKK_GRAD_FP32_ACCUM};
+  int count[4] = {0}, riding = 0;
+  moe_case c;
+  moe_out on, off;
+  char err[2 * MOK_ERRLEN] = "";
+
+  case_make(&c, &s, 290, 17, ROUTE_RANDOM);
+  for (int64_t i = 0; i < c.T * s.K; i++)
+    count[c.ids[i]]++;
+  for (int e = 0; e < 4; e++)
+    riding += count[e] > 128 && count[e] % 128 <= 32;
+  ck_assert_msg(riding >= 2, "the case has %d experts with a riding tail (rows %d %d %d %d)",
+                riding, count[0], count[1], count[2], count[3]);
+  for (size_t i = 0; i < sizeof blocks / sizeof blocks[0]; i++)
+    for (size_t m = 0; m < 2; m++) {
+      mokk_cuda_set_max_blocks(gpu, blocks[i]);
+      mokk_cuda_set_ride(gpu, 1);
+      ck_assert_msg(gpu_run(&c, 1, modes[m], 0.5f, &on, err) == 0, "%s", err);
+      mokk_cuda_set_ride(gpu, 0);
+      ck_assert_msg(gpu_run(&c, 1, modes[m], 0.5f, &off, err) == 0, "%s", err);
+      expect_same(&on, &off, &c, "tails on m-tiles of their own");
+      if (modes[m] == MOKK_GRAD_FP32_ACCUM)
+        for (int w = 0; w < MOKK_NWEIGHTS; w++)
+          ck_assert_msg(memcmp(on.g_f32[w], off.g_f32[w], case_weight_elems(&c, w) * 4) == 0,
+                        "riding tails: fp32 %s differs", wname[w]);
+      out_free(&on), out_free(&off);
+    }
+  mokk_cuda_set_ride(gpu, 1);
   mokk_cuda_set_max_blocks(gpu, 0);
   case_free(&c);
 }
@@ -1858,6 +1913,7 @@ static Suite *gpu_suite(void)
   tcase_add_test(tc, all_on_one_expert);
   tcase_add_test(tc, tokens_not_tile_multiple);
   tcase_add_test(tc, pairs_with_no_route);
+  tcase_add_test(tc, riding_tails);
   tcase_add_test(tc, no_route_is_an_absent_pair);
   suite_add_tcase(su, tc);
   tc = tcase_create("determinism");
@@ -1866,6 +1922,7 @@ static Suite *gpu_suite(void)
   tcase_add_test(tc, backward_reads_moved_weights);
   tcase_add_test(tc, block_count_invariance);
   tcase_add_test(tc, tile_order_invariance);
+  tcase_add_test(tc, ride_invariance);
   tcase_add_test(tc, batch_invariance);
   suite_add_tcase(su, tc);
   tc = tcase_create("errors");

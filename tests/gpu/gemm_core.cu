@@ -86,14 +86,15 @@ static void *zeros(int64_t bytes)
 
 typedef struct grouping {
   int groups, rows;
-  int count[8], row_start[8], tile_off[18]; /* m-tiles of 128 rows, then of 256 */
+  int count[8], row_start[8], tile_off[27]; /* m-tiles of 128 rows, of 256, of 128 riding */
   int *d_count, *d_row_start, *d_tile_off;
   void *d_maps; /* the grouped weight gradients' tensor maps */
   int *d_sched; /* the tile counter of grouped NT and NN GEMMs; NULL: static order */
 } grouping;
 
-/* the weight gradients' last k-blocks: 1, 2 (90 rows), 3 and 4 k16 steps */
-static const int GROUP_ROWS[] = {0, 1, 130, 300, 64, 90};
+/* the weight gradients' last k-blocks: 1, 2 (90 rows), 3 and 4 k16 steps;
+ * riding tails of 2 (130 rows) and 32 rows (288), none on 300 */
+static const int GROUP_ROWS[] = {0, 1, 130, 300, 64, 90, 288};
 #define NG (int)(sizeof GROUP_ROWS / sizeof GROUP_ROWS[0])
 
 static void grouping_make(grouping *gp, bool dynamic)
@@ -106,6 +107,9 @@ static void grouping_make(grouping *gp, bool dynamic)
     gp->tile_off[g + 1] = gp->tile_off[g] + (GROUP_ROWS[g] + G_BM - 1) / G_BM;
     gp->tile_off[NG + 2 + g] =
         gp->tile_off[NG + 1 + g] + (GROUP_ROWS[g] + 2 * G_BM - 1) / (2 * G_BM);
+    int c = GROUP_ROWS[g], tail = c % G_BM;
+    gp->tile_off[2 * NG + 3 + g] = gp->tile_off[2 * NG + 2 + g] + c / G_BM +
+                                   (tail > 0 && (c < G_BM || tail > MOKK_RIDE_ROWS));
     gp->rows += GROUP_ROWS[g];
   }
   cudaMalloc(&gp->d_count, sizeof gp->count);
@@ -134,6 +138,7 @@ static gemm_args grouped_args(const grouping *gp)
   a.row_start = gp->d_row_start;
   a.tile_off = gp->d_tile_off;
   a.tile_off_tall = gp->d_tile_off + gp->groups + 1;
+  a.tile_off_ride = gp->d_tile_off + 2 * (gp->groups + 1);
   a.maps = gp->d_maps;
   a.sched = gp->d_sched;
   return a;
@@ -183,7 +188,7 @@ static int sms(void)
 /* NT, plain and gate/up, grouped and dense; NN with and without the k split;
  * TN bf16 and fp32-accumulate with the C/C2 split, grouped and dense. Each
  * line of the report names a case and its error / tolerance. */
-template <int BN, bool PP, int BM, int CL = 1>
+template <int BN, bool PP, int BM, int CL = 1, bool RIDE = false>
 static int run_cases(int grid, bool dynamic, char *msg, size_t msglen, double *worst_out)
 {
   grouping gp;
@@ -191,7 +196,7 @@ static int run_cases(int grid, bool dynamic, char *msg, size_t msglen, double *w
   int rc, fails = 0;
   double worst_all = 0;
   size_t used = 0;
-  const int K = 192, N = 320, IE = 192, R = 585; /* R = sum of GROUP_ROWS */
+  const int K = 192, N = 320, IE = 192, R = 873; /* R = sum of GROUP_ROWS */
 
   constexpr int TN_BM = BM == 256 ? 128 : BM; /* tall tiles are for NT and NN */
   grouping_make(&gp, dynamic);
@@ -229,7 +234,7 @@ static int run_cases(int grid, bool dynamic, char *msg, size_t msglen, double *w
     gemm_args a = grouped_args(&gp);
     a.A = A, a.lda = K, a.B = B, a.ldb = K, a.b_stride = (int64_t)N * K;
     a.N = N, a.K = K, a.C = C, a.ldc = N;
-    RUN((sm90::gemm<L_NT, E_BF16, BN, PP, BM, CL>(&a, R, grid, 0, err)));
+    RUN((sm90::gemm<L_NT, E_BF16, BN, PP, BM, CL, RIDE>(&a, R, grid, 0, err)));
     for (int g = 0; g < gp.groups; g++)
       ref(A + (int64_t)gp.row_start[g] * K, K, 1, B + (int64_t)g * N * K, K, 1, gp.count[g], N,
           K, refc + (int64_t)gp.row_start[g] * N, N, 0);
@@ -241,7 +246,7 @@ static int run_cases(int grid, bool dynamic, char *msg, size_t msglen, double *w
     gemm_args a = grouped_args(&gp);
     a.A = A, a.lda = K, a.B = B, a.B2 = B2, a.ldb = K, a.b_stride = (int64_t)IE * K;
     a.N = 2 * IE, a.K = K, a.C = C, a.ldc = IE, a.sg = sg, a.su = su, a.lds = IE;
-    RUN((sm90::gemm<L_NT, E_GATEUP, BN, PP, BM, CL>(&a, R, grid, 0, err)));
+    RUN((sm90::gemm<L_NT, E_GATEUP, BN, PP, BM, CL, RIDE>(&a, R, grid, 0, err)));
     for (int g = 0; g < gp.groups; g++) {
       int64_t rs = gp.row_start[g];
       ref(A + rs * K, K, 1, B + (int64_t)g * IE * K, K, 1, gp.count[g], IE, K, refc + rs * IE,
@@ -269,7 +274,7 @@ static int run_cases(int grid, bool dynamic, char *msg, size_t msglen, double *w
     gemm_args a = grouped_args(&gp);
     a.A = A, a.lda = 2 * IE, a.B = B, a.B2 = B2, a.split = IE, a.ldb = N;
     a.b_stride = (int64_t)IE * N, a.N = N, a.K = 2 * IE, a.C = C, a.ldc = N;
-    RUN((sm90::gemm<L_NN, E_F32, BN, PP, BM, CL>(&a, R, grid, 0, err)));
+    RUN((sm90::gemm<L_NN, E_F32, BN, PP, BM, CL, RIDE>(&a, R, grid, 0, err)));
     for (int g = 0; g < gp.groups; g++) {
       int64_t rs = gp.row_start[g];
       ref(A + rs * 2 * IE, 2 * IE, 1, B + (int64_t)g * IE * N, 1, N, gp.count[g], N, IE,
@@ -285,7 +290,7 @@ static int run_cases(int grid, bool dynamic, char *msg, size_t msglen, double *w
     gemm_args a = grouped_args(&gp);
     a.A = A, a.lda = K, a.B = B, a.ldb = N, a.b_stride = (int64_t)K * N;
     a.N = N, a.K = K, a.C = C, a.ldc = N;
-    RUN((sm90::gemm<L_NN, E_F32, BN, PP, BM, CL>(&a, R, grid, 0, err)));
+    RUN((sm90::gemm<L_NN, E_F32, BN, PP, BM, CL, RIDE>(&a, R, grid, 0, err)));
     for (int g = 0; g < gp.groups; g++) {
       int64_t rs = gp.row_start[g];
       ref(A + rs * K, K, 1, B + (int64_t)g * K * N, 1, N, gp.count[g], N, K, refc + rs * N, N,
@@ -410,6 +415,8 @@ extern "C" int gemm_core_check(int variant, int grid, int dynamic, char *msg, si
     return run_cases<256, false, 128, 2>(grid, dynamic != 0, msg, msglen, worst);
   case GEMM_TALL2:
     return run_cases<128, false, 256, 2>(grid, dynamic != 0, msg, msglen, worst);
+  case GEMM_WIDE2R:
+    return run_cases<256, false, 128, 2, true>(grid, dynamic != 0, msg, msglen, worst);
   default:
     return run_cases<128, false, 128>(grid, dynamic != 0, msg, msglen, worst);
   }
@@ -431,6 +438,10 @@ static int nt_variant(const gemm_args *a, int64_t rows, int variant, char *err)
     return sm90::gemm<L_NT, E_BF16, 256, false, 128, 2>(a, rows, sms(), 0, err);
   case GEMM_TALL2:
     return sm90::gemm<L_NT, E_BF16, 128, false, 256, 2>(a, rows, sms(), 0, err);
+  case GEMM_WIDE2R:
+    if (a->count != NULL)
+      return sm90::gemm<L_NT, E_BF16, 256, false, 128, 2, true>(a, rows, sms(), 0, err);
+    return sm90::gemm<L_NT, E_BF16, 256, false, 128, 2>(a, rows, sms(), 0, err);
   default:
     return sm90::gemm<L_NT, E_BF16, 128>(a, rows, sms(), 0, err);
   }
@@ -446,23 +457,26 @@ extern "C" double gemm_core_time_grouped(int groups, int rows, int N, int K, int
   int64_t R = (int64_t)groups * rows;
   bf16 *A = rand_bf16(R * K, 41), *B = rand_bf16((int64_t)groups * N * K, 42);
   bf16 *C = (bf16 *)zeros(R * N * 2);
-  int *h = (int *)calloc(4 * (groups + 1), sizeof(int)), *d = NULL;
+  int *h = (int *)calloc(5 * (groups + 1), sizeof(int)), *d = NULL;
   double *ms = (double *)calloc(iters, sizeof *ms), med = 0;
   cudaEvent_t e0, e1;
   gemm_args a;
+  const int tail = rows % 128, ride = rows / 128 + (tail > 0 && (rows < 128 || tail > MOKK_RIDE_ROWS));
 
-  /* count, row_start, tile_off (128 rows), tile_off (256 rows) */
+  /* count, row_start, tile_off (128 rows), tile_off (256 rows), tile_off (128, riding) */
   for (int g = 0; g < groups; g++) {
     h[g] = rows;
     h[groups + g] = g * rows;
     h[2 * groups + g + 1] = h[2 * groups + g] + (rows + 127) / 128;
     h[3 * groups + 1 + g + 1] = h[3 * groups + 1 + g] + (rows + 255) / 256;
+    h[4 * groups + 2 + g + 1] = h[4 * groups + 2 + g] + ride;
   }
-  cudaMalloc(&d, 4 * (groups + 1) * sizeof(int));
-  cudaMemcpy(d, h, 4 * (groups + 1) * sizeof(int), cudaMemcpyHostToDevice);
+  cudaMalloc(&d, 5 * (groups + 1) * sizeof(int));
+  cudaMemcpy(d, h, 5 * (groups + 1) * sizeof(int), cudaMemcpyHostToDevice);
   memset(&a, 0, sizeof a);
   a.groups = groups, a.count = d, a.row_start = d + groups, a.tile_off = d + 2 * groups;
   a.tile_off_tall = d + 3 * groups + 1;
+  a.tile_off_ride = d + 4 * groups + 2;
   a.A = A, a.lda = K, a.B = B, a.ldb = K, a.b_stride = (int64_t)N * K, a.N = N, a.K = K;
   a.C = C, a.ldc = N;
   cudaEventCreate(&e0), cudaEventCreate(&e1);

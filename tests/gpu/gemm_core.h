@@ -13,7 +13,9 @@ extern "C" {
  * 128 x 256 or (grouped NT and NN only) 256 x 128, or 128 x 128 tiles the
  * two take in turns; the last two: 128 x 256 and 256 x 128 tiles on
  * clusters of two blocks that share operands (NT and NN; their TN cases run
- * without clusters) */
+ * without clusters); then 128 x 256 tiles on clusters with riding tails (a
+ * group's last few rows multiplied on its last full m-tile; grouped NT and
+ * NN, the rest as wide2) */
 enum {
   GEMM_COOP128,
   GEMM_COOP256,
@@ -21,6 +23,7 @@ enum {
   GEMM_TALL,
   GEMM_WIDE2,
   GEMM_TALL2,
+  GEMM_WIDE2R,
   GEMM_VARIANTS
 };
 

@@ -305,6 +305,22 @@ __device__ __forceinline__ void wgmma_256(float (&d)[128], uint64_t a, uint64_t 
       : "l"(a), "l"(b), "n"(TA), "n"(TB), "r"(acc));
 }
 
+/* D[64 x 32] += A[64 x 16] B[16 x 32]: a riding tail's product (gemm_sm90.cuh). */
+template <int TA, int TB>
+__device__ __forceinline__ void wgmma_32(float (&d)[16], uint64_t a, uint64_t b, int acc)
+{
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %20, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+      "%16, %17, p, 1, 1, %18, %19;\n"
+      "}\n"
+      : MOKK_W8(0), MOKK_W8(8)
+      : "l"(a), "l"(b), "n"(TA), "n"(TB), "r"(acc));
+}
+
 #undef MOKK_W8
 
 } /* namespace sm90 */
