@@ -93,9 +93,15 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
     } else {
       /* d_h of experts of one 64-row block: on cooperative tiles one
        * warpgroup multiplies and then runs the dSwiGLU epilogue while the
-       * other idles; on ping-pong tiles each runs its own tile */
+       * other idles; on ping-pong tiles each runs its own tile. From 1024
+       * rows an expert on, ping-pong tiles hide one warpgroup's epilogue
+       * under the other's MMAs (Nsight Compute, ms cooperative / ping-pong:
+       * mid 4.508 / 4.152, qwen3_32k 3.578 / 3.290); with a few hundred
+       * rows an expert the 128-column tiles read the weights more often
+       * than they gain (dsv3 4.835 / 5.545, qwen3_4k 0.500 / 0.566). */
       if constexpr (EPI == E_DH)
-        if (a->count != NULL && rows_per_group <= sm90::BK && cb->tiles == MOKK_TILES_AUTO)
+        if (a->count != NULL && (rows_per_group <= sm90::BK || rows_per_group >= 1024) &&
+            cb->tiles == MOKK_TILES_AUTO)
           return sm90::gemm<LAYOUT, EPI, 128, true>(a, a_rows, grid, cb->stream, err);
       if (a->count != NULL && cb->tiles == MOKK_TILES_PINGPONG)
         return sm90::gemm<LAYOUT, EPI, 128, true>(a, a_rows, grid, cb->stream, err);

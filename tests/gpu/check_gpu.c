@@ -258,6 +258,14 @@ START_TEST(riding_tails)
 }
 END_TEST
 
+/* Experts of more than 1024 rows: d_h on ping-pong tiles. */
+START_TEST(long_experts)
+{
+  mokk_shape s = {.H = 192, .I = 128, .E = 2, .K = 1, .I_s = 64, .swiglu_limit = 1.5f};
+  matches_cpu(s, 2500, ROUTE_RANDOM, 18, MOKK_GRAD_BF16);
+}
+END_TEST
+
 /* id -1 (no route): the pair is absent, as on the CPU; it sets no error. */
 START_TEST(pairs_with_no_route)
 {
@@ -1914,6 +1922,7 @@ static Suite *gpu_suite(void)
   tcase_add_test(tc, tokens_not_tile_multiple);
   tcase_add_test(tc, pairs_with_no_route);
   tcase_add_test(tc, riding_tails);
+  tcase_add_test(tc, long_experts);
   tcase_add_test(tc, no_route_is_an_absent_pair);
   suite_add_tcase(su, tc);
   tc = tcase_create("determinism");
