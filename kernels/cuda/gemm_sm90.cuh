@@ -790,6 +790,27 @@ __device__ __forceinline__ void stage_release(uint64_t *empty, int prev, int lan
   }
 }
 
+/* The next stage of the ring, the phase flipping where it wraps. */
+template <int STAGES>
+__device__ __forceinline__ void stage_next(int &s, uint32_t &ph)
+{
+  if (++s == STAGES) {
+    s = 0;
+    ph ^= 1;
+  }
+}
+
+/* A consumer is done issuing stage s: stage prev, whose MMAs have now
+ * finished, goes back, and s becomes the one to hand back next. */
+template <int CL, int STAGES>
+__device__ __forceinline__ void stage_done(uint64_t *empty, int &prev, int &s, uint32_t &ph,
+                                           int lane, int rank)
+{
+  stage_release<CL>(empty, prev, lane, rank);
+  prev = s;
+  stage_next<STAGES>(s, ph);
+}
+
 /* The cooperative consumer: both warpgroups on one BM x BN tile, BM / 2 rows
  * each, as one (BM = 128) or two (BM = 256) 64-row blocks. */
 template <int LAYOUT, int EPI, int BN, int BM, int CL, bool RIDE>
@@ -847,12 +868,7 @@ __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsi
         for (int kb = 0; kb < nk; kb++) {
           bar_wait(&full[s], ph);
           mma_run_ride<TB, BN>(acc0, t0, t1, sa0 + s * A_BYTES, sb0 + s * B_BYTES, cw);
-          stage_release<CL>(empty, prev, lane, rank);
-          prev = s;
-          if (++s == STAGES) {
-            s = 0;
-            ph ^= 1;
-          }
+          stage_done<CL, STAGES>(empty, prev, s, ph, lane, rank);
         }
         wgmma_wait<0>();
         acc_fence(acc0);
@@ -873,12 +889,7 @@ __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsi
         mma_run<TA, TB, BN, BK / 16, TALL>(acc0, acc1, at, bt, b0);
       else if (act0)
         mma_run<TA, TB, BN, BK / 16, false>(acc0, acc1, at, bt, b0);
-      stage_release<CL>(empty, prev, lane, rank);
-      prev = s;
-      if (++s == STAGES) {
-        s = 0;
-        ph ^= 1;
-      }
+      stage_done<CL, STAGES>(empty, prev, s, ph, lane, rank);
     }
     wgmma_wait<0>();
     acc_fence(acc0);
@@ -955,10 +966,7 @@ __device__ __forceinline__ void pingpong(const params &p, int64_t tiles, unsigne
       if (prev >= 0 && lane == 0)
         bar_arrive(&empty[prev]);
       prev = s;
-      if (++s == STAGES) {
-        s = 0;
-        ph ^= 1;
-      }
+      stage_next<STAGES>(s, ph);
     }
     wgmma_wait<0>();
     acc_fence(acc0);
@@ -1052,10 +1060,7 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
         if (bytes != 0)
           load_stage<LAYOUT, EPI, BN, BM, CL, RIDE>(p, x, kb, sa + s * A_BYTES,
                                                     sb + s * B_BYTES, &full[s], rank, ma, mb);
-        if (++s == STAGES) {
-          s = 0;
-          ph ^= 1;
-        }
+        stage_next<STAGES>(s, ph);
       }
       u = (dyn ? atomicAdd(a.sched, 1) : u) + gridDim.x / CL;
     }
@@ -1063,10 +1068,7 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
      * so none of the other block's arrivals lands after this block is gone */
     for (int i = 0; CL == 2 && i < STAGES; i++) {
       bar_wait(&empty[s], ph ^ 1);
-      if (++s == STAGES) {
-        s = 0;
-        ph ^= 1;
-      }
+      stage_next<STAGES>(s, ph);
     }
     return;
   }
