@@ -118,11 +118,21 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
        * gate/up 7.658 / 7.107, down 3.661 / 3.440, d_x 7.234 / 6.699; mid
        * (2048 rows) gate/up 5.291 / 5.802, d_x 4.891 / 5.115. d_h never:
        * its tail epilogue reads g and u one value at a time (dsv3 4.974 /
-       * 6.234). MOKD_GEMM_RIDE=0: off. */
+       * 6.234). MOKD_GEMM_RIDE=0: off.
+       * The forward's GEMMs then run on single blocks, which take their
+       * tiles in order from the counter: bench_gpu, three rounds, forward ms
+       * on clusters / single blocks, both with rides: dsv3 13.952, 13.853,
+       * 13.907 / 13.381, 13.382, 13.377; qwen3_4k 1.107, 1.109, 1.115 /
+       * 1.018, 1.028, 1.032. d_x keeps clusters: without them (static
+       * order) dsv3's backward took 33.8-34.3 ms against 30.1-30.3. */
       if constexpr (EPI != E_DH) {
-        if (cl && cb->ride && a->tile_off_ride != NULL && rows_per_group <= 512)
+        if (cl && cb->ride && a->tile_off_ride != NULL && rows_per_group <= 512) {
+          if constexpr (LAYOUT == L_NT)
+            return sm90::gemm<LAYOUT, EPI, 256, false, 128, 1, true>(a, a_rows, grid,
+                                                                     cb->stream, err);
           return sm90::gemm<LAYOUT, EPI, 256, false, 128, 2, true>(a, a_rows, grid, cb->stream,
                                                                    err);
+        }
       }
       if (cl)
         return sm90::gemm<LAYOUT, EPI, 256, false, 128, 2>(a, a_rows, grid, cb->stream, err);

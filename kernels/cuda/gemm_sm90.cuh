@@ -253,7 +253,7 @@ __device__ __forceinline__ int ring_take(ring &q)
 }
 
 /* Which kernels compile the dynamic order: the grouped NT GEMMs on single
- * blocks (the forward's, where experts average at most 128 rows). mok's
+ * blocks (the forward's, where experts average at most 512 rows). mok's
  * forward: 13.09-13.20 ms static, 12.60-12.66 dynamic (bench_gpu, three
  * rounds in each of three calls). On clusters (dsv3's gate/up; block 0
  * took the tile and handed it to block 1 with st.async) it read 16.5 GB
