@@ -537,15 +537,15 @@ static void moved_weights(mlp *m, const mokk_bwd_rank *b, int first)
   m->wd = (const bf16 *)b->w[first + 2];
 }
 
-/* The weight gradients of rank r: its experts' over its slice of the
- * schedule, and the shared expert's over every rank's tokens in global
- * order (the same GEMM for every rank, so every rank gets the same bits).
- * dy, dgu: per row; d_out, dgus: per token, [P T, ...]. */
-/* The weight gradients, one GEMM per part: WG_DOWN the routed d_W_down,
- * WG_GATE_UP the routed d_W_gate and d_W_up, WG_SHARED the shared expert's
+/* The parts of weight_grads, one GEMM each: WG_GATE_UP the routed d_W_gate
+ * and d_W_up, WG_DOWN the routed d_W_down, WG_SHARED the shared expert's
  * three (when the layer has one). */
 enum { WG_GATE_UP = 1, WG_DOWN = 2, WG_SHARED = 4 };
 
+/* The weight gradients of rank r (the parts named): its experts' over its
+ * slice of the schedule, and the shared expert's over every rank's tokens in
+ * global order (the same GEMM for every rank, so every rank gets the same
+ * bits). dy, dgu: per row; d_out, dgus: per token, [P T, ...]. */
 static int weight_grads(cuda_backend *cb, const cuda_ctx *c, const mokk_bwd_rank *br, int r,
                         int parts, int accum, const bf16 *dy, const bf16 *dgu,
                         const bf16 *d_out, const bf16 *dgus, void *maps, char *err)
