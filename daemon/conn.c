@@ -17,6 +17,14 @@
  * and 64 of them must not take 512 of the daemon's fds */
 #define MAX_PENDING_FDS 64
 #define READ_CHUNK 65536
+/* At most this much is read from a socket in one readable event. Frames
+ * are parsed only once a read ends, so the bound on pending requests cannot
+ * stop a read: a client that keeps its socket full could otherwise be read
+ * without end (400k pings unread, all 4.3 MB taken and 68 MB of parsed
+ * requests held, in runs of check_daemon_limits). The poll is
+ * level-triggered: what is left is read on the next turn of the loop, if
+ * the session is still read from then. */
+#define READ_MAX_TURN (4 * READ_CHUNK)
 /* Replies a peer has not read yet, beyond what its socket holds: past either
  * bound the session is not read from until they drain, so a client that
  * never reads can hold neither the daemon's memory nor its fds. */
@@ -381,7 +389,7 @@ static void parse_frames(mokd_session *s)
 
 static int read_some(mokd_session *s)
 {
-  for (;;) {
+  for (size_t got = 0;;) {
     size_t avail;
     uint8_t *dst = mokw_framer_space(&s->rx, READ_CHUNK, &avail);
     int fds[MOKW_MAX_FDS], nfds = MOKW_MAX_FDS, ctrunc;
@@ -415,7 +423,8 @@ static int read_some(mokd_session *s)
       return -1;
     }
     mokw_framer_commit(&s->rx, (size_t)n);
-    if (pending_full(s))
+    got += (size_t)n;
+    if (pending_full(s) || got >= READ_MAX_TURN)
       return 0;
     if ((size_t)n < avail)
       return 0;
