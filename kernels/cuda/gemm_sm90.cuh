@@ -670,6 +670,7 @@ __device__ __forceinline__ void epilogue_ride(const gemm_args &a, const tile &x,
                                               const float (&t0)[16], const float (&t1)[16],
                                               int cw, int warp, int lane)
 {
+  static_assert(EPI != E_DH, "d_h does not ride (cuda_moe.cu, gemm)");
   const int64_t row0 = x.rb + (int64_t)(x.mt + 1) * BM;
 #pragma unroll
   for (int r = 0; r < 2; r++) {
@@ -699,14 +700,7 @@ __device__ __forceinline__ void epilogue_ride(const gemm_args &a, const tile &x,
             const float v = b ? v1 : v0;
             if (n >= a.N)
               continue;
-            if constexpr (EPI == E_DH) {
-              float dd = a.scale != NULL ? a.scale[row] * v : v, dg, du;
-              mokk_swiglu_grads(a.sg[row * a.lds + n], a.su[row * a.lds + n], dd, a.limit, &dg,
-                                &du);
-              bf16 *d = (bf16 *)a.C + row * a.ldc + n;
-              d[0] = __float2bfloat16_rn(dg);
-              d[a.lds] = __float2bfloat16_rn(du);
-            } else if constexpr (EPI == E_BF16) {
+            if constexpr (EPI == E_BF16) {
               ((bf16 *)a.C)[row * a.ldc + n] = __float2bfloat16_rn(v);
             } else {
               static_assert(EPI == E_F32, "the epilogues of NT and NN");
