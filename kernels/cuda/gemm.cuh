@@ -34,6 +34,15 @@
  * own: wgmma's N of the swapped product. */
 #define MOKK_RIDE_ROWS 32
 
+/* The 128-row m-tiles of a group of c rows when its tail rides: a tail of at
+ * most MOKK_RIDE_ROWS rows past the last full m-tile takes no m-tile of its
+ * own; a group of fewer than 128 rows keeps its one. */
+__host__ __device__ __forceinline__ int mokk_ride_mtiles(int c)
+{
+  int tail = c % 128;
+  return c / 128 + (tail > 0 && (c < 128 || tail > MOKK_RIDE_ROWS));
+}
+
 typedef __nv_bfloat16 bf16;
 
 enum { L_NT, L_NN, L_TN };

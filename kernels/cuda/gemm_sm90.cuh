@@ -125,6 +125,7 @@ __device__ __forceinline__ tile tile_at(const gemm_args &a, int64_t t)
 {
   tile x;
   int ntn = (a.N + BN - 1) / BN, mtn = (a.M + BM - 1) / BM;
+  x.tail = 0; /* NT, NN grouped: set below */
 
   if (LAYOUT == L_TN) {
     int64_t per = (int64_t)mtn * ntn;
@@ -152,7 +153,8 @@ __device__ __forceinline__ tile tile_at(const gemm_args &a, int64_t t)
     x.rb = a.row_start[lo];
     /* the rows past the group's last m-tile: none unless the m-tiles were
      * counted with riding tails */
-    x.tail = x.mt == mtg - 1 ? max(0, x.rows - mtg * BM) : 0;
+    if (x.mt == mtg - 1)
+      x.tail = max(0, x.rows - mtg * BM);
   } else {
     int64_t band = t / ((int64_t)RASTER_M * ntn);
     int m0 = (int)band * RASTER_M, mb = min(RASTER_M, mtn - m0);
@@ -163,8 +165,6 @@ __device__ __forceinline__ tile tile_at(const gemm_args &a, int64_t t)
     x.rows = a.M;
     x.rb = 0;
   }
-  if (LAYOUT == L_TN || a.count == NULL)
-    x.tail = 0;
   x.share = SHARE_NONE;
   return x;
 }

@@ -107,9 +107,7 @@ static void grouping_make(grouping *gp, bool dynamic)
     gp->tile_off[g + 1] = gp->tile_off[g] + (GROUP_ROWS[g] + G_BM - 1) / G_BM;
     gp->tile_off[NG + 2 + g] =
         gp->tile_off[NG + 1 + g] + (GROUP_ROWS[g] + 2 * G_BM - 1) / (2 * G_BM);
-    int c = GROUP_ROWS[g], tail = c % G_BM;
-    gp->tile_off[2 * NG + 3 + g] = gp->tile_off[2 * NG + 2 + g] + c / G_BM +
-                                   (tail > 0 && (c < G_BM || tail > MOKK_RIDE_ROWS));
+    gp->tile_off[2 * NG + 3 + g] = gp->tile_off[2 * NG + 2 + g] + mokk_ride_mtiles(GROUP_ROWS[g]);
     gp->rows += GROUP_ROWS[g];
   }
   cudaMalloc(&gp->d_count, sizeof gp->count);
@@ -461,7 +459,7 @@ extern "C" double gemm_core_time_grouped(int groups, int rows, int N, int K, int
   double *ms = (double *)calloc(iters, sizeof *ms), med = 0;
   cudaEvent_t e0, e1;
   gemm_args a;
-  const int tail = rows % 128, ride = rows / 128 + (tail > 0 && (rows < 128 || tail > MOKK_RIDE_ROWS));
+  const int ride = mokk_ride_mtiles(rows);
 
   /* count, row_start, tile_off (128 rows), tile_off (256 rows), tile_off (128, riding) */
   for (int g = 0; g < groups; g++) {
