@@ -298,6 +298,14 @@ static int check_shape(const mokk_shape *s, int64_t T, char *err)
   return 0;
 }
 
+/* The gathered rows, and before them the schedule's scratch: at least one
+ * int an expert, which ctx_bytes_bound's per-expert bytes cover. */
+static size_t xr_bytes(int64_t TK, int64_t H, int64_t E)
+{
+  size_t rows = (size_t)(TK * H * 2), least = (size_t)E * sizeof(int);
+  return rows > least ? rows : least;
+}
+
 /* Carves n bytes (256-aligned) off a running offset. */
 static size_t carve(size_t *off, size_t n)
 {
@@ -423,7 +431,8 @@ static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
   o_slot = carve(&off, TK * sizeof(int));
   o_src = carve(&off, TK * sizeof(int));
   o_rw = carve(&off, TK * sizeof(float));
-  o_xr = carve(&off, TK * H * 2);
+  /* the gathered rows; first, the schedule's scratch */
+  o_xr = carve(&off, xr_bytes(TK, H, E));
   if (train) {
     o_g = carve(&off, TK * I * 4);
     o_u = carve(&off, TK * I * 4);
@@ -490,7 +499,8 @@ static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
 
   /* schedule of every rank's pairs */
   route_schedule(cb->stream, ids, tw, TK, (int)E, (int32_t *)(base + o_ids), c->count,
-                 c->row_start, c->tile_off, c->slot, c->src, c->row_w, cb->status);
+                 c->row_start, c->tile_off, c->slot, c->src, c->row_w, cb->status, c->xr,
+                 xr_bytes(TK, H, E));
   if ((rc = launched(err, "schedule")))
     goto fail;
   route_gather(cb->stream, grid_for(cb, TK, 16), rows_of(px, P, T), c->src, NULL,
@@ -955,7 +965,8 @@ static int spread_forward(cuda_backend *cb, const mokk_shape *s, int64_t T,
            o_count = carve(&off, E * sizeof(int)), o_rs = carve(&off, (E + 1) * sizeof(int)),
            o_to = carve(&off, 3 * (E + 1) * sizeof(int)), o_slot = carve(&off, TK * 4),
            o_src = carve(&off, TK * 4), o_rw = carve(&off, TK * 4),
-           o_xr = carve(&off, TK * H * 2), o_g = train ? carve(&off, TK * I * 4) : 0,
+           o_xr = carve(&off, xr_bytes(TK, H, E)),
+           o_g = train ? carve(&off, TK * I * 4) : 0,
            o_u = train ? carve(&off, TK * I * 4) : 0, o_h = carve(&off, TK * I * 2),
            o_y = carve(&off, TK * H * 2), o_gs = train && Is ? carve(&off, TG * Is * 4) : 0,
            o_us = train && Is ? carve(&off, TG * Is * 4) : 0,
@@ -1005,7 +1016,8 @@ static int spread_forward(cuda_backend *cb, const mokk_shape *s, int64_t T,
         (p->x != NULL && (rc = concat(&on, (void *)p->x, px, P, T * H * 2, err))))
       goto fail;
     route_schedule(on.stream, p->ids, p->tw, TK, (int)E, p->ids + TK, p->count, p->row_start,
-                   p->tile_off, p->slot, p->src, p->row_w, cb->status);
+                   p->tile_off, p->slot, p->src, p->row_w, cb->status, p->xr,
+                   xr_bytes(TK, H, E));
     if ((rc = launched(err, "schedule")))
       goto fail;
     route_gather(on.stream, grid_for(cb, TK, 16), rows_of(px, P, T), p->src,

@@ -11,108 +11,208 @@
 #include "layer.h"
 #include "route.h"
 
-#define SCHED_THREADS 256
-
-
 /* ---- schedule ------------------------------------------------------------ */
 
-/* The ids are the client's memory, which it may still be writing: copy them
- * once, checked, and let every later kernel read the copy, so the counts and
- * the slots are taken from the same values. -1 (no route, as DeepEP and
- * Megatron mark a pair) drops its pair, as the CPU engine does; any other id
- * outside [0, E) becomes -1 too, and the status word says so. */
-__global__ void k_ids(const int32_t *ids, int64_t TK, int E, int32_t *own, int *slot,
-                      int *status)
+/* The pairs are cut into chunks of ch pairs (a multiple of 32), one warp
+ * each, and sorted by expert in four passes: each warp counts its chunk's
+ * pairs per expert (a row of hist, [chunks][E] ints); the counts are scanned
+ * down each expert's column (the warp's first row of the expert) and across
+ * the experts (segments and m-tile offsets); each warp then places its
+ * chunk's pairs, in pair order, from its rows on. A warp takes 32 pairs at a
+ * time: the lanes with the same expert find each other (match.any), the
+ * lowest of them updates the expert's entry for all. No atomics, and each
+ * pass reads the ids once: with one block per expert, each reading every id,
+ * the schedule took 0.27 ms on dsv3 and 0.58 on mid (Nsight Compute). */
+
+/* Chunks of at least 256 pairs, at most SCHED_CHUNKS of them (so that the
+ * column scan holds a column's slice in registers), and no more than the
+ * scratch holds rows of hist (one at least). */
+#define SCHED_CHUNKS 256
+
+static void sched_split(int64_t TK, int E, size_t scratch_bytes, int64_t *ch, int *chunks)
 {
-  for (int64_t p = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; p < TK;
-       p += (int64_t)gridDim.x * blockDim.x) {
-    int id = ids[p];
-    if (id < 0 || id >= E) {
-      if (id != MOKK_NO_ROUTE)
-        atomicOr(status, 1); /* an integer flag: the order does not matter */
-      id = -1;
-      slot[p] = -1;
+  int64_t n = (TK + 255) / 256, most = (int64_t)(scratch_bytes / ((size_t)E * sizeof(int)));
+  if (most > SCHED_CHUNKS)
+    most = SCHED_CHUNKS;
+  if (n > most)
+    n = most;
+  if (n < 1)
+    n = 1;
+  int64_t c = ((TK + n - 1) / n + 31) / 32 * 32;
+  *ch = c;
+  *chunks = (int)((TK + c - 1) / c);
+}
+
+/* The lanes below this one. */
+__device__ __forceinline__ unsigned lanes_below(int lane)
+{
+  return (1u << lane) - 1;
+}
+
+/* Warp w: chunk w's pairs per expert into hist row w. The ids are the
+ * client's memory, which it may still be writing: they are copied once,
+ * checked, and every later pass reads the copy, so the counts and the rows
+ * come from the same values. -1 (no route, as DeepEP and Megatron mark a
+ * pair) drops its pair, as the CPU engine does; any other id outside [0, E)
+ * becomes -1 too, and the status word says so. */
+__global__ void k_hist(const int32_t *ids, int64_t TK, int E, int64_t ch, int32_t *own,
+                       int *slot, int *status, int *hist)
+{
+  const int lane = threadIdx.x;
+  int *row = hist + (int64_t)blockIdx.x * E;
+  const int64_t p0 = blockIdx.x * ch, p1 = min(TK, p0 + ch);
+
+  for (int e = lane; e < E; e += 32)
+    row[e] = 0;
+  __syncwarp();
+  for (int64_t b = p0; b < p1; b += 32) {
+    const int64_t p = b + lane;
+    int id = -1;
+    if (p < p1) {
+      id = ids[p];
+      if (id < 0 || id >= E) {
+        if (id != MOKK_NO_ROUTE)
+          atomicOr(status, 1); /* an integer flag: the order does not matter */
+        id = -1;
+        slot[p] = -1;
+      }
+      own[p] = id;
     }
-    own[p] = id;
+    const unsigned same = __match_any_sync(0xffffffffu, id);
+    if (id >= 0 && lane == __ffs(same) - 1)
+      row[id] += __popc(same);
+    __syncwarp();
   }
 }
 
-/* Block e counts the pairs routed to expert e. */
-__global__ void k_count(const int32_t *ids, int64_t TK, int *count)
+/* Block b, experts 32 b ..: each column of hist becomes the pairs of the
+ * expert in the chunks before (a warp scans a slice of up to
+ * SCHED_CHUNKS / 32 chunks), and count[e] the column's total. */
+__global__ void __launch_bounds__(1024) k_colscan(int *hist, int chunks, int E, int *count)
 {
-  __shared__ int part[SCHED_THREADS / 32];
-  int e = blockIdx.x, n = 0;
+  constexpr int PER = SCHED_CHUNKS / 32;
+  __shared__ int part[32][33];
+  const int lane = threadIdx.x & 31, j = threadIdx.x >> 5, e = blockIdx.x * 32 + lane;
+  const int per = (chunks + 31) / 32, w0 = j * per;
+  int v[PER], sum = 0;
 
-  for (int64_t p = threadIdx.x; p < TK; p += blockDim.x)
-    n += ids[p] == e;
-  for (int o = 16; o > 0; o >>= 1)
-    n += __shfl_xor_sync(0xffffffffu, n, o);
-  if ((threadIdx.x & 31) == 0)
-    part[threadIdx.x >> 5] = n;
+#pragma unroll
+  for (int i = 0; i < PER; i++) {
+    const int w = w0 + i;
+    v[i] = i < per && w < chunks && e < E ? hist[(int64_t)w * E + e] : 0;
+    sum += v[i];
+  }
+  part[j][lane] = sum;
   __syncthreads();
-  if (threadIdx.x == 0) {
-    int s = 0;
-    for (int w = 0; w < SCHED_THREADS / 32; w++)
-      s += part[w];
-    count[e] = s;
-  }
-}
-
-/* One thread: segment starts and m-tile offsets (of 128 and of 256 rows, and
- * of 128 rows with riding tails), in expert order. */
-__global__ void k_scan(const int *count, int E, int *row_start, int *tile_off)
-{
-  int rows = 0, tiles = 0, tall = 0, ride = 0;
-  for (int e = 0; e < E; e++) {
-    int c = count[e], tail = c % G_BM;
-    row_start[e] = rows;
-    tile_off[e] = tiles;
-    tile_off[E + 1 + e] = tall;
-    tile_off[2 * (E + 1) + e] = ride;
-    rows += c;
-    tiles += (c + G_BM - 1) / G_BM;
-    tall += (c + 2 * G_BM - 1) / (2 * G_BM);
-    /* a tail of up to MOKK_RIDE_ROWS rows rides on the last full m-tile */
-    ride += c / G_BM + (tail > 0 && (c < G_BM || tail > MOKK_RIDE_ROWS));
-  }
-  tile_off[E] = tiles;
-  tile_off[2 * E + 1] = tall;
-  tile_off[3 * E + 2] = ride;
-  row_start[E] = rows; /* total rows */
-}
-
-/* Block e gives its pairs consecutive rows in pair order (token, then k). */
-__global__ void k_slots(const int32_t *ids, const float *tw, int64_t TK, const int *row_start,
-                        int *slot, int *src, float *row_w)
-{
-  __shared__ int warp_n[SCHED_THREADS / 32];
-  __shared__ int base;
-  int e = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-
-  if (threadIdx.x == 0)
-    base = row_start[e];
-  __syncthreads();
-  for (int64_t p0 = 0; p0 < TK; p0 += SCHED_THREADS) {
-    int64_t p = p0 + threadIdx.x;
-    int hit = p < TK && ids[p] == e;
-    unsigned b = __ballot_sync(0xffffffffu, hit);
-    if (lane == 0)
-      warp_n[warp] = __popc(b);
-    __syncthreads();
-    int before = base;
-    for (int w = 0; w < warp; w++)
-      before += warp_n[w];
-    if (hit) {
-      int row = before + __popc(b & ((1u << lane) - 1));
-      slot[p] = row;
-      src[row] = (int)p;
-      row_w[row] = tw[p];
+  if (j == 0) {
+    int run = 0;
+    for (int q = 0; q < 32; q++) {
+      const int t = part[q][lane];
+      part[q][lane] = run;
+      run += t;
     }
-    __syncthreads();
-    if (threadIdx.x == 0)
-      for (int w = 0; w < SCHED_THREADS / 32; w++)
-        base += warp_n[w];
-    __syncthreads();
+    if (e < E)
+      count[e] = run;
+  }
+  __syncthreads();
+  int run = part[j][lane];
+#pragma unroll
+  for (int i = 0; i < PER; i++) {
+    const int w = w0 + i;
+    if (i < per && w < chunks && e < E) {
+      hist[(int64_t)w * E + e] = run;
+      run += v[i];
+    }
+  }
+}
+
+/* The four prefix sums over experts of one schedule, as one int4: rows, and
+ * m-tiles of 128 rows, of 256 rows, and of 128 rows with riding tails. */
+__device__ __forceinline__ int4 expert_sizes(int c)
+{
+  return make_int4(c, (c + G_BM - 1) / G_BM, (c + 2 * G_BM - 1) / (2 * G_BM),
+                   mokk_ride_mtiles(c));
+}
+
+__device__ __forceinline__ int4 add4(int4 a, int4 b)
+{
+  return make_int4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+}
+
+/* One block: segment starts and m-tile offsets, in expert order. Thread i
+ * sums a run of consecutive experts; the runs' totals are scanned across
+ * the block (lanes, then warps); each thread then writes its run's. */
+__global__ void __launch_bounds__(1024) k_offsets(const int *count, int E, int *row_start,
+                                                  int *tile_off)
+{
+  __shared__ int4 warp_sum[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int per = (E + blockDim.x - 1) / blockDim.x, e0 = threadIdx.x * per,
+            e1 = min(E, e0 + per);
+  int4 mine = make_int4(0, 0, 0, 0);
+
+  for (int e = e0; e < e1; e++)
+    mine = add4(mine, expert_sizes(count[e]));
+  int4 incl = mine; /* inclusive scan over the warp */
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    int4 t;
+    t.x = __shfl_up_sync(0xffffffffu, incl.x, o);
+    t.y = __shfl_up_sync(0xffffffffu, incl.y, o);
+    t.z = __shfl_up_sync(0xffffffffu, incl.z, o);
+    t.w = __shfl_up_sync(0xffffffffu, incl.w, o);
+    if (lane >= o)
+      incl = add4(incl, t);
+  }
+  if (lane == 31)
+    warp_sum[warp] = incl;
+  __syncthreads();
+  int4 run = make_int4(0, 0, 0, 0);
+  for (int w = 0; w < warp; w++)
+    run = add4(run, warp_sum[w]);
+  run = add4(run, make_int4(incl.x - mine.x, incl.y - mine.y, incl.z - mine.z, incl.w - mine.w));
+  for (int e = e0; e < e1; e++) {
+    row_start[e] = run.x;
+    tile_off[e] = run.y;
+    tile_off[E + 1 + e] = run.z;
+    tile_off[2 * (E + 1) + e] = run.w;
+    run = add4(run, expert_sizes(count[e]));
+  }
+  if (e0 < E && e1 == E) { /* the thread with the last expert: the totals */
+    row_start[E] = run.x;
+    tile_off[E] = run.y;
+    tile_off[2 * E + 1] = run.z;
+    tile_off[3 * E + 2] = run.w;
+  }
+}
+
+/* Warp w: chunk w's pairs get consecutive rows of their experts, in pair
+ * order (token, then k), from the rows the chunks before took. */
+__global__ void k_place(const int32_t *own, const float *tw, int64_t TK, int E, int64_t ch,
+                        int *hist, const int *row_start, int *slot, int *src, float *row_w)
+{
+  const int lane = threadIdx.x;
+  int *row = hist + (int64_t)blockIdx.x * E;
+  const int64_t p0 = blockIdx.x * ch, p1 = min(TK, p0 + ch);
+
+  for (int64_t b = p0; b < p1; b += 32) {
+    const int64_t p = b + lane;
+    const int id = p < p1 ? own[p] : -1;
+    const unsigned same = __match_any_sync(0xffffffffu, id);
+    const int first = __ffs(same) - 1;
+    int at = 0;
+    if (id >= 0 && lane == first)
+      at = row_start[id] + row[id];
+    at = __shfl_sync(0xffffffffu, at, first);
+    if (id >= 0) {
+      const int r = at + __popc(same & lanes_below(lane));
+      slot[p] = r;
+      src[r] = (int)p;
+      row_w[r] = tw[p];
+      if (lane == first)
+        row[id] += __popc(same);
+    }
+    __syncwarp();
   }
 }
 
@@ -237,14 +337,16 @@ __global__ void k_dtw(const bf16 *d_out, route_owners y, const int *slot, int64_
 
 void route_schedule(cudaStream_t st, const int32_t *ids, const float *tw, int64_t TK, int E,
                     int32_t *own_ids, int *count, int *row_start, int *tile_off, int *slot,
-                    int *src, float *row_w, int *status)
+                    int *src, float *row_w, int *status, void *scratch, size_t scratch_bytes)
 {
-  int64_t blocks = (TK + SCHED_THREADS - 1) / SCHED_THREADS;
-  k_ids<<<(int)(blocks < 1024 ? (blocks > 0 ? blocks : 1) : 1024), SCHED_THREADS, 0, st>>>(
-      ids, TK, E, own_ids, slot, status);
-  k_count<<<E, SCHED_THREADS, 0, st>>>(own_ids, TK, count);
-  k_scan<<<1, 1, 0, st>>>(count, E, row_start, tile_off);
-  k_slots<<<E, SCHED_THREADS, 0, st>>>(own_ids, tw, TK, row_start, slot, src, row_w);
+  int64_t ch;
+  int chunks;
+  sched_split(TK, E, scratch_bytes, &ch, &chunks);
+  k_hist<<<chunks, 32, 0, st>>>(ids, TK, E, ch, own_ids, slot, status, (int *)scratch);
+  k_colscan<<<(E + 31) / 32, 1024, 0, st>>>((int *)scratch, chunks, E, count);
+  k_offsets<<<1, 1024, 0, st>>>(count, E, row_start, tile_off);
+  k_place<<<chunks, 32, 0, st>>>(own_ids, tw, TK, E, ch, (int *)scratch, row_start, slot,
+                                  src, row_w);
 }
 
 void route_gather(cudaStream_t st, int grid, route_rows x, const int *src, const int *lo,

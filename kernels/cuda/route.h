@@ -16,10 +16,13 @@ typedef __nv_bfloat16 bf16;
  * (gemm_args.tile_off_ride) at tile_off[2 (E + 1) ...]), each pair's row in slot (-1 for a pair with no
  * route, id -1; -1 and bit 0 of status for any other id outside [0, E)),
  * each row's pair in src and its router weight.
- * The ids are read once, into own_ids (TK ints), which the rest reads. */
+ * The ids are read once, into own_ids (TK ints), which the rest reads.
+ * scratch: device memory free until the schedule has run (the gathered
+ * rows' space serves), 4-byte aligned, at least E ints; more lets more
+ * warps share the work (route.cu, sched_split). */
 void route_schedule(cudaStream_t st, const int32_t *ids, const float *tw, int64_t TK, int E,
                     int32_t *own_ids, int *count, int *row_start, int *tile_off, int *slot,
-                    int *src, float *row_w, int *status);
+                    int *src, float *row_w, int *status, void *scratch, size_t scratch_bytes);
 /* Most EP ranks one step runs on one device (virtual ranks). */
 #define ROUTE_MAX_RANKS 8
 

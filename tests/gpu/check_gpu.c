@@ -349,6 +349,19 @@ START_TEST(gemm_core_layouts)
 }
 END_TEST
 
+int schedule_check(char *msg, size_t len);
+
+/* The schedule (route.cu) against a stable counting sort on the host, entry
+ * for entry, over shapes that take one chunk of pairs, the most chunks, and
+ * more experts than the offsets' block has threads (schedule.cu). */
+START_TEST(schedule_exact)
+{
+  char msg[512];
+  int f = schedule_check(msg, sizeof msg);
+  ck_assert_msg(f == 0, "%d schedule case(s) differ from the host's; first: %s", f, msg);
+}
+END_TEST
+
 START_TEST(repeat_20_bitwise)
 {
   mokk_shape s = {.H = 256, .I = 128, .E = 16, .K = 4, .I_s = 128, .swiglu_limit = 0.8f, .P = 1};
@@ -1913,6 +1926,7 @@ static Suite *gpu_suite(void)
   suite_add_tcase(su, tc);
   tc = tcase_create("vs_cpu");
   tcase_set_timeout(tc, 600);
+  tcase_add_test(tc, schedule_exact);
   tcase_add_test(tc, small_routed);
   tcase_add_test(tc, shared_and_clamp);
   tcase_add_test(tc, fp32_accumulate);
