@@ -91,18 +91,15 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
         return sm90::gemm<LAYOUT, EPI, 128, true>(a, a_rows, grid, cb->stream, err);
       return sm90::gemm<LAYOUT, EPI, 256>(a, a_rows, grid, cb->stream, err);
     } else {
-      /* d_h of experts of one 64-row block: on cooperative tiles one
-       * warpgroup multiplies and then runs the dSwiGLU epilogue while the
-       * other idles; on ping-pong tiles each runs its own tile. From 1024
-       * rows an expert on, ping-pong tiles hide one warpgroup's epilogue
-       * under the other's MMAs (Nsight Compute, ms cooperative / ping-pong:
-       * mid 4.508 / 4.152, qwen3_32k 3.578 / 3.290); with a few hundred
-       * rows an expert the 128-column tiles read the weights more often
-       * than they gain (dsv3 4.835 / 5.545, qwen3_4k 0.500 / 0.566). */
-      if constexpr (EPI == E_DH)
-        if (a->count != NULL && (rows_per_group <= sm90::BK || rows_per_group >= 1024) &&
-            cb->tiles == MOKK_TILES_AUTO)
-          return sm90::gemm<LAYOUT, EPI, 128, true>(a, a_rows, grid, cb->stream, err);
+      /* d_h runs on cooperative tiles, in counter order, however long the
+       * experts. Ping-pong tiles had hidden one warpgroup's dSwiGLU
+       * epilogue under the other's MMAs where experts have 1024 rows or
+       * more, or one 64-row block, while that epilogue took expf and two
+       * divisions an element. With the special-function unit's
+       * (swiglu_grads_sfu), Nsight Compute, d_h in ms, ping-pong /
+       * cooperative: mid 3.130 / 2.859, qwen3_32k 2.025 / 1.789; bench_gpu,
+       * mok's backward (32 rows an expert), two rounds: 27.702, 27.494 /
+       * 27.184, 27.140. */
       if (a->count != NULL && cb->tiles == MOKK_TILES_PINGPONG)
         return sm90::gemm<LAYOUT, EPI, 128, true>(a, a_rows, grid, cb->stream, err);
       bool tall = a->count != NULL && cb->tiles == MOKK_TILES_TALL;
@@ -134,7 +131,11 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
                                                                    err);
         }
       }
-      if (cl)
+      /* The forward's GEMMs without rides (experts of more than 512 rows)
+       * run on single blocks too. Nsight Compute, ms on clusters / single
+       * blocks: qwen3_32k gate/up 3.005 / 2.842, down 1.493 / 1.445; mid
+       * gate/up 5.138 / 4.977, down 2.500 / 2.493. */
+      if (cl && LAYOUT == L_NN)
         return sm90::gemm<LAYOUT, EPI, 256, false, 128, 2>(a, a_rows, grid, cb->stream, err);
       return sm90::gemm<LAYOUT, EPI, 256>(a, a_rows, grid, cb->stream, err);
     }

@@ -253,9 +253,11 @@ __device__ __forceinline__ int ring_take(ring &q)
 }
 
 /* Which kernels compile the dynamic order: the grouped NT GEMMs on single
- * blocks (the forward's, where experts average at most 512 rows). mok's
- * forward: 13.09-13.20 ms static, 12.60-12.66 dynamic (bench_gpu, three
- * rounds in each of three calls). On clusters (dsv3's gate/up; block 0
+ * blocks (the forward's), and d_h on cooperative tiles. mok's forward:
+ * 13.09-13.20 ms static, 12.60-12.66 dynamic (bench_gpu, three rounds in
+ * each of three calls). d_h, dsv3, Nsight Compute: 5.273 ms static (21.1 GB
+ * read), 3.824 dynamic (10.6 GB); bench_gpu, the backward in one call,
+ * two rounds: 29.671, 29.454 ms static, 28.840, 28.725 dynamic. On clusters (dsv3's gate/up; block 0
  * took the tile and handed it to block 1 with st.async) it read 16.5 GB
  * where static tiles read 21.5-23.7, yet no layer ran faster: compiled
  * into a kernel on clusters, the ring took the tile arithmetic off the
@@ -263,10 +265,10 @@ __device__ __forceinline__ int ring_take(ring &q)
  * even through the warp reduction) and dsv3's forward ran 2.6-3.5 %
  * slower with the order static, 1.5-2.6 % dynamic; in the data-gradient
  * GEMMs, the backward 1.5 ms slower (PERF.md v9). */
-template <int LAYOUT, bool PP, int CL>
+template <int LAYOUT, int EPI, bool PP, int CL>
 __host__ __device__ constexpr bool dynamic_order()
 {
-  return LAYOUT == L_NT && !PP && CL == 1;
+  return (LAYOUT == L_NT || EPI == E_DH) && !PP && CL == 1;
 }
 
 template <int LAYOUT>
@@ -506,6 +508,32 @@ __device__ __forceinline__ float2 acc_pair(const float (&acc)[N], int j, int r)
   return make_float2(acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1]);
 }
 
+/* The SwiGLU (h) and its derivative (d_g, d_u) as swiglu.h has them, on the
+ * special-function unit: exp(-g') by ex2.approx and 1 / (1 + e) by
+ * rcp.approx, each within a few ulp of fp32, far under the bf16 rounding of
+ * h, d_g and d_u (the CPU engine keeps expf and IEEE divisions, and the GPU
+ * is held to it within tolerance, not bit for bit). Those took about three
+ * times the instructions, in epilogues during which no MMA runs. Nsight
+ * Compute, d_h in ms: qwen3_32k 3.433 -> 2.026, mid 4.444 -> 3.443,
+ * qwen3_4k 0.509 -> 0.323; bench_gpu, forward ms, two rounds each: dsv3
+ * 12.933, 12.964 -> 12.361, 12.401; mid 9.371, 9.399 -> 8.953, 8.974;
+ * qwen3_4k 0.887, 0.881 -> 0.801, 0.807; qwen3_32k 6.080, 5.918 -> 5.665,
+ * 5.709. The same inputs give the same bits, on any grid. */
+__device__ __forceinline__ float swiglu_sfu(float g, float u, float L)
+{
+  const float gv = mokk_clamp_gate(g, L);
+  return gv * __fdividef(1.0f, 1.0f + __expf(-gv)) * mokk_clamp_up(u, L);
+}
+
+__device__ __forceinline__ void swiglu_grads_sfu(float g, float u, float dh, float L, float *dg,
+                                                 float *du)
+{
+  const float gv = mokk_clamp_gate(g, L), uv = mokk_clamp_up(u, L);
+  const float sg = __fdividef(1.0f, 1.0f + __expf(-gv)); /* 0 once 1 + e overflows */
+  *dg = (L > 0.0f && g > L) ? 0.0f : dh * uv * (sg * (1.0f + gv * (1.0f - sg)));
+  *du = (L > 0.0f && (u > L || u < -L)) ? 0.0f : dh * (gv * sg); /* silu(g') */
+}
+
 /* E_DH, row half r of one 64-row block: d_h (times the row's router weight)
  * -> d_g | d_u (bf16, [rows, 2 lds]), from the saved fp32 g and u. */
 template <int BN>
@@ -539,7 +567,7 @@ __device__ __forceinline__ void epilogue_dh(const gemm_args &a, const tile &x,
 #pragma unroll
       for (int e = 0; e < 4; e++) {
         float dd = a.scale != NULL ? sc * dh[e] : dh[e];
-        mokk_swiglu_grads(g4[e], u4[e], dd, a.limit, &dg[e], &du[e]);
+        swiglu_grads_sfu(g4[e], u4[e], dd, a.limit, &dg[e], &du[e]);
       }
       *(uint2 *)(d + 8 * j) = make_uint2(bf16x2(dg[0], dg[1]), bf16x2(dg[2], dg[3]));
       *(uint2 *)(d + a.lds + 8 * j) = make_uint2(bf16x2(du[0], du[1]), bf16x2(du[2], du[3]));
@@ -622,10 +650,10 @@ __device__ __forceinline__ void epilogue(const gemm_args &a, const tile &x, floa
           float2 g_hi = make_float2(acc[4 * j + 4 + 2 * r], acc[4 * j + 4 + 2 * r + 1]);
           float2 u_lo = make_float2(acc[4 * (j + u) + 2 * r], acc[4 * (j + u) + 2 * r + 1]);
           float2 u_hi = make_float2(acc[4 * (j + u) + 4 + 2 * r], acc[4 * (j + u) + 4 + 2 * r + 1]);
-          uint2 h = pair_u32(bf16x2(mokk_swiglu(g_lo.x, u_lo.x, a.limit),
-                                    mokk_swiglu(g_lo.y, u_lo.y, a.limit)),
-                             bf16x2(mokk_swiglu(g_hi.x, u_hi.x, a.limit),
-                                    mokk_swiglu(g_hi.y, u_hi.y, a.limit)),
+          uint2 h = pair_u32(bf16x2(swiglu_sfu(g_lo.x, u_lo.x, a.limit),
+                                    swiglu_sfu(g_lo.y, u_lo.y, a.limit)),
+                             bf16x2(swiglu_sfu(g_hi.x, u_hi.x, a.limit),
+                                    swiglu_sfu(g_hi.y, u_hi.y, a.limit)),
                              lane);
           if (a.sg != NULL) {
             float4 g = pair_f32(g_lo, g_hi, lane), uu = pair_f32(u_lo, u_hi, lane);
@@ -688,7 +716,7 @@ __device__ __forceinline__ void epilogue_ride(const gemm_args &a, const tile &x,
           const int i = x.nt * (BN / 2) + 64 * cw + col;
           if (i >= a.N / 2)
             continue;
-          ((bf16 *)a.C)[row * a.ldc + i] = __float2bfloat16_rn(mokk_swiglu(v0, v1, a.limit));
+          ((bf16 *)a.C)[row * a.ldc + i] = __float2bfloat16_rn(swiglu_sfu(v0, v1, a.limit));
           if (a.sg != NULL) {
             a.sg[row * a.lds + i] = v0;
             a.su[row * a.lds + i] = v1;
@@ -825,7 +853,7 @@ __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsi
                 "tall tiles: 2 x 64 accumulators a thread, K-major A");
   const int b0 = TALL ? 2 * cw : cw; /* this warpgroup's first 64-row block */
   const int rank = CL == 2 ? (int)cluster_rank() : 0;
-  constexpr bool DYN = dynamic_order<LAYOUT, false, CL>();
+  constexpr bool DYN = dynamic_order<LAYOUT, EPI, false, CL>();
   const int64_t units = (tiles + CL - 1) / CL;
   int s = 0;
   uint32_t ph = 0;
@@ -1027,7 +1055,7 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
     int mg = -1;
     int s = 0;
     uint32_t ph = 0;
-    constexpr bool DYN = dynamic_order<LAYOUT, PP, CL>();
+    constexpr bool DYN = dynamic_order<LAYOUT, EPI, PP, CL>();
     const int64_t units = (tiles + CL - 1) / CL;
     const bool dyn = DYN && a.sched != NULL;
     for (int64_t u = blockIdx.x / CL;;) {
@@ -1182,7 +1210,7 @@ static int gemm(const gemm_args *a, int64_t a_rows, int grid, cudaStream_t strea
   if (rc)
     return rc;
   cudaError_t e = cudaSuccess;
-  if (!dynamic_order<LAYOUT, PP, CL>() || a->count == NULL) /* dense GEMMs: static order */
+  if (!dynamic_order<LAYOUT, EPI, PP, CL>() || a->count == NULL) /* dense GEMMs: static order */
     p.g.sched = NULL;
   if (p.g.sched != NULL && (e = cudaMemsetAsync(p.g.sched, 0, sizeof(int), stream)) != cudaSuccess)
     return mokk_fail(err, MOK_EDEVICE, "GEMM tile counter: %s (%s)", cudaGetErrorString(e),
