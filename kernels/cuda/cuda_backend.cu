@@ -272,6 +272,8 @@ int cuda_peer_ready(cuda_backend *cb, int device, char *err)
   CUDA_CHECK_GOTO(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device),
                   rc, out);
   pr->arch = 10 * major + minor;
+  CUDA_CHECK_GOTO(cudaDeviceGetAttribute(&pr->sms, cudaDevAttrMultiProcessorCount, device), rc,
+                  out);
   if (pr->tile_ctr == NULL)
     CUDA_CHECK_GOTO(cudaMalloc((void **)&pr->tile_ctr, MOKK_DEVICE_MAX_RANKS * sizeof(int)),
                     rc, out);

@@ -884,8 +884,9 @@ static void spread_settle(cuda_backend *cb, int P, const int *dev)
     }
 }
 
-/* Rank r's view of the backend: its stream, its tile counter and its
- * device; the GEMM launchers take it where they take the backend. */
+/* Rank r's view of the backend: its stream, its tile counter, its device
+ * and that device's multiprocessors (grid_for); the GEMM launchers take it
+ * where they take the backend. */
 static cuda_backend rank_backend(const cuda_backend *cb, const int *dev, int r)
 {
   cuda_backend on = *cb;
@@ -896,6 +897,7 @@ static cuda_backend rank_backend(const cuda_backend *cb, const int *dev, int r)
     on.tile_ctr = cb->peer[dev[r]].tile_ctr + r;
     on.device = dev[r];
     on.arch = cb->peer[dev[r]].arch;
+    on.sms = cb->peer[dev[r]].sms;
   }
   return on;
 }

@@ -22,6 +22,7 @@ enum { MOKK_TILES_AUTO, MOKK_TILES_WIDE, MOKK_TILES_TALL, MOKK_TILES_PINGPONG };
 typedef struct cuda_peer {
   int linked;       /* peer access both ways, pools shared (mokk_cuda_link) */
   int arch;         /* its compute capability, as cuda_backend.arch */
+  int sms;          /* its multiprocessors, as cuda_backend.sms */
   cudaStream_t part_st[MOKK_DEVICE_MAX_RANKS];
   cudaEvent_t part_ev[MOKK_DEVICE_MAX_RANKS];
   int *tile_ctr;    /* [MOKK_DEVICE_MAX_RANKS], on that device */
