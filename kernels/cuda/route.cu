@@ -16,13 +16,14 @@
 /* The pairs are cut into chunks of ch pairs (a multiple of 32), one warp
  * each, and sorted by expert in four passes: each warp counts its chunk's
  * pairs per expert (a row of hist, [chunks][E] ints); the counts are scanned
- * down each expert's column (the warp's first row of the expert) and across
- * the experts (segments and m-tile offsets); each warp then places its
- * chunk's pairs, in pair order, from its rows on. A warp takes 32 pairs at a
- * time: the lanes with the same expert find each other (match.any), the
- * lowest of them updates the expert's entry for all. No atomics, and each
- * pass reads the ids once: with one block per expert, each reading every id,
- * the schedule took 0.27 ms on dsv3 and 0.58 on mid (Nsight Compute). */
+ * down each expert's column (an entry becomes the expert's pairs in the
+ * chunks before) and across the experts (segments and m-tile offsets); each
+ * warp then places its chunk's pairs, in pair order, after those. A warp
+ * takes 32 pairs at a time: the lanes with the same expert find each other
+ * (match.any), and the lowest of them updates the expert's entry for all,
+ * so no pass needs an atomic (but the error flag's OR), and each reads the
+ * ids once. With one block per expert, each reading every id, the schedule
+ * took 0.27 ms of dsv3's forward and 0.58 of mid's (Nsight Compute). */
 
 /* Chunks of at least 256 pairs, at most SCHED_CHUNKS of them (so that the
  * column scan holds a column's slice in registers), and no more than the
