@@ -256,15 +256,17 @@ __device__ __forceinline__ int ring_take(ring &q)
  * blocks (the forward's), and d_h on cooperative tiles. mok's forward:
  * 13.09-13.20 ms static, 12.60-12.66 dynamic (bench_gpu, three rounds in
  * each of three calls). d_h, dsv3, Nsight Compute: 5.273 ms static (21.1 GB
- * read), 3.824 dynamic (10.6 GB); bench_gpu, the backward in one call,
- * two rounds: 29.671, 29.454 ms static, 28.840, 28.725 dynamic. On clusters (dsv3's gate/up; block 0
- * took the tile and handed it to block 1 with st.async) it read 16.5 GB
- * where static tiles read 21.5-23.7, yet no layer ran faster: compiled
- * into a kernel on clusters, the ring took the tile arithmetic off the
- * uniform datapath (cuobjdump, gate/up: 254 -> 140 uniform instructions,
- * even through the warp reduction) and dsv3's forward ran 2.6-3.5 %
- * slower with the order static, 1.5-2.6 % dynamic; in the data-gradient
- * GEMMs, the backward 1.5 ms slower (PERF.md v9). */
+ * read), 3.824 dynamic (10.6 GB); bench_gpu, the backward in one call, two
+ * rounds: 29.671, 29.454 ms static, 28.840, 28.725 dynamic. On clusters
+ * (dsv3's gate/up; block 0 took the tile and handed it to block 1 with
+ * st.async) it read 16.5 GB where static tiles read 21.5-23.7, yet no
+ * layer ran faster: compiled into a kernel on clusters, the ring took the
+ * tile arithmetic off the uniform datapath (cuobjdump, gate/up: 254 -> 140
+ * uniform instructions, even through the warp reduction) and dsv3's
+ * forward ran 2.6-3.5 % slower with the order static, 1.5-2.6 % dynamic.
+ * In v9 the data-gradient GEMMs in counter order made the backward 1.5 ms
+ * slower (PERF.md); d_h gained once its epilogue took the special-function
+ * unit (v11, above). */
 template <int LAYOUT, int EPI, bool PP, int CL>
 __host__ __device__ constexpr bool dynamic_order()
 {
