@@ -7,17 +7,21 @@
 # `make BUILD=build/dev STATIC_DEPS=1`; the GPU machine lacks the packages.
 #
 # usage: tests/gpu/device_run.sh BUILD LOGDIR [--no-bench] [--no-checks] [--profile SHAPE]
-# (--no-checks: the GEMM core check and the benchmarks only, for a short lease)
+#                                 [--archive FILE]
+# (--no-checks: the GEMM core check and the benchmarks only, for a short lease;
+# --archive: all of LOGDIR also as one .tgz, for a device tool that returns
+# only a few files)
 set -u -o pipefail
 B=${1:?usage: device_run.sh BUILD LOGDIR [--no-bench] [--profile SHAPE]}
 L=${2:?usage: device_run.sh BUILD LOGDIR [--no-bench] [--profile SHAPE]}
 shift 2
-bench=1 checks=1 profile=
+bench=1 checks=1 profile='' archive=''
 while [ $# -gt 0 ]; do
   case $1 in
     --no-bench) bench=0 ;;
     --no-checks) checks=0 ;;
     --profile) profile=${2:?--profile wants a shape}; shift ;;
+    --archive) archive=${2:?--archive wants a file}; shift ;;
     *) echo "device_run.sh: unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -46,7 +50,7 @@ if [ $checks -eq 1 ]; then
   step gpu_check_ep_cuda 300 env CK_RUN_CASE=ep_cuda "$B/tests/check_gpu"
   # libmok.so needs libprotobuf-c.so.1, which the GPU machine lacks: put a copy
   # in the build folder (cp /usr/lib/x86_64-linux-gnu/libprotobuf-c.so.1 $B/)
-  step pytest 420 env MOK_LIB=$B/libmok.so LD_LIBRARY_PATH=$B PYTHONPATH=client/python \
+  step pytest 420 env MOK_LIB="$B/libmok.so" LD_LIBRARY_PATH="$B" PYTHONPATH=client/python \
     python3 -m pytest -q -s tests/python/test_torch.py
 fi
 if [ $bench -eq 1 ]; then
@@ -80,5 +84,8 @@ for (i, n), m in k.items():
           f"  DRAM {m.get('dram__throughput.avg.pct_of_peak_sustained_elapsed', ''):>6}%"
           f"  TC {m.get('sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed', ''):>6}%")
 PY
+fi
+if [ -n "$archive" ]; then
+  tar czf "$archive" -C "$(dirname "$L")" "$(basename "$L")" || status=1
 fi
 exit $status
