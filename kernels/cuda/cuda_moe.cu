@@ -65,13 +65,14 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
       return cuda_fail(err, e, what);
     cb->arch = 10 * major + minor;
   }
-  /* Hopper. Grouped NT/NN GEMMs take 128 x 256 tiles, on clusters of two
-   * blocks where experts average more than one m-tile: the pair's tiles
-   * then mostly share the expert's weight tile, loaded once for both
-   * (gemm_sm90.cuh, unit_at). On dsv3 (Nsight Compute) that took gate/up
-   * from 8.49 ms on 256 x 128 tiles to 7.38, and d_x from 8.53 to 7.04; the
-   * same tall tiles on clusters ran 8.13 and 7.86. d_h stays on single blocks:
-   * its dSwiGLU epilogue ran slower in lockstep (6.14 against 5.56 ms). Weight
+  /* Hopper. Grouped NT/NN GEMMs take 128 x 256 tiles. d_x runs on clusters
+   * of two blocks where experts average more than one m-tile: the pair's
+   * tiles then mostly share the expert's weight tile, loaded once for both
+   * (gemm_sm90.cuh, unit_at). On dsv3 (Nsight Compute) that took d_x from
+   * 8.53 ms on 256 x 128 tiles to 7.04 (gate/up from 8.49 to 7.38, before
+   * the forward moved to single blocks in counter order, below); the same
+   * tall tiles on clusters ran 7.86. d_h stays on single blocks: its
+   * dSwiGLU epilogue ran slower in lockstep (6.14 against 5.56 ms). Weight
    * gradients (k = an expert's rows) take 128 x 256 tiles, or ping-pong
    * tiles, which hide one warpgroup's stores behind the other's MMAs, where
    * a tile is one k-block long (bench-gemm, 256 groups, M 4096, N 7168: 64

@@ -14,13 +14,14 @@
  *   consumer warp that reads it is done: the producer runs up to STAGES
  *   k-blocks ahead, across tile boundaries, so the next tile's loads hide
  *   this tile's epilogue.
- * - Tiles: 128 x 256; for grouped forward and data-gradient GEMMs, whose
- *   experts have a few hundred rows, on clusters of two blocks that load a
- *   shared weight tile once for both (unit_at: two blocks reading an expert's
- *   slab for different m-tiles read it apart in time, and the L2 did not keep
- *   it in between); 256 x 128 tiles, which read the slab once for 256 rows,
- *   to measure against; 128 x 128 ping-pong tiles, each warpgroup owning
- *   every other tile, where k loops are long and epilogues heavy.
+ * - Tiles: 128 x 256; for the grouped d_x GEMMs, on clusters of two blocks
+ *   that load a shared weight tile once for both (unit_at: two blocks
+ *   reading an expert's slab for different m-tiles read it apart in time,
+ *   and the L2 did not keep it in between); the forward's and d_h take
+ *   their tiles in order from a counter on single blocks instead; 256 x 128
+ *   tiles, which read the slab once for 256 rows, to measure against;
+ *   128 x 128 ping-pong tiles, each warpgroup owning every other tile, for
+ *   weight gradients whose tiles are one k-block or very long.
  * - Stores: weight gradients, pure stores, leave through shared memory and
  *   the copy engine (out_*); the other epilogues store from registers.
  * - Operands stay where they are: K-major operands (x, h, the forward's

@@ -258,7 +258,8 @@ START_TEST(riding_tails)
 }
 END_TEST
 
-/* Experts of more than 1024 rows: d_h on ping-pong tiles. */
+/* Experts of more than 1024 rows: the forward without riding tails, and
+ * the weight gradients on ping-pong tiles. */
 START_TEST(long_experts)
 {
   mokk_shape s = {.H = 192, .I = 128, .E = 2, .K = 1, .I_s = 64, .swiglu_limit = 1.5f};
