@@ -57,6 +57,14 @@ static __global__ void k_ref(const bf16 *A, int64_t sai, int64_t sak, const bf16
   C[i * ldc + j] = s;
 }
 
+/* g[i] = swiglu(g[i], u[i]) as swiglu.h has it (expf, IEEE division) */
+static __global__ void k_swiglu_ref(float *g, const float *u, int64_t n, float limit)
+{
+  int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+  if (i < n)
+    g[i] = mokk_swiglu(g[i], u[i], limit);
+}
+
 static void ref(const bf16 *A, int64_t sai, int64_t sak, const bf16 *B, int64_t sbj, int64_t sbk,
                 int rows, int cols, int klen, float *C, int64_t ldc, int add)
 {
@@ -239,11 +247,14 @@ static int run_cases(int grid, bool dynamic, char *msg, size_t msglen, double *w
     CORE_OK(cudaDeviceSynchronize());
     REPORT("nt_bf16", compare(C, 1, refc, (int64_t)R * N, TOL_BF16));
   }
-  /* NT gate/up: g = A . Bg^T, u = A . Bu^T saved, h = swiglu(g, u) */
+  /* NT gate/up: g = A . Bg^T, u = A . Bu^T saved, h = swiglu(g, u): h
+   * (the special-function unit's, bf16) against swiglu.h's of the reference
+   * g and u, with a limit that clamps some of them (|g|, |u| run to ~10) */
   {
     gemm_args a = grouped_args(&gp);
     a.A = A, a.lda = K, a.B = B, a.B2 = B2, a.ldb = K, a.b_stride = (int64_t)IE * K;
     a.N = 2 * IE, a.K = K, a.C = C, a.ldc = IE, a.sg = sg, a.su = su, a.lds = IE;
+    a.limit = 4.0f;
     RUN((sm90::gemm<L_NT, E_GATEUP, BN, PP, BM, CL, RIDE>(&a, R, grid, 0, err)));
     for (int g = 0; g < gp.groups; g++) {
       int64_t rs = gp.row_start[g];
@@ -255,6 +266,10 @@ static int run_cases(int grid, bool dynamic, char *msg, size_t msglen, double *w
     CORE_OK(cudaDeviceSynchronize());
     REPORT("nt_gate", compare(sg, 0, refc, (int64_t)R * IE, TOL_F32));
     REPORT("nt_up", compare(su, 0, ref2, (int64_t)R * IE, TOL_F32));
+    k_swiglu_ref<<<(unsigned)(((int64_t)R * IE + 255) / 256), 256>>>(refc, ref2, (int64_t)R * IE,
+                                                                    a.limit);
+    CORE_OK(cudaDeviceSynchronize());
+    REPORT("nt_h", compare(C, 1, refc, (int64_t)R * IE, TOL_BF16));
   }
   /* NT bf16, dense (the shared expert): 300 rows */
   {
