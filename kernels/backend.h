@@ -60,9 +60,10 @@ int mokk_cpu_threads(const mokk_backend *b);
 
 /* One step over shape->P ranks of T tokens. ctx may be NULL (inference);
  * otherwise *ctx receives the saved state, which keeps pointers to the
- * weights: they must stay valid and unchanged until the backward, unless the
- * backward names where the same values are now (mokk_bwd_rank.w). On a
- * device backend the step is queued on the device when these return. */
+ * weights and to x: they must stay valid and unchanged until the backward
+ * (the weights unless the backward names where the same values are now,
+ * mokk_bwd_rank.w). On a device backend the step is queued on the device
+ * when these return. */
 int mokk_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
                  const mokk_fwd_rank *ranks, mokk_ctx **ctx, char *err);
 int mokk_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,

@@ -274,7 +274,10 @@ int mok_step_status(mok_client *c, const mok_tensor *status);
 /* topk_ids: int32 [T, K] expert ids in [0, E), or -1 for a pair with no route
  * (as DeepEP and Megatron mark one): the pair is absent, adds nothing to out,
  * and its d_topk_weights is 0.
- * inference != 0 keeps no state for a backward (the context still owns out).
+ * inference != 0 keeps no state for a backward (the context still owns out);
+ * otherwise the context reads x and the weights again in the backward: keep
+ * them unchanged until then (or name where the weights are now:
+ * mok_backward_weights).
  * A step that fails after the daemon made its result releases it again. */
 int mok_forward(mok_client *c, uint64_t layer, const mok_tensor *x,
                 const mok_tensor *topk_ids, const mok_tensor *topk_weights, int inference,

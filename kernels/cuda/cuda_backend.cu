@@ -452,6 +452,11 @@ extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
   const char *ride = getenv("MOKD_GEMM_RIDE");
   if (ride != NULL && strcmp(ride, "0") != 0 && strcmp(ride, "1") != 0)
     return mokk_fail(err, MOK_EINVAL, "MOKD_GEMM_RIDE: \"%s\" is not 0 or 1", ride);
+  /* and rows picked out of x by the gate/up GEMMs against a gather pass (the
+   * default: PERF.md v12) */
+  const char *gather = getenv("MOKD_GEMM_GATHER");
+  if (gather != NULL && strcmp(gather, "0") != 0 && strcmp(gather, "1") != 0)
+    return mokk_fail(err, MOK_EINVAL, "MOKD_GEMM_GATHER: \"%s\" is not 0 or 1", gather);
   /* EP steps over a buffer set per rank, the multi-GPU layout, on one GPU */
   const char *spread = getenv("MOKD_EP_SPREAD");
   if (spread != NULL && strcmp(spread, "0") != 0 && strcmp(spread, "1") != 0)
@@ -463,6 +468,7 @@ extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
   cb->spread = spread != NULL && strcmp(spread, "1") == 0;
   cb->dynamic = order == NULL || strcmp(order, "dynamic") == 0;
   cb->ride = ride == NULL || strcmp(ride, "1") == 0;
+  cb->gather = gather != NULL && strcmp(gather, "1") == 0;
   cb->base.iface = &cuda_iface;
   cb->base.device = device;
   cb->device = device;
@@ -503,6 +509,11 @@ extern "C" void mokk_cuda_set_dynamic_tiles(mokk_backend *b, int on)
 extern "C" void mokk_cuda_set_ride(mokk_backend *b, int on)
 {
   ((cuda_backend *)b)->ride = on != 0;
+}
+
+extern "C" void mokk_cuda_set_gather(mokk_backend *b, int on)
+{
+  ((cuda_backend *)b)->gather = on != 0;
 }
 
 extern "C" int mokk_cuda_device(const mokk_backend *b)

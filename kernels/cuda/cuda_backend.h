@@ -46,6 +46,11 @@ void mokk_cuda_set_dynamic_tiles(mokk_backend *b, int on);
 /* Tails of experts' rows ride on their last full m-tile (on by default,
  * MOKD_GEMM_RIDE); off: each tail takes an m-tile of its own. Same bits. */
 void mokk_cuda_set_ride(mokk_backend *b, int on);
+/* The gate/up GEMMs (forward and weight gradient) pick each pair's row out
+ * of x (on != 0, MOKD_GEMM_GATHER=1; Hopper), or a gather pass copies the
+ * rows first and the context keeps them (0, the default: the faster, so
+ * far; PERF.md v12). Same bits. */
+void mokk_cuda_set_gather(mokk_backend *b, int on);
 int mokk_cuda_device(const mokk_backend *b);
 /* The stream every step runs on (a cudaStream_t). */
 void *mokk_cuda_stream(mokk_backend *b);

@@ -48,12 +48,8 @@ static int64_t gemm_tiles(const gemm_args *a, int layout)
   return mtn * ntn;
 }
 
-/* One GEMM of the layer: the Hopper core (gemm_sm90.cuh) on sm_90, the
- * portable tensor-core kernel elsewhere. a_rows: rows of A in memory (and of
- * B in TN), which the Hopper core's tensor maps need. */
-template <int LAYOUT, int EPI>
-static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
-                const char *what)
+/* The compute capability of the backend's device, as 10 major + minor. */
+static int device_arch(cuda_backend *cb, char *err, const char *what)
 {
   cudaError_t e;
   if (cb->arch == 0) {
@@ -65,6 +61,59 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
       return cuda_fail(err, e, what);
     cb->arch = 10 * major + minor;
   }
+  return 0;
+}
+
+/* Whether the step's gate/up GEMMs (forward, and the weight gradient) pick
+ * each pair's row out of x themselves (gemm_args.gather) rather than read
+ * the rows a gather pass copied (xr): with MOKD_GEMM_GATHER=1, on the
+ * Hopper core's tiles of the auto or wide choice. Off by default: so far
+ * slower than the gather pass (PERF.md v12), though the context is then
+ * smaller by the gathered rows (dsv3 0.94 GB). */
+static int gathers(cuda_backend *cb, char *err, int *on)
+{
+  int rc = device_arch(cb, err, "device query");
+  *on = rc == 0 && cb->arch == 90 && cb->gather &&
+        (cb->tiles == MOKK_TILES_AUTO || cb->tiles == MOKK_TILES_WIDE);
+  return rc;
+}
+
+/* The Hopper GEMMs that gather their rows: gate/up (A, 128 x 256 tiles,
+ * riding tails as gemm() picks them) and the gate/up weight gradient (B). */
+template <int LAYOUT, int EPI>
+static int gemm_gathered(cuda_backend *cb, const gemm_args *a, int64_t a_rows, int grid,
+                         int64_t rows_per_group, char *err, const char *what)
+{
+  if constexpr (LAYOUT == L_TN && EPI == E_WGRAD) {
+    if (rows_per_group <= sm90::BK || rows_per_group >= 1024 || cb->tiles == MOKK_TILES_WIDE)
+      return sm90::gemm<LAYOUT, EPI, 128, true, 128, 1, false, true>(a, a_rows, grid,
+                                                                      cb->stream, err);
+    return sm90::gemm<LAYOUT, EPI, 256, false, 128, 1, false, true>(a, a_rows, grid, cb->stream,
+                                                                     err);
+  } else if constexpr (LAYOUT == L_NT && EPI == E_GATEUP) {
+    if (cb->clusters && cb->ride && a->tile_off_ride != NULL && rows_per_group > 128 &&
+        rows_per_group <= 512)
+      return sm90::gemm<LAYOUT, EPI, 256, false, 128, 1, true, true>(a, a_rows, grid,
+                                                                      cb->stream, err);
+    return sm90::gemm<LAYOUT, EPI, 256, false, 128, 1, false, true>(a, a_rows, grid, cb->stream,
+                                                                     err);
+  } else {
+    (void)cb, (void)a, (void)a_rows, (void)grid, (void)rows_per_group;
+    return mokk_fail(err, MOK_EINVAL, "%s: no kernel of this GEMM gathers its rows", what);
+  }
+}
+
+/* One GEMM of the layer: the Hopper core (gemm_sm90.cuh) on sm_90, the
+ * portable tensor-core kernel elsewhere. a_rows: rows of A in memory (and of
+ * B in TN), which the Hopper core's tensor maps need. */
+template <int LAYOUT, int EPI>
+static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
+                const char *what)
+{
+  cudaError_t e;
+  int rc = device_arch(cb, err, what);
+  if (rc)
+    return rc;
   /* Hopper. Grouped NT/NN GEMMs take 128 x 256 tiles. d_x runs on clusters
    * of two blocks where experts average more than one m-tile: the pair's
    * tiles then mostly share the expert's weight tile, loaded once for both
@@ -87,6 +136,8 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
     /* over the whole schedule, so that a rank's slice of the experts takes
      * the tiles that one rank running them all would (the same bits) */
     int64_t rows_per_group = a->count != NULL ? a_rows / a->groups_all : a->K;
+    if (a->gather != NULL)
+      return gemm_gathered<LAYOUT, EPI>(cb, a, a_rows, grid, rows_per_group, err, what);
     if constexpr (LAYOUT == L_TN) {
       if (rows_per_group <= sm90::BK || rows_per_group >= 1024 || cb->tiles == MOKK_TILES_WIDE)
         return sm90::gemm<LAYOUT, EPI, 128, true>(a, a_rows, grid, cb->stream, err);
@@ -141,6 +192,8 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
       return sm90::gemm<LAYOUT, EPI, 256>(a, a_rows, grid, cb->stream, err);
     }
   }
+  if (a->gather != NULL)
+    return mokk_fail(err, MOK_EINVAL, "%s: gathered rows need the Hopper core", what);
   /* the opt-in belongs to the current device and is a host-side call: ask every time */
   e = cudaFuncSetAttribute(k_gemm<LAYOUT, EPI>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            G_SMEM_BYTES);
@@ -200,6 +253,9 @@ typedef struct mlp {
   int64_t Ie, stride;      /* intermediate size; elements per expert of each weight */
   float *g, *u;            /* gate and up saved by the forward */
   bf16 *h;
+  const int *gather;       /* routed, without gathered rows (xr): each row's pair, whose
+                            * token's row of x gate/up and its weight gradient read */
+  int gather_div;          /* K: pair -> token */
 } mlp;
 
 /* Rank r's experts over the rows of all ranks (TK of them). */
@@ -207,7 +263,8 @@ static mlp mlp_routed(const cuda_ctx *c, int64_t TK, int r)
 {
   const mokk_shape *s = &c->hdr.shape;
   mlp m = {routed(c, TK, r), TK, c->w[r][MOKK_W_GATE], c->w[r][MOKK_W_UP],
-           c->w[r][MOKK_W_DOWN], s->I, s->I * s->H, c->g, c->u, c->h};
+           c->w[r][MOKK_W_DOWN], s->I, s->I * s->H, c->g, c->u, c->h,
+           c->xr == NULL ? c->src : NULL, (int)s->K};
   return m;
 }
 
@@ -218,11 +275,12 @@ static mlp mlp_shared(const cuda_ctx *c, int64_t T, int r)
   int64_t at = (int64_t)r * T * s->I_s;
   mlp m = {dense(c, T), T, c->w[r][MOKK_S_GATE], c->w[r][MOKK_S_UP], c->w[r][MOKK_S_DOWN],
            s->I_s, 0, c->gs != NULL ? c->gs + at : NULL, c->us != NULL ? c->us + at : NULL,
-           c->hs != NULL ? c->hs + at : NULL};
+           c->hs != NULL ? c->hs + at : NULL, NULL, 0};
   return m;
 }
 
-/* h = swiglu(x W_gate^T, x W_up^T) (saving g, u), then y = h W_down^T */
+/* h = swiglu(x W_gate^T, x W_up^T) (saving g, u), then y = h W_down^T; x:
+ * the rows (m->gather: the tokens, which the GEMM picks rows from) */
 static int mlp_forward(cuda_backend *cb, const mlp *m, const bf16 *x, int64_t H, bf16 *y,
                        char *err)
 {
@@ -230,6 +288,7 @@ static int mlp_forward(cuda_backend *cb, const mlp *m, const bf16 *x, int64_t H,
   int rc;
 
   a.A = x, a.lda = H;
+  a.gather = m->gather, a.gather_div = m->gather_div;
   a.B = m->wg, a.B2 = m->wu, a.ldb = H, a.b_stride = m->stride;
   a.N = (int)(2 * m->Ie), a.K = (int)H;
   a.C = m->h, a.ldc = m->Ie;
@@ -300,8 +359,9 @@ static int check_shape(const mokk_shape *s, int64_t T, char *err)
   return 0;
 }
 
-/* The gathered rows, and before them the schedule's scratch: at least one
- * int an expert, which ctx_bytes_bound's per-expert bytes cover. */
+/* The rows of every pair (y, and xr where the spread layout gathers them),
+ * and before them the schedule's scratch: at least one int an expert, which
+ * ctx_bytes_bound's per-expert bytes cover. */
 static size_t xr_bytes(int64_t TK, int64_t H, int64_t E)
 {
   size_t rows = (size_t)(TK * H * 2), least = (size_t)E * sizeof(int);
@@ -389,9 +449,9 @@ static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
   cuda_backend *cb = (cuda_backend *)b;
   const int P = (int)s->P;
   int64_t H = s->H, I = s->I, E = s->E, K = s->K, Is = s->I_s, TG = P * T, TK = TG * K;
-  int train = out_ctx != NULL, rc;
-  size_t off = 0, o_ids, o_count, o_rs, o_to, o_slot, o_src, o_rw, o_xr, o_g = 0, o_u = 0, o_h, o_y,
-         o_gs = 0, o_us = 0, o_hs = 0, o_ys = 0, o_in = 0, in_x = 0;
+  int train = out_ctx != NULL, gather, rc;
+  size_t off = 0, o_ids, o_count, o_rs, o_to, o_slot, o_src, o_rw, o_xr = 0, o_g = 0, o_u = 0, o_h,
+         o_y, o_gs = 0, o_us = 0, o_hs = 0, o_ys = 0, o_in = 0, in_x = 0;
   const void *px[ROUTE_MAX_RANKS];
   const mokk_backend *rd[MOKK_DEVICE_MAX_RANKS] = {NULL};
   int dev[MOKK_DEVICE_MAX_RANKS] = {0}, multi;
@@ -416,6 +476,8 @@ static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
    * its own device */
   if ((cb->spread && P > 1) || multi)
     return spread_forward(cb, s, T, ranks, dev, out_ctx, err);
+  if ((rc = gathers(cb, err, &gather)))
+    return rc;
 
   if ((c = (cuda_ctx *)calloc(1, sizeof *c)) == NULL)
     return mokk_fail(err, MOK_ENOMEM, "out of memory");
@@ -433,14 +495,15 @@ static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
   o_slot = carve(&off, TK * sizeof(int));
   o_src = carve(&off, TK * sizeof(int));
   o_rw = carve(&off, TK * sizeof(float));
-  /* the gathered rows; first, the schedule's scratch */
-  o_xr = carve(&off, xr_bytes(TK, H, E));
+  /* the gathered rows, unless the GEMMs pick them out of x */
+  if (!gather)
+    o_xr = carve(&off, TK * H * 2);
   if (train) {
     o_g = carve(&off, TK * I * 4);
     o_u = carve(&off, TK * I * 4);
   }
   o_h = carve(&off, TK * I * 2);
-  o_y = carve(&off, TK * H * 2);
+  o_y = carve(&off, xr_bytes(TK, H, E)); /* first, the schedule's scratch */
   if (Is) {
     if (train) {
       o_gs = carve(&off, TG * Is * 4);
@@ -450,11 +513,11 @@ static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
     o_ys = carve(&off, TG * H * 2);
   }
   if (P > 1) {
-    /* the ranks' ids and router weights back to back, then (for the shared
-     * weight gradient) their x: one carve, which keeps the context inside
-     * mokk_ctx_bytes_bound's alignment slop */
+    /* the ranks' ids and router weights back to back, then (for the GEMMs
+     * that gather rows, and the shared weight gradient) their x: one carve,
+     * which keeps the context inside mokk_ctx_bytes_bound's alignment slop */
     in_x = (TK * (sizeof(int32_t) + sizeof(float)) + 15) & ~(size_t)15;
-    o_in = carve(&off, in_x + (train && Is ? TG * H * 2 : 0));
+    o_in = carve(&off, in_x + (gather || (train && Is) ? TG * H * 2 : 0));
   }
   cudaError_t e = cudaMallocAsync(&c->block, off, cb->stream);
   if (e != cudaSuccess) {
@@ -470,7 +533,7 @@ static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
   c->slot = (int *)(base + o_slot);
   c->src = (int *)(base + o_src);
   c->row_w = (float *)(base + o_rw);
-  c->xr = (bf16 *)(base + o_xr);
+  c->xr = gather ? NULL : (bf16 *)(base + o_xr);
   c->g = train ? (float *)(base + o_g) : NULL;
   c->u = train ? (float *)(base + o_u) : NULL;
   c->h = (bf16 *)(base + o_h);
@@ -492,7 +555,7 @@ static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
     if ((rc = concat(cb, (void *)ids, pi, P, T * K * sizeof(int32_t), err)) ||
         (rc = concat(cb, (void *)tw, pw, P, T * K * sizeof(float), err)))
       goto fail;
-    if (train && Is) {
+    if (gather || (train && Is)) {
       c->x = (const bf16 *)(base + o_in + in_x);
       if ((rc = concat(cb, (void *)c->x, px, P, T * H * 2, err)))
         goto fail;
@@ -501,17 +564,19 @@ static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
 
   /* schedule of every rank's pairs */
   route_schedule(cb->stream, ids, tw, TK, (int)E, (int32_t *)(base + o_ids), c->count,
-                 c->row_start, c->tile_off, c->slot, c->src, c->row_w, cb->status, c->xr,
+                 c->row_start, c->tile_off, c->slot, c->src, c->row_w, cb->status, c->y,
                  xr_bytes(TK, H, E));
   if ((rc = launched(err, "schedule")))
     goto fail;
-  route_gather(cb->stream, grid_for(cb, TK, 16), rows_of(px, P, T), c->src, NULL,
-               c->row_start + E, (int)K, H, c->xr, NULL, NULL);
-  if ((rc = launched(err, "dispatch")))
-    goto fail;
+  if (!gather) {
+    route_gather(cb->stream, grid_for(cb, TK, 16), rows_of(px, P, T), c->src, NULL,
+                 c->row_start + E, (int)K, H, c->xr, NULL, NULL);
+    if ((rc = launched(err, "dispatch")))
+      goto fail;
+  }
   for (int r = 0; r < P; r++) {
     mlp routed_mlp = mlp_routed(c, TK, r);
-    if ((rc = mlp_forward(cb, &routed_mlp, c->xr, H, c->y, err)))
+    if ((rc = mlp_forward(cb, &routed_mlp, gather ? c->x : c->xr, H, c->y, err)))
       goto fail;
   }
   for (int r = 0; r < P; r++) {
@@ -594,8 +659,10 @@ static int weight_grads(cuda_backend *cb, const cuda_ctx *c, const mokk_bwd_rank
     } else {    /* d_W_gate | d_W_up [Ie, H] = (d_g | d_u)^T xr */
       a.A = shared ? dgus : dgu;
       a.lda = 2 * Ie;
-      a.B = shared ? c->x : c->xr;
+      a.B = shared || c->xr == NULL ? c->x : c->xr;
       a.ldb = H;
+      if (!shared && c->xr == NULL) /* xr's rows picked out of x */
+        a.gather = c->src, a.gather_div = (int)s->K;
       a.M = (int)(2 * Ie);
       a.N = (int)H;
       a.C = g1;

@@ -40,6 +40,7 @@ typedef struct cuda_backend {
   int clusters;         /* grouped NT/NN GEMMs on clusters of two (MOKD_GEMM_CLUSTERS) */
   int dynamic;          /* grouped NT GEMMs take tiles from a counter (MOKD_GEMM_ORDER) */
   int ride;             /* experts' short tails ride on their last full m-tile (MOKD_GEMM_RIDE) */
+  int gather;           /* gate/up GEMMs pick rows out of x (MOKD_GEMM_GATHER) */
   cudaStream_t stream;
   int *status;          /* device: bit 0 = an expert id out of range */
   /* device: the tile counter of the GEMMs on `stream` (dynamic order; each

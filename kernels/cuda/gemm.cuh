@@ -84,6 +84,11 @@ typedef struct gemm_args {
   int *sched;           /* grouped NT on the Hopper core, single blocks: a device counter that
                          * hands out tiles in order (the launch zeroes it); NULL: each
                          * block takes every grid-th tile */
+  const int *gather;    /* the Hopper core only: the grouped operand's row r (A's in NT and
+                         * NN, B's in TN) is row gather[r] / gather_div of the matrix in
+                         * memory (the schedule's src: the pair's token), picked row by row
+                         * instead of read from a gathered copy; NULL: rows as they lie */
+  int gather_div;
 } gemm_args;
 
 /* The Hopper core's grouped weight gradients read each group through two

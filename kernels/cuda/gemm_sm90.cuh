@@ -291,10 +291,11 @@ __device__ __forceinline__ int a_boxes(const tile &x)
   return min(BM / 64, (x.rows - x.mt * BM + 63) / 64);
 }
 
-/* The producer's copies for k-block kb of tile x into stage (sa, sb); in a
+/* The copy engine's part of k-block kb of tile x into stage (sa, sb); in a
  * cluster, block `rank` loads its half of the operand it shares (x.share).
- * TN reads A and B through ma and mb, the maps of x's group. */
-template <int LAYOUT, int EPI, int BN, int BM, int CL, bool RIDE>
+ * TN reads A and B through ma and mb, the maps of x's group. GA: the
+ * gathered operand (NT, NN: A; TN: B) comes from the lanes (gather_*). */
+template <int LAYOUT, int EPI, int BN, int BM, int CL, bool RIDE, bool GA>
 __device__ __forceinline__ void load_stage(const params &p, const tile &x, int kb,
                                            unsigned char *sa, unsigned char *sb, uint64_t *bar,
                                            int rank, const CUtensorMap *ma,
@@ -309,19 +310,19 @@ __device__ __forceinline__ void load_stage(const params &p, const tile &x, int k
     for (int c = 0; c < BM / 64; c++)
       tma_load(sa + c * CHUNK, ma, x.mt * BM + c * 64, r, 0, bar);
 #pragma unroll
-    for (int c = 0; c < BN / 64; c++)
+    for (int c = 0; c < BN / 64 && !GA; c++)
       tma_load(sb + c * CHUNK, mb, x.nt * BN + c * 64, r, 0, bar);
   } else {
     const bool mc_a = CL == 2 && x.share == SHARE_A, mc_b = CL == 2 && x.share == SHARE_B;
     /* A [rows, K], K-major, in 64-row boxes: none past the group's rows */
-    for (int c = 0; c < a_boxes<LAYOUT, BM>(x); c++) {
+    for (int c = 0; c < (GA ? 0 : a_boxes<LAYOUT, BM>(x)); c++) {
       int r = (int)x.rb + x.mt * BM + c * 64;
       if (!mc_a)
         tma_load(sa + c * CHUNK, &p.a, k, r, 0, bar);
       else if ((c & 1) == rank)
         tma_load_mc(sa + c * CHUNK, &p.a, k, r, 0, bar, 3);
     }
-    if (RIDE && x.tail > 0) /* each block its own: a pair's other tile may have none */
+    if (RIDE && !GA && x.tail > 0) /* each block its own: a pair's other tile may have none */
       tma_load(sa + BM * 128, &p.at, k, (int)x.rb + (x.mt + 1) * BM, 0, bar);
     if (LAYOUT == L_NT) { /* B [groups, N, K], K-major */
       if (EPI == E_GATEUP || CL == 2) { /* two boxes of BN / 2 rows */
@@ -351,6 +352,93 @@ __device__ __forceinline__ void load_stage(const params &p, const tile &x, int k
           tma_load_mc(sb + c * CHUNK, m, x.nt * BN + c * 64, k, x.g, bar, 3);
       }
     }
+  }
+}
+
+/* ---- gathered rows ------------------------------------------------------------
+ * The forward's gate/up GEMM reads each pair's row of x, and the gate/up
+ * weight gradient reads it again; with gemm_args.gather both pick the rows
+ * out of x themselves instead of reading a gathered copy, which a pass of
+ * its own had written (dsv3: 0.94 GB, 0.46 ms of the forward, and a
+ * buffer of that size in the forward's context). A tensor map copies
+ * strided boxes, not rows at scattered addresses, so the producer warp's 32
+ * lanes copy them, 16 bytes at a time (cp16), into the layout the copy
+ * engine writes (the 128-byte swizzle: 16-byte unit c of a 128-byte row j
+ * sits at unit c ^ (j & 7)). Each lane then arrives on the stage's full
+ * barrier once its copies have landed (cp16_arrive), which counts the 32
+ * arrivals next to the copy engine's bytes. The rows past a group's end are
+ * not copied (NT: their products are dropped) or are zeros (TN: they are k
+ * and must add nothing, as the copy engine's clipped maps give).
+ * Off by default (MOKD_GEMM_GATHER=1), since slower so far: bench_gpu,
+ * dsv3 forward / backward ms, gather pass 12.36 / 29.06; a lane a row
+ * 14.76 / 37.62; whole rows a copy (below) 29.71 / 43.86, with the
+ * producer's unrolled copies spilling its 56 registers (ptxas -v: 172-336
+ * bytes of spill stores in these kernels, none in the others). PERF.md
+ * v12. */
+
+/* NT, NN: the tokens of tile x's A rows l + 32 i (lane l's; the riding
+ * tail's row l last), -1 past the group's rows. */
+template <int BM, bool RIDE>
+__device__ __forceinline__ void gather_rows(const gemm_args &a, const tile &x, int lane,
+                                            int (&t)[BM / 32 + RIDE])
+{
+#pragma unroll
+  for (int i = 0; i < BM / 32; i++) {
+    int r = x.mt * BM + lane + 32 * i;
+    t[i] = r < x.rows ? a.gather[x.rb + r] / a.gather_div : -1;
+  }
+  if constexpr (RIDE)
+    t[BM / 32] = lane < x.tail ? a.gather[x.rb + (x.mt + 1) * BM + lane] / a.gather_div : -1;
+}
+
+/* NT, NN: k-block kb of those rows into the A stage at sa (the tail's after
+ * the tile's BM rows). Each copy of the warp covers four whole 128-byte
+ * rows, eight lanes a row: whole 32-byte sectors (with a lane a row, a
+ * copy's 16 bytes were half a sector each, the other half another copy's). */
+template <int N>
+__device__ __forceinline__ void gather_a(const gemm_args &a, uint32_t sa, const int (&t)[N],
+                                         int kb, int lane)
+{
+  const int c = lane & 7;
+  const char *base = (const char *)a.A + kb * 128 + c * 16;
+#pragma unroll
+  for (int m = 0; m < 8 * N; m++) {
+    const int j = 4 * m + (lane >> 3); /* the row this lane copies a part of */
+    const int tok = __shfl_sync(0xffffffffu, t[m / 8], j & 31);
+    if (tok >= 0)
+      cp16(sa + j * 128 + ((c ^ (j & 7)) << 4), base + (int64_t)tok * a.lda * 2, 16);
+  }
+}
+
+/* TN: the rows of x's group that k-block kb reduces over, lane l's l and l +
+ * 32: their rows of B in memory (gather[]), -1 past the group's end. */
+__device__ __forceinline__ void gather_keys(const gemm_args &a, const tile &x, int kb, int lane,
+                                            int (&t)[2])
+{
+#pragma unroll
+  for (int h = 0; h < 2; h++) {
+    int k = kb * BK + lane + 32 * h;
+    t[h] = k < x.rows ? a.gather[x.rb + k] / a.gather_div : -1;
+  }
+}
+
+/* TN: those rows' BN columns of tile x into the MN-major B stage at sb:
+ * chunk c holds columns 64 c.. as 64 k rows of 128 bytes. A copy of the
+ * warp covers whole rows (BN / 8 lanes a row). Rows past the group's end
+ * are zeros (cp16 of 0 bytes). */
+template <int BN>
+__device__ __forceinline__ void gather_b(const gemm_args &a, const tile &x, uint32_t sb,
+                                         const int (&t)[2], int lane)
+{
+  constexpr int LPR = BN / 8, RPI = 32 / LPR; /* lanes a row, rows a copy */
+  const int part = lane % LPR, c = part >> 3, q = part & 7;
+  const char *base = (const char *)(a.B + (int64_t)x.nt * BN) + part * 16;
+#pragma unroll
+  for (int m = 0; m < 64 / RPI; m++) {
+    const int j = RPI * m + lane / LPR;
+    const int tok = __shfl_sync(0xffffffffu, t[(RPI * m) / 32], j & 31);
+    cp16(sb + c * CHUNK + j * 128 + ((q ^ (j & 7)) << 4),
+         base + (tok >= 0 ? (int64_t)tok * a.ldb * 2 : 0), tok >= 0 ? 16 : 0);
   }
 }
 
@@ -815,6 +903,17 @@ __device__ __forceinline__ void stage_release(uint64_t *empty, int prev, int lan
   }
 }
 
+/* A consumer waits for stage s to be full. Rows the lanes gathered (GA)
+ * landed through ordinary shared-memory writes, which the tensor cores,
+ * another proxy, see only after a proxy fence. */
+template <bool GA>
+__device__ __forceinline__ void stage_wait(uint64_t *full, int s, uint32_t ph)
+{
+  bar_wait(&full[s], ph);
+  if constexpr (GA)
+    fence_async_shared();
+}
+
 /* The next stage of the ring, the phase flipping where it wraps. */
 template <int STAGES>
 __device__ __forceinline__ void stage_next(int &s, uint32_t &ph)
@@ -838,7 +937,7 @@ __device__ __forceinline__ void stage_done(uint64_t *empty, int &prev, int &s, u
 
 /* The cooperative consumer: both warpgroups on one BM x BN tile, BM / 2 rows
  * each, as one (BM = 128) or two (BM = 256) 64-row blocks. */
-template <int LAYOUT, int EPI, int BN, int BM, int CL, bool RIDE>
+template <int LAYOUT, int EPI, int BN, int BM, int CL, bool RIDE, bool GA>
 __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsigned char *sa,
                                             unsigned char *sb, unsigned char *out, uint32_t sa0,
                                             uint32_t sb0, uint64_t *full, uint64_t *empty, ring q,
@@ -891,7 +990,7 @@ __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsi
         for (int i = 0; i < 16; i++)
           t0[i] = t1[i] = 0.0f;
         for (int kb = 0; kb < nk; kb++) {
-          bar_wait(&full[s], ph);
+          stage_wait<GA>(full, s, ph);
           mma_run_ride<TB, BN>(acc0, t0, t1, sa0 + s * A_BYTES, sb0 + s * B_BYTES, cw);
           stage_done<CL, STAGES>(empty, prev, s, ph, lane, rank);
         }
@@ -906,7 +1005,7 @@ __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsi
       }
     }
     for (int kb = 0; kb < nk; kb++) {
-      bar_wait(&full[s], ph);
+      stage_wait<GA>(full, s, ph);
       const uint32_t at = sa0 + s * A_BYTES, bt = sb0 + s * B_BYTES;
       if constexpr (LAYOUT == L_TN)
         mma_run_tn<TA, TB, BN, false>(acc0, acc1, at, bt, b0, x.rows, kb == nk - 1);
@@ -947,7 +1046,7 @@ __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsi
  * true: a full barrier's phase it skipped has completed before it waits for
  * the next, so the parity it waits on names its own phase, never the other
  * warpgroup's. */
-template <int LAYOUT, int EPI>
+template <int LAYOUT, int EPI, bool GA>
 __device__ __forceinline__ void pingpong(const params &p, int64_t tiles, unsigned char *sa,
                                          unsigned char *sb, unsigned char *out, uint32_t sa0,
                                          uint32_t sb0, uint64_t *full, uint64_t *empty, int cw,
@@ -980,7 +1079,7 @@ __device__ __forceinline__ void pingpong(const params &p, int64_t tiles, unsigne
       acc0[j] = acc1[j] = 0.0f;
     int prev = -1;
     for (int kb = 0; kb < nk; kb++) {
-      bar_wait(&full[s], ph);
+      stage_wait<GA>(full, s, ph);
       const uint32_t at = sa0 + s * A_BYTES, bt = sb0 + s * B_BYTES;
       if constexpr (LAYOUT == L_TN)
         mma_run_tn<TA, TB, BN, true>(acc0, acc1, at, bt, 0, x.rows, kb == nk - 1);
@@ -1015,7 +1114,7 @@ __device__ __forceinline__ void pingpong(const params &p, int64_t tiles, unsigne
     tma_store_wait<0, false>(); /* the staging lives as long as the block */
 }
 
-template <int LAYOUT, int EPI, int BN, bool PP, int BM, int CL, bool RIDE>
+template <int LAYOUT, int EPI, int BN, bool PP, int BM, int CL, bool RIDE, bool GA>
 __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ params p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -1031,7 +1130,7 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; s++) {
-      bar_init(&full[s], 1);
+      bar_init(&full[s], GA ? 1 + 32 : 1); /* GA: and each gathering lane's */
       /* one arrival per warp that reads the stage, in both blocks of a cluster */
       bar_init(&empty[s], (PP ? 4 : 8) * CL);
     }
@@ -1049,10 +1148,14 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
 
   if (wg == 0) {
     regs_release<56>();
-    if (threadIdx.x != 0)
+    /* one thread issues the copy engine's loads; GA: its warp gathers rows */
+    const int lane = threadIdx.x;
+    if (lane >= (GA ? 32 : 1))
       return;
-    tma_prefetch_map(&p.a);
-    tma_prefetch_map(&p.b);
+    if (lane == 0) {
+      tma_prefetch_map(&p.a);
+      tma_prefetch_map(&p.b);
+    }
     const int rank = CL == 2 ? (int)cluster_rank() : 0;
     const CUtensorMap *ma = &p.a, *mb = &p.b; /* TN: the current group's */
     int mg = -1;
@@ -1061,33 +1164,63 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
     constexpr bool DYN = dynamic_order<LAYOUT, EPI, PP, CL>();
     const int64_t units = (tiles + CL - 1) / CL;
     const bool dyn = DYN && a.sched != NULL;
+    const uint32_t sa0 = smem_addr(sa), sb0 = smem_addr(sb);
     for (int64_t u = blockIdx.x / CL;;) {
-      if (dyn)
+      if (dyn && lane == 0)
         ring_put(q, (int)(u < units ? u : units));
       if (u >= units)
         break;
       tile x = unit_at<LAYOUT, BN, BM, CL>(a, u, tiles, rank);
-      int nk = k_blocks<LAYOUT>(a, x),
-          bytes = a_boxes<LAYOUT, BM>(x) * CHUNK + B_BYTES +
-                  (RIDE && x.tail > 0 ? MOKK_RIDE_ROWS * 128 : 0);
+      int nk = k_blocks<LAYOUT>(a, x), bytes;
+      if (GA) /* the copy engine's part only */
+        bytes = LAYOUT == L_TN ? A_BYTES : B_BYTES;
+      else
+        bytes = a_boxes<LAYOUT, BM>(x) * CHUNK + B_BYTES +
+                (RIDE && x.tail > 0 ? MOKK_RIDE_ROWS * 128 : 0);
       if (LAYOUT != L_TN && x.rows == 0) /* a cluster's empty tile */
         bytes = 0;
       if (LAYOUT == L_TN && a.count != NULL && x.g != mg && nk > 0) {
         mg = x.g;
         ma = (const CUtensorMap *)a.maps + 2 * x.g;
         mb = ma + 1;
-        tma_map_acquire(ma);
-        tma_map_acquire(mb);
+        if (lane == 0) {
+          tma_map_acquire(ma);
+          tma_map_acquire(mb);
+        }
       }
+      int rows[LAYOUT == L_TN ? 1 : BM / 32 + RIDE], keys[2] = {-1, -1};
+      if constexpr (GA && LAYOUT != L_TN)
+        gather_rows<BM, RIDE>(a, x, lane, rows);
+      if constexpr (GA && LAYOUT == L_TN)
+        gather_keys(a, x, 0, lane, keys);
       for (int kb = 0; kb < nk; kb++) {
+        int cur[2] = {keys[0], keys[1]};
+        if (GA && LAYOUT == L_TN && kb + 1 < nk) /* one k-block ahead: the loads' latency */
+          gather_keys(a, x, kb + 1, lane, keys);
         bar_wait(&empty[s], ph ^ 1);
-        bar_expect(&full[s], bytes);
-        if (bytes != 0)
-          load_stage<LAYOUT, EPI, BN, BM, CL, RIDE>(p, x, kb, sa + s * A_BYTES,
-                                                    sb + s * B_BYTES, &full[s], rank, ma, mb);
+        if (lane == 0) {
+          bar_expect(&full[s], bytes);
+          if (bytes != 0)
+            load_stage<LAYOUT, EPI, BN, BM, CL, RIDE, GA>(p, x, kb, sa + s * A_BYTES,
+                                                          sb + s * B_BYTES, &full[s], rank, ma,
+                                                          mb);
+        }
+        if constexpr (GA) {
+          if constexpr (LAYOUT == L_TN)
+            gather_b<BN>(a, x, sb0 + s * B_BYTES, cur, lane);
+          else
+            gather_a(a, sa0 + s * A_BYTES, rows, kb, lane);
+          cp16_arrive(&full[s]);
+        }
         stage_next<STAGES>(s, ph);
       }
-      u = (dyn ? atomicAdd(a.sched, 1) : u) + gridDim.x / CL;
+      if (dyn) {
+        int next = lane == 0 ? atomicAdd(a.sched, 1) : 0;
+        if constexpr (GA)
+          next = __shfl_sync(0xffffffffu, next, 0);
+        u = next;
+      }
+      u += gridDim.x / CL;
     }
     /* a cluster: stay until both blocks' consumers have released every stage,
      * so none of the other block's arrivals lands after this block is gone */
@@ -1103,10 +1236,10 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
             lane = threadIdx.x % 32;
   const uint32_t sa0 = smem_addr(sa), sb0 = smem_addr(sb);
   if constexpr (PP)
-    pingpong<LAYOUT, EPI>(p, tiles, sa, sb, out, sa0, sb0, full, empty, cw, ct & 127, warp,
+    pingpong<LAYOUT, EPI, GA>(p, tiles, sa, sb, out, sa0, sb0, full, empty, cw, ct & 127, warp,
                           lane);
   else
-    cooperative<LAYOUT, EPI, BN, BM, CL, RIDE>(p, tiles, sa, sb, out, sa0, sb0, full, empty, q,
+    cooperative<LAYOUT, EPI, BN, BM, CL, RIDE, GA>(p, tiles, sa, sb, out, sa0, sb0, full, empty, q,
                                                cw, ct, warp, lane);
 #else
   __trap(); /* launched only on sm_90 devices */
@@ -1114,20 +1247,25 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
 }
 
 /* Tensor maps for the layout, from the same gemm_args as the portable
- * kernel; a_rows: the rows of A (and of B in TN) in memory. */
-template <int LAYOUT, int EPI, int BN, int BM, int CL, bool RIDE>
+ * kernel; a_rows: the rows of A (and of B in TN) in memory. GA: the
+ * gathered operand (NT, NN: A; TN: B) has none: the lanes read it. */
+template <int LAYOUT, int EPI, int BN, int BM, int CL, bool RIDE, bool GA>
 static int make_params(params *p, const gemm_args *a, int64_t a_rows, char *err)
 {
   int rc;
   memset(p, 0, sizeof *p);
   p->g = *a;
+  if (GA != (a->gather != NULL) || (GA && (a->count == NULL || a->gather_div < 1)))
+    return mokk_fail(err, MOK_EINVAL, "GEMM: gathered rows (gemm_args.gather) need a "
+                     "grouped GEMM, a divisor and a kernel that gathers");
   if (BM == 256) /* the grouped tiles count m-tiles of 256 rows */
     p->g.tile_off = a->tile_off_tall;
   if (RIDE) { /* or of 128 rows with riding tails */
     if (a->tile_off_ride == NULL)
       return mokk_fail(err, MOK_EINVAL, "riding tails without their m-tile offsets");
     p->g.tile_off = a->tile_off_ride;
-    if ((rc = mokk_tmap_bf16(&p->at, a->A, a->K, a_rows, 1, a->lda, 0, MOKK_RIDE_ROWS, err)))
+    if (!GA && (rc = mokk_tmap_bf16(&p->at, a->A, a->K, a_rows, 1, a->lda, 0, MOKK_RIDE_ROWS,
+                                    err)))
       return rc;
   }
   if (LAYOUT == L_TN) {
@@ -1141,7 +1279,7 @@ static int make_params(params *p, const gemm_args *a, int64_t a_rows, char *err)
       return mokk_fail(err, MOK_EINVAL, "grouped weight-gradient GEMM without room for its "
                        "tensor maps (gemm_args.maps)");
     if ((rc = mokk_tmap_bf16(&p->a, a->A, a->M, rows, 1, a->lda, 0, BK, err)) ||
-        (rc = mokk_tmap_bf16(&p->b, a->B, a->N, rows, 1, a->ldb, 0, BK, err)))
+        (!GA && (rc = mokk_tmap_bf16(&p->b, a->B, a->N, rows, 1, a->ldb, 0, BK, err))))
       return rc;
     if (!stores_tiles<EPI>() || a->accum)
       return 0;
@@ -1153,7 +1291,7 @@ static int make_params(params *p, const gemm_args *a, int64_t a_rows, char *err)
                             err);
     return 0;
   }
-  if ((rc = mokk_tmap_bf16(&p->a, a->A, a->K, a_rows, 1, a->lda, 0, 64, err)))
+  if (!GA && (rc = mokk_tmap_bf16(&p->a, a->A, a->K, a_rows, 1, a->lda, 0, 64, err)))
     return rc;
   if (LAYOUT == L_NT) {
     if (EPI == E_GATEUP) {
@@ -1201,15 +1339,16 @@ static __global__ void k_tn_maps(const __grid_constant__ params p, int64_t rows)
  * tile_off_tall). CL = 2: clusters of two blocks that share operands (NT and
  * NN; unit_at), as many as fit, at most grid / 2. */
 template <int LAYOUT, int EPI, int BN, bool PP = false, int BM = 128, int CL = 1,
-          bool RIDE = false>
+          bool RIDE = false, bool GA = false>
 static int gemm(const gemm_args *a, int64_t a_rows, int grid, cudaStream_t stream, char *err)
 {
+  static_assert(!GA || (CL == 1 && BM == 128), "gathered rows: single blocks, 128-row tiles");
   static_assert(!PP || (BN == 128 && BM == 128), "ping-pong tiles are 128 x 128");
   static_assert(CL == 1 || (CL == 2 && !PP && LAYOUT != L_TN), "clusters: NT and NN, cooperative");
   static_assert(!RIDE || (!PP && BM == 128 && BN == 256 && LAYOUT != L_TN),
                 "riding tails: 128 x 256 cooperative NT and NN tiles");
   params p;
-  int rc = make_params<LAYOUT, EPI, BN, BM, CL, RIDE>(&p, a, a_rows, err);
+  int rc = make_params<LAYOUT, EPI, BN, BM, CL, RIDE, GA>(&p, a, a_rows, err);
   if (rc)
     return rc;
   cudaError_t e = cudaSuccess;
@@ -1219,7 +1358,7 @@ static int gemm(const gemm_args *a, int64_t a_rows, int grid, cudaStream_t strea
     return mokk_fail(err, MOK_EDEVICE, "GEMM tile counter: %s (%s)", cudaGetErrorString(e),
                      cudaGetErrorName(e));
   const int smem = cfg<BN, BM, PP, stores_tiles<EPI>(), RIDE>::SMEM;
-  void (*kernel)(params) = k_gemm90<LAYOUT, EPI, BN, PP, BM, CL, RIDE>;
+  void (*kernel)(params) = k_gemm90<LAYOUT, EPI, BN, PP, BM, CL, RIDE, GA>;
   if (LAYOUT == L_TN && a->count != NULL && a->groups > 0) {
     k_tn_maps<<<(2 * a->groups + 127) / 128, 128, 0, stream>>>(p, a_rows);
     if ((e = cudaGetLastError()) != cudaSuccess)

@@ -497,6 +497,59 @@ START_TEST(ride_invariance)
 }
 END_TEST
 
+/* The gate/up GEMMs picking each pair's row out of x (gemm_args.gather)
+ * give the bits of the same GEMMs reading the rows a gather pass copied,
+ * forward and backward, in both gradient modes, on a full grid and on three
+ * blocks: with riding tails (experts of 129-160 rows), weight gradients on
+ * ping-pong tiles (experts of a few rows, and of more than 1024) and on
+ * cooperative ones, and over two virtual ranks (x of both, copied into one). */
+static int gpu_run_ranks(const moe_case *c, int P, mokk_grad_mode mode, float seed_grad,
+                         moe_out *o, char *err);
+
+START_TEST(gather_invariance)
+{
+  static const struct {
+    mokk_shape s;
+    int64_t T;
+    int P;
+    uint64_t seed;
+  } cases[] = {
+      {{.H = 256, .I = 192, .E = 4, .K = 2, .I_s = 64, .P = 1}, 290, 1, 17},
+      {{.H = 192, .I = 128, .E = 2, .K = 1, .I_s = 0, .P = 1}, 2500, 1, 18},
+      {{.H = 128, .I = 64, .E = 64, .K = 3, .I_s = 64, .P = 1}, 100, 1, 19},
+      {{.H = 192, .I = 128, .E = 8, .K = 4, .I_s = 64, .P = 1}, 150, 2, 20},
+  };
+  static const int blocks[] = {0, 3};
+  static const mokk_grad_mode modes[] = {MOKK_GRAD_BF16, MOKK_GRAD_FP32_ACCUM};
+  char err[2 * MOK_ERRLEN] = "";
+
+  for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+    moe_case c;
+    case_make(&c, &cases[k].s, cases[k].T, cases[k].seed, ROUTE_RANDOM);
+    for (size_t i = 0; i < sizeof blocks / sizeof blocks[0]; i++)
+      for (size_t m = 0; m < 2; m++) {
+        moe_out on, off;
+        mokk_cuda_set_max_blocks(gpu, blocks[i]);
+        mokk_cuda_set_gather(gpu, 1);
+        ck_assert_msg(gpu_run_ranks(&c, cases[k].P, modes[m], 0.5f, &on, err) == 0, "%s", err);
+        mokk_cuda_set_gather(gpu, 0);
+        ck_assert_msg(gpu_run_ranks(&c, cases[k].P, modes[m], 0.5f, &off, err) == 0, "%s", err);
+        expect_same(&on, &off, &c, "rows from a gather pass");
+        if (modes[m] == MOKK_GRAD_FP32_ACCUM)
+          for (int w = 0; w < MOKK_NWEIGHTS; w++)
+            if (on.g_f32[w] != NULL)
+              ck_assert_msg(memcmp(on.g_f32[w], off.g_f32[w], case_weight_elems(&c, w) * 4) ==
+                                0,
+                            "case %zu: gathered rows: fp32 %s differs", k, wname[w]);
+        out_free(&on), out_free(&off);
+      }
+    case_free(&c);
+  }
+  mokk_cuda_set_gather(gpu, 0);
+  mokk_cuda_set_max_blocks(gpu, 0);
+}
+END_TEST
+
 START_TEST(batch_invariance)
 {
   mokk_shape s = {.H = 128, .I = 64, .E = 8, .K = 2, .I_s = 64, .P = 1};
@@ -1947,6 +2000,7 @@ static Suite *gpu_suite(void)
   tcase_add_test(tc, block_count_invariance);
   tcase_add_test(tc, tile_order_invariance);
   tcase_add_test(tc, ride_invariance);
+  tcase_add_test(tc, gather_invariance);
   tcase_add_test(tc, batch_invariance);
   suite_add_tcase(su, tc);
   tc = tcase_create("errors");

@@ -186,6 +186,25 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t
                : "memory");
 }
 
+/* ---- row gathers ------------------------------------------------------------
+ * Rows picked one by one (a gathered operand: gemm_args.gather) come from the
+ * producer warp's lanes as 16-byte copies, which the copy engine cannot do
+ * for rows at scattered addresses (a tensor map is a strided box). n = 0:
+ * zeros, nothing read. */
+__device__ __forceinline__ void cp16(uint32_t dst, const void *src, int n)
+{
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(n)
+               : "memory");
+}
+
+/* One arrival on bar once every copy this thread has issued so far has
+ * landed; the barrier's count includes it (.noinc). */
+__device__ __forceinline__ void cp16_arrive(uint64_t *bar)
+{
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar))
+               : "memory");
+}
+
 /* Ordinary shared-memory stores become visible to the tensor cores and the
  * copy engine. */
 __device__ __forceinline__ void fence_async_shared()
