@@ -1236,11 +1236,11 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
             lane = threadIdx.x % 32;
   const uint32_t sa0 = smem_addr(sa), sb0 = smem_addr(sb);
   if constexpr (PP)
-    pingpong<LAYOUT, EPI, GA>(p, tiles, sa, sb, out, sa0, sb0, full, empty, cw, ct & 127, warp,
-                          lane);
+    pingpong<LAYOUT, EPI, GA>(p, tiles, sa, sb, out, sa0, sb0, full, empty, cw, ct & 127,
+                              warp, lane);
   else
-    cooperative<LAYOUT, EPI, BN, BM, CL, RIDE, GA>(p, tiles, sa, sb, out, sa0, sb0, full, empty, q,
-                                               cw, ct, warp, lane);
+    cooperative<LAYOUT, EPI, BN, BM, CL, RIDE, GA>(p, tiles, sa, sb, out, sa0, sb0, full,
+                                                   empty, q, cw, ct, warp, lane);
 #else
   __trap(); /* launched only on sm_90 devices */
 #endif
