@@ -164,12 +164,14 @@ $(BUILD)/obj/%.o: %.cu $(wildcard kernels/cuda/*.cuh kernels/cuda/*.h kernels/cu
 $(call obj,tests/gpu/check_gpu.c tests/bench/bench_gpu.c tests/bench/bench_gemm.c): CFLAGS += $(CHECK_CFLAGS) -Itests \
 	-isystem $(CUDA_HOME)/include
 
-$(BUILD)/obj/tests/gpu/gemm_core.o $(BUILD)/obj/tests/gpu/schedule.o: NVFLAGS += -Ikernels/cuda
+$(BUILD)/obj/tests/gpu/gemm_core.o $(BUILD)/obj/tests/gpu/schedule.o \
+  $(BUILD)/obj/tests/gpu/dispatch.o: NVFLAGS += -Ikernels/cuda
 
 $(LIBMOKK_CUDA): $(CUDA_OBJ)
 	$(AR) rcs $@ $^
 $(GPU_BIN): $(call obj,tests/gpu/check_gpu.c tests/ref.c kernels/devices.c) \
             $(BUILD)/obj/tests/gpu/gate.o $(BUILD)/obj/tests/gpu/schedule.o \
+            $(BUILD)/obj/tests/gpu/dispatch.o \
             $(BUILD)/obj/tests/gpu/gemm_core.o $(LIBMOK_A) $(LIBMOKK_CUDA) $(LIBMOKK) $(LIBCOMMON)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDSAN) -o $@ $^ $(CHECK_STATIC) -l:libprotobuf-c.a $(CUDA_LIBS) $(LDLIBS)

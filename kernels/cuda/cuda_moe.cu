@@ -570,7 +570,7 @@ static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
     goto fail;
   if (!gather) {
     route_gather(cb->stream, grid_for(cb, TK, 16), rows_of(px, P, T), c->src, NULL,
-                 c->row_start + E, (int)K, H, c->xr, NULL, NULL);
+                 c->row_start + E, (int)K, H, c->xr);
     if ((rc = launched(err, "dispatch")))
       goto fail;
   }
@@ -687,7 +687,7 @@ static int cuda_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
   int64_t T = ctx->T, H = s->H, I = s->I, K = s->K, Is = s->I_s, E = s->E, TG = P * T,
           TK = TG * K;
   int accum = mode == MOKK_GRAD_FP32_ACCUM, rc = 0;
-  size_t off = 0, o_dor, o_dy, o_dgu, o_dxr, o_maps, o_dgus = 0, o_dxs = 0, o_dout = 0;
+  size_t off = 0, o_dy, o_dgu, o_dxr, o_maps, o_dgus = 0, o_dxs = 0, o_dout = 0;
   const void *pd[ROUTE_MAX_RANKS];
   const mokk_backend *rd[MOKK_DEVICE_MAX_RANKS] = {NULL};
   int dev[MOKK_DEVICE_MAX_RANKS] = {0}, multi;
@@ -718,13 +718,11 @@ static int cuda_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
   if (c->spread)
     return spread_backward(cb, c, mode, ranks, dev, err);
 
-  /* One region of TK x H fp32 holds, in turn: dor (bf16, read by the d_h
-   * GEMMs) and dy (bf16, read by the down weight gradients) side by side,
-   * then dxr (fp32, written by the d_x GEMMs, which run after every rank's
-   * d_h and down weight gradient). The peak is the region, not its three
-   * tenants: 0.94 GB less on dsv3. */
-  o_dor = o_dxr = carve(&off, TK * H * 4);
-  o_dy = o_dor + (size_t)(TK * H * 2);
+  /* One region of TK x H fp32 holds, in turn: dy (bf16, read by the d_h
+   * GEMMs and the down weight gradients), then dxr (fp32, written by the
+   * d_x GEMMs, which run after every rank's d_h and down weight gradient).
+   * The peak is the region, not its two tenants. */
+  o_dy = o_dxr = carve(&off, TK * H * 4);
   o_dgu = carve(&off, TK * 2 * I * 2);
   o_maps = carve(&off, (size_t)(E / P) * GEMM_TN_MAP_BYTES);
   if (Is) {
@@ -738,7 +736,7 @@ static int cuda_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
     return mokk_fail(err, MOK_ENOMEM, "cannot allocate %zu bytes of GPU memory for the "
                      "backward: %s", off, cudaGetErrorString(e));
   char *base = (char *)block;
-  bf16 *dor = (bf16 *)(base + o_dor), *dy = (bf16 *)(base + o_dy);
+  bf16 *dy = (bf16 *)(base + o_dy);
   bf16 *dgu = (bf16 *)(base + o_dgu);
   float *dxr = (float *)(base + o_dxr);
   bf16 *dgus = Is ? (bf16 *)(base + o_dgus) : NULL;
@@ -750,28 +748,34 @@ static int cuda_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
       goto out;
   }
 
-  route_gather(cb->stream, grid_for(cb, TK, 16), rows_of(pd, P, T), c->src, NULL,
-               c->row_start + E, (int)K, H, dor, c->row_w, dy);
+  /* d_out's rows, scaled (dy), and d_topk_weights in one pass over d_out
+   * and y; a pair with no row keeps the zero set here */
+  route_pairs dtw;
+  memset(&dtw, 0, sizeof dtw);
+  dtw.n = T * K;
+  for (int r = 0; r < P; r++) {
+    dtw.p[r] = ranks[r].d_topk_weights;
+    cudaError_t e = cudaMemsetAsync(dtw.p[r], 0, (size_t)(T * K) * 4, cb->stream);
+    if (e != cudaSuccess) {
+      rc = cuda_fail(err, e, "zeroing d_topk_weights");
+      goto out;
+    }
+  }
+  route_gather_dy(cb->stream, grid_for(cb, TK, 16), rows_of(pd, P, T), c->src, NULL,
+                  c->row_start + E, (int)K, H, c->row_w, dy, one_owner(c->y), dtw);
   if ((rc = launched(err, "backward dispatch")))
     goto out;
   for (int r = 0; r < P; r++) {
-    const mokk_bwd_rank *br = &ranks[r];
-    route_dtw(cb->stream, grid_for(cb, (T * K + 7) / 8, 16), (const bf16 *)br->d_out,
-              one_owner(c->y), c->slot + r * T * K, T * K, (int)K, H, br->d_topk_weights);
-    if ((rc = launched(err, "d_topk_weights")))
-      goto out;
-  }
-  for (int r = 0; r < P; r++) {
     mlp routed_mlp = mlp_routed(c, TK, r);
     moved_weights(&routed_mlp, &ranks[r], MOKK_W_GATE);
-    if ((rc = mlp_dh(cb, &routed_mlp, dor, c->row_w, H, dgu, err)))
+    if ((rc = mlp_dh(cb, &routed_mlp, dy, NULL, H, dgu, err)))
       goto out;
   }
   for (int r = 0; r < P; r++) /* the last reader of dy */
     if ((rc = weight_grads(cb, c, &ranks[r], r, WG_DOWN, accum, dy, dgu, d_out, dgus,
                            base + o_maps, err)))
       goto out;
-  for (int r = 0; r < P; r++) { /* dxr overwrites dor and dy from here on */
+  for (int r = 0; r < P; r++) { /* dxr overwrites dy from here on */
     mlp routed_mlp = mlp_routed(c, TK, r);
     moved_weights(&routed_mlp, &ranks[r], MOKK_W_GATE);
     if ((rc = mlp_dx(cb, &routed_mlp, H, dgu, dxr, err)))
@@ -1092,8 +1096,7 @@ static int spread_forward(cuda_backend *cb, const mokk_shape *s, int64_t T,
     if ((rc = launched(err, "schedule")))
       goto fail;
     route_gather(on.stream, grid_for(cb, TK, 16), rows_of(px, P, T), p->src,
-                 p->row_start + r * El, p->row_start + (r + 1) * El, (int)K, H, p->xr, NULL,
-                 NULL);
+                 p->row_start + r * El, p->row_start + (r + 1) * El, (int)K, H, p->xr);
     if ((rc = launched(err, "dispatch")))
       goto fail;
     mlp routed_mlp = mlp_routed(&v, TK, r);
@@ -1147,7 +1150,7 @@ static int spread_backward(cuda_backend *cb, cuda_ctx *c, mokk_grad_mode mode,
   int accum = mode == MOKK_GRAD_FP32_ACCUM, rc = 0;
   const void *pd[ROUTE_MAX_RANKS], *py[ROUTE_MAX_RANKS], *pdx[ROUTE_MAX_RANKS];
   void *block[ROUTE_MAX_RANKS] = {NULL};
-  bf16 *dor[ROUTE_MAX_RANKS], *dy[ROUTE_MAX_RANKS], *dgu[ROUTE_MAX_RANKS];
+  bf16 *dy[ROUTE_MAX_RANKS], *dgu[ROUTE_MAX_RANKS];
   bf16 *dgus[ROUTE_MAX_RANKS], *dout[ROUTE_MAX_RANKS];
   float *dxr[ROUTE_MAX_RANKS], *dxs[ROUTE_MAX_RANKS];
   void *maps[ROUTE_MAX_RANKS];
@@ -1161,9 +1164,9 @@ static int spread_backward(cuda_backend *cb, cuda_ctx *c, mokk_grad_mode mode,
   for (int r = 0; r < P; r++) {
     if ((rc = rank_enter(dev, r, err)))
       goto out;
-    /* dor (bf16) is read by the d_h GEMMs only, and dxr (fp32) written by
-     * the d_x GEMMs after them: one region holds both */
-    size_t off = 0, o_dor = carve(&off, TK * H * 4), o_dy = carve(&off, TK * H * 2),
+    /* dy is read by the weight gradients too, after the d_x GEMMs have
+     * written dxr: a region each */
+    size_t off = 0, o_dxr = carve(&off, TK * H * 4), o_dy = carve(&off, TK * H * 2),
            o_dgu = carve(&off, TK * 2 * I * 2),
            o_maps = carve(&off, (size_t)El * GEMM_TN_MAP_BYTES),
            o_dgus = Is ? carve(&off, TG * 2 * Is * 2) : 0,
@@ -1177,8 +1180,7 @@ static int spread_backward(cuda_backend *cb, cuda_ctx *c, mokk_grad_mode mode,
       goto out;
     }
     char *base = (char *)block[r];
-    dor[r] = (bf16 *)(base + o_dor);
-    dxr[r] = (float *)(base + o_dor);
+    dxr[r] = (float *)(base + o_dxr);
     dy[r] = (bf16 *)(base + o_dy);
     dgu[r] = (bf16 *)(base + o_dgu);
     maps[r] = base + o_maps;
@@ -1211,19 +1213,21 @@ static int spread_backward(cuda_backend *cb, cuda_ctx *c, mokk_grad_mode mode,
         }
       }
     }
-    route_gather(on.stream, grid_for(cb, TK, 16), rows_of(pd, P, T), p->src,
-                 p->row_start + r * El, p->row_start + (r + 1) * El, (int)K, H, dor[r],
-                 p->row_w, dy[r]);
+    route_pairs none;
+    memset(&none, 0, sizeof none);
+    route_gather_dy(on.stream, grid_for(cb, TK, 16), rows_of(pd, P, T), p->src,
+                    p->row_start + r * El, p->row_start + (r + 1) * El, (int)K, H, p->row_w,
+                    dy[r], one_owner(NULL), none);
     if ((rc = launched(err, "backward dispatch")))
       goto out;
-    route_dtw(on.stream, grid_for(cb, (T * K + 7) / 8, 16), (const bf16 *)br->d_out,
+    route_dtw(on.stream, grid_for(cb, T * K, 16), (const bf16 *)br->d_out,
               spread_owners(py, p, P, El), p->slot + r * T * K, T * K, (int)K, H,
               br->d_topk_weights);
     if ((rc = launched(err, "d_topk_weights")))
       goto out;
     mlp routed_mlp = mlp_routed(&v, TK, r);
     moved_weights(&routed_mlp, br, MOKK_W_GATE);
-    if ((rc = mlp_dh(&on, &routed_mlp, dor[r], p->row_w, H, dgu[r], err)) ||
+    if ((rc = mlp_dh(&on, &routed_mlp, dy[r], NULL, H, dgu[r], err)) ||
         (rc = mlp_dx(&on, &routed_mlp, H, dgu[r], dxr[r], err)))
       goto out;
     mlp shared_mlp = mlp_shared(&v, T, r);

@@ -43,17 +43,32 @@ typedef struct route_owners {
   int El, n;
 } route_owners;
 
+/* Outputs of P ranks' [n] arrays as one [P n]: global pair p is entry p %
+ * n of rank p / n's. */
+typedef struct route_pairs {
+  float *p[ROUTE_MAX_RANKS];
+  int64_t n;
+} route_pairs;
+
 /* Rows [*lo, *hi) of the schedule (lo NULL: from 0): xr[row] = x[token of
- * row]; with dy, also dy[row] = bf16(row_w[row] x[token]). */
+ * row]. */
 void route_gather(cudaStream_t st, int grid, route_rows x, const int *src, const int *lo,
-                  const int *hi, int K, int64_t H, bf16 *xr, const float *row_w, bf16 *dy);
+                  const int *hi, int K, int64_t H, bf16 *xr);
+/* The backward's dispatch of rows [*lo, *hi): dy[row] = bf16(row_w[row]
+ * d_out[token of row]); with dtw.p[0] != NULL, also each row's pair's
+ * d_topk_weights, dot(d_out[token], y[row]) in route_dtw's order, into
+ * dtw (pairs with no row are not written). */
+void route_gather_dy(cudaStream_t st, int grid, route_rows d_out, const int *src,
+                     const int *lo, const int *hi, int K, int64_t H, const float *row_w,
+                     bf16 *dy, route_owners y, route_pairs dtw);
 /* out[t] = bf16(sum_k tw[t,k] y[slot[t,k]] (k ascending) + ys[t]); ys may be NULL. */
 void route_combine_out(cudaStream_t st, int grid, route_owners y, const int *slot,
                        const float *tw, const bf16 *ys, int64_t T, int K, int64_t H, bf16 *out);
 /* dx[t] = bf16(sum_k dxr[slot[t,k]] (k ascending) + dxs[t]); dxs may be NULL. */
 void route_combine_dx(cudaStream_t st, int grid, route_owners dxr, const int *slot,
                       const float *dxs, int64_t T, int K, int64_t H, bf16 *dx);
-/* dtw[p] = sum_h d_out[token of p, h] y[slot[p], h] */
+/* dtw[p] = sum_h d_out[token of p, h] y[slot[p], h], 0 for a pair with no
+ * row: a block a pair (grid: up to TK blocks). */
 void route_dtw(cudaStream_t st, int grid, const bf16 *d_out, route_owners y, const int *slot,
                int64_t TK, int K, int64_t H, float *dtw);
 

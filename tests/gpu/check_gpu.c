@@ -363,6 +363,20 @@ START_TEST(schedule_exact)
 }
 END_TEST
 
+int dispatch_check(char *msg, size_t len);
+
+/* The dispatch gathers (route.cu) against the host over one to three ranks'
+ * rows: xr and dy bit for bit, and the d_topk_weights the backward's gather
+ * computes bit for bit those of route_dtw, which a spread step's ranks run
+ * instead (dispatch.cu). */
+START_TEST(dispatch_exact)
+{
+  char msg[512];
+  int f = dispatch_check(msg, sizeof msg);
+  ck_assert_msg(f == 0, "%d dispatch case(s) failed; first: %s", f, msg);
+}
+END_TEST
+
 START_TEST(repeat_20_bitwise)
 {
   mokk_shape s = {.H = 256, .I = 128, .E = 16, .K = 4, .I_s = 128, .swiglu_limit = 0.8f, .P = 1};
@@ -1981,6 +1995,7 @@ static Suite *gpu_suite(void)
   tc = tcase_create("vs_cpu");
   tcase_set_timeout(tc, 600);
   tcase_add_test(tc, schedule_exact);
+  tcase_add_test(tc, dispatch_exact);
   tcase_add_test(tc, small_routed);
   tcase_add_test(tc, shared_and_clamp);
   tcase_add_test(tc, fp32_accumulate);
