@@ -36,6 +36,31 @@ START_TEST(each_task_once)
 }
 END_TEST
 
+/* Short jobs back to back, as a step's phases run them: a worker that wakes
+ * after its job has ended must take no task of the next one (it once did,
+ * and ran a task of that job a second time, or with the ended job's
+ * argument). Every job has its own counters, kept until the end. */
+START_TEST(back_to_back_jobs)
+{
+  enum { JOBS = 20000, N = 24 };
+  atomic_int *hits = calloc((size_t)JOBS * N, sizeof *hits);
+  mokc_pool *p;
+
+  ck_assert_ptr_nonnull(hits);
+  ck_assert_int_eq(mokc_pool_create(7, &p), 0);
+  for (int k = 0; k < JOBS; k++) {
+    job j = {hits + (size_t)k * N};
+    mokc_pool_run(p, k % 2 ? N : 2, hit, &j);
+  }
+  mokc_pool_destroy(p);
+  for (int k = 0; k < JOBS; k++)
+    for (int i = 0; i < N; i++)
+      ck_assert_msg(atomic_load(&hits[(size_t)k * N + i]) == (i < (k % 2 ? N : 2)),
+                    "job %d task %d ran %d times", k, i, atomic_load(&hits[(size_t)k * N + i]));
+  free(hits);
+}
+END_TEST
+
 START_TEST(rejects_zero_threads)
 {
   mokc_pool *p = (mokc_pool *)1;
@@ -49,6 +74,7 @@ Suite *pool_suite(void)
   Suite *s = suite_create("pool");
   TCase *tc = tcase_create("run");
   tcase_add_test(tc, each_task_once);
+  tcase_add_test(tc, back_to_back_jobs);
   tcase_add_test(tc, rejects_zero_threads);
   suite_add_tcase(s, tc);
   return s;

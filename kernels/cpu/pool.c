@@ -40,6 +40,14 @@ static void *worker_main(void *arg)
     if (p->stopping)
       break;
     seen = p->generation;
+    /* A late wake: every task of the job is claimed and its caller may
+     * have returned and be setting up the next job. Drain would then race
+     * that set-up (a claim from the old counter checked against the new
+     * ntasks ran a task twice); the job needs nobody else anyway. While
+     * the job has tasks left, its caller cannot return before this worker
+     * leaves it (active). */
+    if (atomic_load(&p->next) >= p->ntasks)
+      continue;
     p->active++;
     pthread_mutex_unlock(&p->lock);
     drain(p);
