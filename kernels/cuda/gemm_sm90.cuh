@@ -374,7 +374,11 @@ __device__ __forceinline__ void load_stage(const params &p, const tile &x, int k
  * 14.76 / 37.62; whole rows a copy (below) 29.71 / 43.86, with the
  * producer's unrolled copies spilling its 56 registers (ptxas -v: 172-336
  * bytes of spill stores in these kernels, none in the others). PERF.md
- * v12. */
+ * v12. Boxes of one row from the copy engine instead (a 128-byte box per
+ * row and k-block, issued by the 32 lanes; correct, since the engine
+ * swizzles by shared-memory address) ran slower still: H100, dsv3 36.04 /
+ * 84.40 against 13.65 / 29.38, mid's gate/up weight gradient 50.4 ms
+ * against 6.9, about 50 cycles an SM per box (PERF.md v13). */
 
 /* NT, NN: the tokens of tile x's A rows l + 32 i (lane l's; the riding
  * tail's row l last), -1 past the group's rows. */
