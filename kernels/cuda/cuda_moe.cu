@@ -818,9 +818,21 @@ out:
  * and every number is the shared layout's, rank for rank. A rank on another
  * GPU (its `dev`) has its stream, buffers, tile counter and launches there:
  * its device is current while its work is queued, and the step's again
- * after. Its reads of the others' rows go over peer access (mokk_cuda_link);
- * the schedule's flag of a bad expert id is the backend's one word, which a
- * rank elsewhere sets through peer access as well (an integer atomic). */
+ * after. Its reads of the others' rows go over peer access (mokk_cuda_link).
+ * The schedule's flag of a bad expert id is the backend's one word on the
+ * step's GPU; since every rank's schedule reads every rank's ids, one rank
+ * there sets it (flag_rank) and no rank elsewhere needs an atomic over
+ * peer access, which PCIe peers may not offer. */
+
+/* The rank whose schedule flags a bad expert id: the first on the step's
+ * GPU, or rank 0 (over peer access) where none runs there. */
+static int flag_rank(const cuda_backend *cb, const int *dev, int P)
+{
+  for (int r = 0; r < P; r++)
+    if (dev[r] == cb->device)
+      return r;
+  return 0;
+}
 
 /* Rank r's stream and event: the backend's own, or those it keeps on r's GPU. */
 static cudaStream_t rank_stream(const cuda_backend *cb, const int *dev, int r)
@@ -1008,7 +1020,7 @@ static int spread_forward(cuda_backend *cb, const mokk_shape *s, int64_t T,
                           const mokk_fwd_rank *ranks, const int *dev, mokk_ctx **out_ctx,
                           char *err)
 {
-  const int P = (int)s->P, El = (int)(s->E / s->P);
+  const int P = (int)s->P, El = (int)(s->E / s->P), flagger = flag_rank(cb, dev, P);
   int64_t H = s->H, I = s->I, E = s->E, K = s->K, Is = s->I_s, TG = P * T, TK = TG * K;
   int train = out_ctx != NULL, rc;
   const void *px[ROUTE_MAX_RANKS], *pi[ROUTE_MAX_RANKS], *pw[ROUTE_MAX_RANKS];
@@ -1091,8 +1103,8 @@ static int spread_forward(cuda_backend *cb, const mokk_shape *s, int64_t T,
         (p->x != NULL && (rc = concat(&on, (void *)p->x, px, P, T * H * 2, err))))
       goto fail;
     route_schedule(on.stream, p->ids, p->tw, TK, (int)E, p->ids + TK, p->count, p->row_start,
-                   p->tile_off, p->slot, p->src, p->row_w, cb->status, p->xr,
-                   xr_bytes(TK, H, E));
+                   p->tile_off, p->slot, p->src, p->row_w, r == flagger ? cb->status : NULL,
+                   p->xr, xr_bytes(TK, H, E));
     if ((rc = launched(err, "schedule")))
       goto fail;
     route_gather(on.stream, grid_for(cb, TK, 16), rows_of(px, P, T), p->src,

@@ -72,7 +72,7 @@ __global__ void k_hist(const int32_t *ids, int64_t TK, int E, int64_t ch, int32_
     if (p < p1) {
       id = ids[p];
       if (id < 0 || id >= E) {
-        if (id != MOKK_NO_ROUTE)
+        if (id != MOKK_NO_ROUTE && status != NULL)
           atomicOr(status, 1); /* an integer flag: the order does not matter */
         id = -1;
         slot[p] = -1;

@@ -1723,6 +1723,38 @@ START_TEST(ep_ranks_bitwise)
 }
 END_TEST
 
+/* An expert id out of range in the last rank's tokens fails the EP step
+ * with MOK_EEXPERT in both layouts (in the spread one, one rank's schedule
+ * raises the flag for all), and the flag does not stick: the same case
+ * with the id put right runs. */
+START_TEST(ep_bad_expert_id)
+{
+  char err[2 * MOK_ERRLEN] = "";
+  const mokk_shape s = {.H = 128, .I = 64, .E = 8, .K = 2, .I_s = 64, .P = 1};
+  moe_case c;
+  moe_out o;
+
+  case_make(&c, &s, 4 * 6, 81, ROUTE_RANDOM);
+  for (int i = 0; i < 4; i++) {
+    int P = i % 2 ? 4 : 2, spread = i / 2;
+    const int64_t at = (c.T - 1) * s.K + 1; /* the last token: the last rank's */
+    const int32_t good = c.ids[at];
+    c.ids[at] = (int32_t)s.E;
+    mokk_cuda_set_spread(gpu, spread);
+    int rc = gpu_run_ranks(&c, P, MOKK_GRAD_BF16, 0, &o, err);
+    out_free(&o);
+    ck_assert_msg(rc == MOK_EEXPERT, "P=%d spread=%d: %d (%s)", P, spread, rc, err);
+    ck_assert_msg(strstr(err, "outside [0, E)") != NULL, "P=%d spread=%d: %s", P, spread, err);
+    c.ids[at] = good;
+    rc = gpu_run_ranks(&c, P, MOKK_GRAD_BF16, 0, &o, err);
+    mokk_cuda_set_spread(gpu, 0);
+    ck_assert_msg(rc == 0, "P=%d spread=%d, ids put right: %s", P, spread, err);
+    out_free(&o);
+  }
+  case_free(&c);
+}
+END_TEST
+
 /* The cases the rank processes of ep_daemon_bitwise rebuild, by index. */
 static const struct {
   mokk_shape s;
@@ -2032,6 +2064,7 @@ static Suite *gpu_suite(void)
   tc = tcase_create("ep_cuda");
   tcase_set_timeout(tc, 600);
   tcase_add_test(tc, ep_ranks_bitwise);
+  tcase_add_test(tc, ep_bad_expert_id);
   tcase_add_test(tc, ep_rank_devices);
   tcase_add_test(tc, ep_daemon_bitwise);
   tcase_add_test(tc, ep_daemon_two_gpus);
