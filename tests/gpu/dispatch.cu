@@ -17,16 +17,8 @@
 #include "bf16.h"
 #include "gemm.cuh"
 #include "layer.h"
+#include "cu_check.h"
 #include "route.h"
-
-#define CU(call)                                                                                  \
-  do {                                                                                            \
-    cudaError_t e_ = (call);                                                                      \
-    if (e_ != cudaSuccess) {                                                                      \
-      snprintf(msg, len, "%s: %s", #call, cudaGetErrorString(e_));                                \
-      goto out;                                                                                   \
-    }                                                                                             \
-  } while (0)
 
 #define POISON 0x5a5a5a5au
 

@@ -12,6 +12,7 @@
 
 #include "gemm.cuh"
 #include "layer.h"
+#include "cu_check.h"
 #include "route.h"
 
 /* ids for case c: mostly uniform over E; some cases put every pair on one
@@ -103,15 +104,6 @@ static int first_diff(const void *a, const void *b, int64_t n)
       return (int)i;
   return -1;
 }
-
-#define CU(call)                                                                                  \
-  do {                                                                                            \
-    cudaError_t e_ = (call);                                                                      \
-    if (e_ != cudaSuccess) {                                                                      \
-      snprintf(msg, len, "%s: %s", #call, cudaGetErrorString(e_));                                \
-      goto out;                                                                                   \
-    }                                                                                             \
-  } while (0)
 
 /* One case: 0 when the device's schedule is the host's, entry for entry. */
 static int one_case(int64_t TK, int E, int mode, size_t scratch_bytes, char *msg, size_t len)
