@@ -161,7 +161,8 @@ $(BUILD)/obj/%.o: %.cu $(wildcard kernels/cuda/*.cuh kernels/cuda/*.h kernels/cu
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVFLAGS) -c $< -o $@
 
-$(call obj,tests/gpu/check_gpu.c tests/bench/bench_gpu.c tests/bench/bench_gemm.c): CFLAGS += $(CHECK_CFLAGS) -Itests \
+$(call obj,tests/gpu/check_gpu.c tests/bench/bench_gpu.c tests/bench/bench_gemm.c \
+  tests/bench/trace.c): CFLAGS += $(CHECK_CFLAGS) -Itests \
 	-isystem $(CUDA_HOME)/include
 
 $(BUILD)/obj/tests/gpu/gemm_core.o $(BUILD)/obj/tests/gpu/schedule.o \
@@ -175,7 +176,7 @@ $(GPU_BIN): $(call obj,tests/gpu/check_gpu.c tests/ref.c kernels/devices.c) \
             $(BUILD)/obj/tests/gpu/gemm_core.o $(LIBMOK_A) $(LIBMOKK_CUDA) $(LIBMOKK) $(LIBCOMMON)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDSAN) -o $@ $^ $(CHECK_STATIC) -l:libprotobuf-c.a $(CUDA_LIBS) $(LDLIBS)
-$(GPU_BENCH): $(call obj,tests/bench/bench_gpu.c kernels/devices.c) \
+$(GPU_BENCH): $(call obj,tests/bench/bench_gpu.c tests/bench/trace.c kernels/devices.c) \
               $(BUILD)/obj/tests/bench/gpu_fill.o \
               $(LIBMOK_A) $(LIBMOKK_CUDA) $(LIBMOKK) $(LIBCOMMON)
 	$(CC) $(LDSAN) -o $@ $^ -l:libprotobuf-c.a $(CUDA_LIBS) $(LDLIBS)
