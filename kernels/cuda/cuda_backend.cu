@@ -274,9 +274,11 @@ int cuda_peer_ready(cuda_backend *cb, int device, char *err)
   pr->arch = 10 * major + minor;
   CUDA_CHECK_GOTO(cudaDeviceGetAttribute(&pr->sms, cudaDevAttrMultiProcessorCount, device), rc,
                   out);
-  if (pr->tile_ctr == NULL)
+  if (pr->tile_ctr == NULL) { /* zeroed once: each GEMM leaves it at zero */
     CUDA_CHECK_GOTO(cudaMalloc((void **)&pr->tile_ctr, MOKK_DEVICE_MAX_RANKS * sizeof(int)),
                     rc, out);
+    CUDA_CHECK_GOTO(cudaMemset(pr->tile_ctr, 0, MOKK_DEVICE_MAX_RANKS * sizeof(int)), rc, out);
+  }
   if (pr->tail_ev == NULL)
     CUDA_CHECK_GOTO(cudaEventCreateWithFlags(&pr->tail_ev, cudaEventDisableTiming), rc, out);
   /* last: its presence says the rest is made */
@@ -480,6 +482,8 @@ extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
   CUDA_CHECK_GOTO(cudaMemset(cb->status, 0, sizeof(int)), rc, fail);
   CUDA_CHECK_GOTO(cudaMalloc((void **)&cb->tile_ctr, (1 + MOKK_DEVICE_MAX_RANKS) * sizeof(int)),
                   rc, fail);
+  CUDA_CHECK_GOTO(cudaMemset(cb->tile_ctr, 0, (1 + MOKK_DEVICE_MAX_RANKS) * sizeof(int)), rc,
+                  fail); /* zeroed once: each GEMM leaves it at zero */
   /* keep freed step memory in the pool instead of returning it each time */
   CUDA_CHECK_GOTO(cudaDeviceGetDefaultMemPool(&pool, device), rc, fail);
   CUDA_CHECK_GOTO(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep), rc,

@@ -82,8 +82,9 @@ typedef struct gemm_args {
   void *maps;           /* grouped TN on the Hopper core: GEMM_TN_MAP_BYTES a group of
                          * device memory, 128-byte aligned, for its tensor maps */
   int *sched;           /* grouped NT on the Hopper core, single blocks: a device counter that
-                         * hands out tiles in order (the launch zeroes it); NULL: each
-                         * block takes every grid-th tile */
+                         * hands out tiles in order; zero when the GEMM starts, and again
+                         * when it ends (the last claim resets it): allocate it zeroed;
+                         * NULL: each block takes every grid-th tile */
   const int *gather;    /* the Hopper core only: the grouped operand's row r (A's in NT and
                          * NN, B's in TN) is row gather[r] / gather_div of the matrix in
                          * memory (the schedule's src: the pair's token), picked row by row

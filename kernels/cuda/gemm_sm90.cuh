@@ -51,6 +51,7 @@
 
 #include "gemm.cuh"
 #include "layer.h"
+#include "pdl.cuh"
 #include "sm90/ptx.cuh"
 #include "sm90/tma.h"
 #include "swiglu.h"
@@ -1133,6 +1134,8 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
   const int wg = threadIdx.x / 128;
 
   if (threadIdx.x == 0) {
+    tma_prefetch_map(&p.a); /* parameters: before the kernel ahead has finished */
+    tma_prefetch_map(&p.b);
     for (int s = 0; s < STAGES; s++) {
       bar_init(&full[s], GA ? 1 + 32 : 1); /* GA: and each gathering lane's */
       /* one arrival per warp that reads the stage, in both blocks of a cluster */
@@ -1148,6 +1151,7 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
     cluster_sync();
   else
     __syncthreads();
+  pdl_enter(); /* the set-up above overlaps the kernel ahead; memory from here */
   const int64_t tiles = tile_count<LAYOUT, BN, BM>(a);
 
   if (wg == 0) {
@@ -1156,10 +1160,6 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
     const int lane = threadIdx.x;
     if (lane >= (GA ? 32 : 1))
       return;
-    if (lane == 0) {
-      tma_prefetch_map(&p.a);
-      tma_prefetch_map(&p.b);
-    }
     const int rank = CL == 2 ? (int)cluster_rank() : 0;
     const CUtensorMap *ma = &p.a, *mb = &p.b; /* TN: the current group's */
     int mg = -1;
@@ -1220,6 +1220,8 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
       }
       if (dyn) {
         int next = lane == 0 ? atomicAdd(a.sched, 1) : 0;
+        if (lane == 0 && next == units - 1) /* the last claim: zero for the next GEMM */
+          atomicExch(a.sched, 0);
         if constexpr (GA)
           next = __shfl_sync(0xffffffffu, next, 0);
         u = next;
@@ -1324,6 +1326,7 @@ static int make_params(params *p, const gemm_args *a, int64_t a_rows, char *err)
 static __global__ void k_tn_maps(const __grid_constant__ params p, int64_t rows)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  pdl_enter(); /* the maps may still be in use by the GEMM ahead */
   int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= 2 * p.g.groups)
     return;
@@ -1356,37 +1359,35 @@ static int gemm(const gemm_args *a, int64_t a_rows, int grid, cudaStream_t strea
   if (rc)
     return rc;
   cudaError_t e = cudaSuccess;
-  if (!dynamic_order<LAYOUT, EPI, PP, CL>() || a->count == NULL) /* dense GEMMs: static order */
+  /* dense GEMMs: static order. The counter is zero between GEMMs: the block
+   * that makes the last claim puts it back (k_gemm90), so no memset stands
+   * between this launch and the kernel ahead (pdl.cuh) */
+  if (!dynamic_order<LAYOUT, EPI, PP, CL>() || a->count == NULL)
     p.g.sched = NULL;
-  if (p.g.sched != NULL && (e = cudaMemsetAsync(p.g.sched, 0, sizeof(int), stream)) != cudaSuccess)
-    return mokk_fail(err, MOK_EDEVICE, "GEMM tile counter: %s (%s)", cudaGetErrorString(e),
-                     cudaGetErrorName(e));
   const int smem = cfg<BN, BM, PP, stores_tiles<EPI>(), RIDE>::SMEM;
   void (*kernel)(params) = k_gemm90<LAYOUT, EPI, BN, PP, BM, CL, RIDE, GA>;
   if (LAYOUT == L_TN && a->count != NULL && a->groups > 0) {
-    k_tn_maps<<<(2 * a->groups + 127) / 128, 128, 0, stream>>>(p, a_rows);
-    if ((e = cudaGetLastError()) != cudaSuccess)
+    e = pdl_launch(k_tn_maps, (2 * a->groups + 127) / 128, 128, 0, stream, p, a_rows);
+    if (e != cudaSuccess)
       return mokk_fail(err, MOK_EDEVICE, "weight-gradient tensor maps: %s (%s)",
                        cudaGetErrorString(e), cudaGetErrorName(e));
   }
   e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if constexpr (CL == 1) {
-    if (e == cudaSuccess) {
-      kernel<<<grid, THREADS, smem, stream>>>(p);
-      e = cudaGetLastError();
-    }
+    if (e == cudaSuccess)
+      e = pdl_launch(kernel, grid, THREADS, smem, stream, p);
   } else if (e == cudaSuccess) {
     cudaLaunchConfig_t lc = {};
-    cudaLaunchAttribute at = {};
-    at.id = cudaLaunchAttributeClusterDimension;
-    at.val.clusterDim.x = CL;
-    at.val.clusterDim.y = 1;
-    at.val.clusterDim.z = 1;
+    cudaLaunchAttribute at[2] = {{}, pdl_attr()};
+    at[0].id = cudaLaunchAttributeClusterDimension;
+    at[0].val.clusterDim.x = CL;
+    at[0].val.clusterDim.y = 1;
+    at[0].val.clusterDim.z = 1;
     lc.blockDim = dim3(THREADS);
     lc.dynamicSmemBytes = smem;
     lc.stream = stream;
-    lc.attrs = &at;
-    lc.numAttrs = 1;
+    lc.attrs = at;
+    lc.numAttrs = pdl_on() ? 2 : 1;
     lc.gridDim = dim3(CL * 64);
     int fit = 0;
     if (cudaOccupancyMaxActiveClusters(&fit, kernel, &lc) != cudaSuccess || fit < 1) {

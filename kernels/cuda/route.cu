@@ -9,6 +9,7 @@
 
 #include "gemm.cuh"
 #include "layer.h"
+#include "pdl.cuh"
 #include "route.h"
 
 /* ---- schedule ------------------------------------------------------------ */
@@ -59,6 +60,7 @@ __device__ __forceinline__ unsigned lanes_below(int lane)
 __global__ void k_hist(const int32_t *ids, int64_t TK, int E, int64_t ch, int32_t *own,
                        int *slot, int *status, int *hist)
 {
+  pdl_enter(); /* pdl.cuh: nothing global before it */
   const int lane = threadIdx.x;
   int *row = hist + (int64_t)blockIdx.x * E;
   const int64_t p0 = blockIdx.x * ch, p1 = min(TK, p0 + ch);
@@ -91,6 +93,7 @@ __global__ void k_hist(const int32_t *ids, int64_t TK, int E, int64_t ch, int32_
  * SCHED_CHUNKS / 32 chunks), and count[e] the column's total. */
 __global__ void __launch_bounds__(1024) k_colscan(int *hist, int chunks, int E, int *count)
 {
+  pdl_enter(); /* pdl.cuh: nothing global before it */
   constexpr int PER = SCHED_CHUNKS / 32;
   __shared__ int part[32][33];
   const int lane = threadIdx.x & 31, j = threadIdx.x >> 5, e = blockIdx.x * 32 + lane;
@@ -146,6 +149,7 @@ __device__ __forceinline__ int4 add4(int4 a, int4 b)
 __global__ void __launch_bounds__(1024) k_offsets(const int *count, int E, int *row_start,
                                                   int *tile_off)
 {
+  pdl_enter(); /* pdl.cuh: nothing global before it */
   __shared__ int4 warp_sum[32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int per = (E + blockDim.x - 1) / blockDim.x, e0 = threadIdx.x * per,
@@ -192,6 +196,7 @@ __global__ void __launch_bounds__(1024) k_offsets(const int *count, int E, int *
 __global__ void k_place(const int32_t *own, const float *tw, int64_t TK, int E, int64_t ch,
                         int *hist, const int *row_start, int *slot, int *src, float *row_w)
 {
+  pdl_enter(); /* pdl.cuh: nothing global before it */
   const int lane = threadIdx.x;
   int *row = hist + (int64_t)blockIdx.x * E;
   const int64_t p0 = blockIdx.x * ch, p1 = min(TK, p0 + ch);
@@ -273,6 +278,7 @@ __global__ void __launch_bounds__(GATHER_THREADS)
 k_gather(route_rows x, const int *src, const int *lo, const int *hi, int K, int64_t H,
          bf16 *__restrict__ xr)
 {
+  pdl_enter(); /* pdl.cuh: nothing global before it */
   const int first = lo != NULL ? *lo : 0, rows = *hi, n = (int)(H / 8);
   for (int row = first + blockIdx.x; row < rows; row += gridDim.x) {
     int64_t t = src[row] / K;
@@ -300,6 +306,7 @@ __global__ void __launch_bounds__(GATHER_THREADS)
 k_gather_dy(route_rows d_out, const int *src, const int *lo, const int *hi, int K, int64_t H,
             const float *row_w, bf16 *__restrict__ dy, route_owners y, route_pairs dtw)
 {
+  pdl_enter(); /* pdl.cuh: nothing global before it */
   __shared__ float part[8];
   const int first = lo != NULL ? *lo : 0, rows = *hi, n = (int)(H / 8);
   const bool dot = dtw.p[0] != NULL;
@@ -367,6 +374,7 @@ template <typename V, typename X>
 __global__ void k_combine(route_owners v, const int *slot, const float *tw, const X *extra,
                           int64_t T, int K, int64_t H, bf16 *out)
 {
+  pdl_enter(); /* pdl.cuh: nothing global before it */
   for (int64_t t = blockIdx.x; t < T; t += gridDim.x)
     for (int64_t c = threadIdx.x * 8; c < H; c += blockDim.x * 8) {
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, x[8];
@@ -400,6 +408,7 @@ __global__ void __launch_bounds__(GATHER_THREADS)
 k_dtw(const bf16 *d_out, route_owners y, const int *slot, int64_t TK, int K, int64_t H,
       float *dtw)
 {
+  pdl_enter(); /* pdl.cuh: nothing global before it */
   __shared__ float part[8];
   const int n = (int)(H / 8);
   int odd = 0;
@@ -431,40 +440,42 @@ void route_schedule(cudaStream_t st, const int32_t *ids, const float *tw, int64_
   int64_t ch;
   int chunks;
   sched_split(TK, E, scratch_bytes, &ch, &chunks);
-  k_hist<<<chunks, 32, 0, st>>>(ids, TK, E, ch, own_ids, slot, status, (int *)scratch);
-  k_colscan<<<(E + 31) / 32, 1024, 0, st>>>((int *)scratch, chunks, E, count);
-  k_offsets<<<1, 1024, 0, st>>>(count, E, row_start, tile_off);
-  k_place<<<chunks, 32, 0, st>>>(own_ids, tw, TK, E, ch, (int *)scratch, row_start, slot,
-                                  src, row_w);
+  pdl_launch(k_hist, chunks, 32, 0, st, ids, TK, E, ch, own_ids, slot, status, (int *)scratch);
+  pdl_launch(k_colscan, (E + 31) / 32, 1024, 0, st, (int *)scratch, chunks, E, count);
+  pdl_launch(k_offsets, 1, 1024, 0, st, (const int *)count, E, row_start, tile_off);
+  pdl_launch(k_place, chunks, 32, 0, st, (const int32_t *)own_ids, tw, TK, E, ch, (int *)scratch,
+             (const int *)row_start, slot, src, row_w);
 }
 
 void route_gather(cudaStream_t st, int grid, route_rows x, const int *src, const int *lo,
                   const int *hi, int K, int64_t H, bf16 *xr)
 {
-  k_gather<<<grid, GATHER_THREADS, 0, st>>>(x, src, lo, hi, K, H, xr);
+  pdl_launch(k_gather, grid, GATHER_THREADS, 0, st, x, src, lo, hi, K, H, xr);
 }
 
 void route_gather_dy(cudaStream_t st, int grid, route_rows d_out, const int *src,
                      const int *lo, const int *hi, int K, int64_t H, const float *row_w,
                      bf16 *dy, route_owners y, route_pairs dtw)
 {
-  k_gather_dy<<<grid, GATHER_THREADS, 0, st>>>(d_out, src, lo, hi, K, H, row_w, dy, y, dtw);
+  pdl_launch(k_gather_dy, grid, GATHER_THREADS, 0, st, d_out, src, lo, hi, K, H, row_w, dy, y,
+             dtw);
 }
 
 void route_combine_out(cudaStream_t st, int grid, route_owners y, const int *slot,
                        const float *tw, const bf16 *ys, int64_t T, int K, int64_t H, bf16 *out)
 {
-  k_combine<bf16><<<grid, 256, 0, st>>>(y, slot, tw, ys, T, K, H, out);
+  pdl_launch(k_combine<bf16, bf16>, grid, 256, 0, st, y, slot, tw, ys, T, K, H, out);
 }
 
 void route_combine_dx(cudaStream_t st, int grid, route_owners dxr, const int *slot,
                       const float *dxs, int64_t T, int K, int64_t H, bf16 *dx)
 {
-  k_combine<float><<<grid, 256, 0, st>>>(dxr, slot, (const float *)NULL, dxs, T, K, H, dx);
+  pdl_launch(k_combine<float, float>, grid, 256, 0, st, dxr, slot, (const float *)NULL, dxs, T,
+             K, H, dx);
 }
 
 void route_dtw(cudaStream_t st, int grid, const bf16 *d_out, route_owners y, const int *slot,
                int64_t TK, int K, int64_t H, float *dtw)
 {
-  k_dtw<<<grid, GATHER_THREADS, 0, st>>>(d_out, y, slot, TK, K, H, dtw);
+  pdl_launch(k_dtw, grid, GATHER_THREADS, 0, st, d_out, y, slot, TK, K, H, dtw);
 }

@@ -125,8 +125,10 @@ static void grouping_make(grouping *gp, bool dynamic)
   cudaMemcpy(gp->d_row_start, gp->row_start, sizeof gp->row_start, cudaMemcpyHostToDevice);
   cudaMemcpy(gp->d_tile_off, gp->tile_off, sizeof gp->tile_off, cudaMemcpyHostToDevice);
   cudaMalloc(&gp->d_maps, (size_t)gp->groups * GEMM_TN_MAP_BYTES);
-  if (dynamic)
+  if (dynamic) { /* zero, as gemm_args.sched wants it */
     cudaMalloc(&gp->d_sched, sizeof(int));
+    cudaMemset(gp->d_sched, 0, sizeof(int));
+  }
 }
 
 static void grouping_free(grouping *gp)
