@@ -59,6 +59,13 @@ static void add(uint64_t start, uint64_t end, const char *what)
   snprintf(s->what, sizeof s->what, "%s", what != NULL ? what : "?");
 }
 
+static void add_bytes(uint64_t start, uint64_t end, const char *op, uint64_t bytes)
+{
+  char what[48];
+  snprintf(what, sizeof what, "%s %llu B", op, (unsigned long long)bytes);
+  add(start, end, what);
+}
+
 static void CUPTIAPI buffer_done(CUcontext ctx, uint32_t stream, uint8_t *buf, size_t size,
                                  size_t valid)
 {
@@ -70,14 +77,10 @@ static void CUPTIAPI buffer_done(CUcontext ctx, uint32_t stream, uint8_t *buf, s
       add(k->start, k->end, k->name);
     } else if (r->kind == CUPTI_ACTIVITY_KIND_MEMSET) {
       const CUpti_ActivityMemset4 *m = (const CUpti_ActivityMemset4 *)r;
-      char what[48];
-      snprintf(what, sizeof what, "memset %llu B", (unsigned long long)m->bytes);
-      add(m->start, m->end, what);
+      add_bytes(m->start, m->end, "memset", m->bytes);
     } else if (r->kind == CUPTI_ACTIVITY_KIND_MEMCPY) {
       const CUpti_ActivityMemcpy6 *m = (const CUpti_ActivityMemcpy6 *)r;
-      char what[48];
-      snprintf(what, sizeof what, "memcpy %llu B", (unsigned long long)m->bytes);
-      add(m->start, m->end, what);
+      add_bytes(m->start, m->end, "memcpy", m->bytes);
     }
   }
   free(buf);

@@ -15,9 +15,9 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "cu_check.h"
 #include "gemm.cuh"
 #include "layer.h"
-#include "cu_check.h"
 #include "route.h"
 
 #define POISON 0x5a5a5a5au

@@ -10,9 +10,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cu_check.h"
 #include "gemm.cuh"
 #include "layer.h"
-#include "cu_check.h"
 #include "route.h"
 
 /* ids for case c: mostly uniform over E; some cases put every pair on one
