@@ -450,10 +450,13 @@ extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
   if (order != NULL && strcmp(order, "dynamic") != 0 && strcmp(order, "static") != 0)
     return mokk_fail(err, MOK_EINVAL, "MOKD_GEMM_ORDER: \"%s\" is not dynamic or static",
                      order);
-  /* and riding tails (on by default) against tails on m-tiles of their own */
+  /* and riding tails (on by default, split where that pays) against tails
+   * split or whole everywhere, or on m-tiles of their own */
   const char *ride = getenv("MOKD_GEMM_RIDE");
-  if (ride != NULL && strcmp(ride, "0") != 0 && strcmp(ride, "1") != 0)
-    return mokk_fail(err, MOK_EINVAL, "MOKD_GEMM_RIDE: \"%s\" is not 0 or 1", ride);
+  if (ride != NULL && strcmp(ride, "0") != 0 && strcmp(ride, "1") != 0 &&
+      strcmp(ride, "split") != 0 && strcmp(ride, "whole") != 0)
+    return mokk_fail(err, MOK_EINVAL, "MOKD_GEMM_RIDE: \"%s\" is not 0, 1, split or whole",
+                     ride);
   /* and rows picked out of x by the gate/up GEMMs against a gather pass (the
    * default: PERF.md v12) */
   const char *gather = getenv("MOKD_GEMM_GATHER");
@@ -469,7 +472,10 @@ extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
   cb->clusters = clusters == NULL || strcmp(clusters, "1") == 0;
   cb->spread = spread != NULL && strcmp(spread, "1") == 0;
   cb->dynamic = order == NULL || strcmp(order, "dynamic") == 0;
-  cb->ride = ride == NULL || strcmp(ride, "1") == 0;
+  cb->ride = ride == NULL || strcmp(ride, "1") == 0 ? MOKK_RIDE_AUTO
+             : strcmp(ride, "split") == 0        ? MOKK_RIDE_SPLIT
+             : strcmp(ride, "whole") == 0        ? MOKK_RIDE_WHOLE
+                                                 : MOKK_RIDE_OFF;
   cb->gather = gather != NULL && strcmp(gather, "1") == 0;
   cb->base.iface = &cuda_iface;
   cb->base.device = device;
@@ -510,9 +516,11 @@ extern "C" void mokk_cuda_set_dynamic_tiles(mokk_backend *b, int on)
   ((cuda_backend *)b)->dynamic = on != 0;
 }
 
-extern "C" void mokk_cuda_set_ride(mokk_backend *b, int on)
+extern "C" void mokk_cuda_set_ride(mokk_backend *b, int mode)
 {
-  ((cuda_backend *)b)->ride = on != 0;
+  ((cuda_backend *)b)->ride = mode == MOKK_RIDE_SPLIT || mode == MOKK_RIDE_WHOLE ? mode
+                              : mode != 0                                        ? MOKK_RIDE_AUTO
+                                                                                 : MOKK_RIDE_OFF;
 }
 
 extern "C" void mokk_cuda_set_gather(mokk_backend *b, int on)

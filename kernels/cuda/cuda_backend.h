@@ -43,9 +43,13 @@ void mokk_cuda_set_spread(mokk_backend *b, int on);
  * the default) or every grid-th tile each (0); the results do not depend
  * on it. */
 void mokk_cuda_set_dynamic_tiles(mokk_backend *b, int on);
-/* Tails of experts' rows ride on their last full m-tile (on by default,
- * MOKD_GEMM_RIDE); off: each tail takes an m-tile of its own. Same bits. */
-void mokk_cuda_set_ride(mokk_backend *b, int on);
+/* Tails of experts' rows ride on full m-tiles (MOKD_GEMM_RIDE): split over
+ * an expert's last two m-tiles in the forward's gate/up GEMM and whole on
+ * the last one elsewhere (MOKK_RIDE_AUTO, the default), split everywhere
+ * (MOKK_RIDE_SPLIT), whole everywhere (MOKK_RIDE_WHOLE), or off (0: each
+ * tail takes an m-tile of its own). Same bits. */
+enum { MOKK_RIDE_OFF = 0, MOKK_RIDE_AUTO = 1, MOKK_RIDE_SPLIT = 2, MOKK_RIDE_WHOLE = 3 };
+void mokk_cuda_set_ride(mokk_backend *b, int mode);
 /* The gate/up GEMMs (forward and weight gradient) pick each pair's row out
  * of x (on != 0, MOKD_GEMM_GATHER=1; Hopper), or a gather pass copies the
  * rows first and the context keeps them (0, the default: the faster, so

@@ -131,6 +131,8 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
   if (cb->arch == 90) {
     gemm_args order = *a; /* the tile order: the stream's counter, or static */
     order.sched = cb->dynamic ? cb->tile_ctr : NULL;
+    order.ride_whole = cb->ride == MOKK_RIDE_WHOLE ||
+                       (cb->ride == MOKK_RIDE_AUTO && (LAYOUT != L_NT || EPI != E_GATEUP));
     a = &order;
     int grid = grid_for(cb, gemm_tiles(a, LAYOUT), 1);
     /* over the whole schedule, so that a rank's slice of the experts takes
@@ -167,7 +169,11 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
        * gate/up 7.658 / 7.107, down 3.661 / 3.440, d_x 7.234 / 6.699; mid
        * (2048 rows) gate/up 5.291 / 5.802, d_x 4.891 / 5.115. d_h never:
        * its tail epilogue reads g and u one value at a time (dsv3 4.974 /
-       * 6.234). MOKD_GEMM_RIDE=0: off.
+       * 6.234). MOKD_GEMM_RIDE=0: off. In gate/up the tail splits
+       * between an expert's last two m-tiles (gemm_args.ride_whole;
+       * gemm_sm90.cuh, riding tails): dsv3's forward, H100, two rounds,
+       * 14.079, 14.090 ms whole against 13.071, 13.108 split;
+       * MOKD_GEMM_RIDE=split or whole: everywhere.
        * The forward's GEMMs then run on single blocks, which take their
        * tiles in order from the counter: bench_gpu, three rounds, forward ms
        * on clusters / single blocks, both with rides: dsv3 13.952, 13.853,

@@ -39,7 +39,7 @@ typedef struct cuda_backend {
   int tiles;            /* MOKK_TILES_*: MOKD_GEMM_TILES, auto unless measuring */
   int clusters;         /* grouped NT/NN GEMMs on clusters of two (MOKD_GEMM_CLUSTERS) */
   int dynamic;          /* grouped NT GEMMs take tiles from a counter (MOKD_GEMM_ORDER) */
-  int ride;             /* experts' short tails ride on their last full m-tile (MOKD_GEMM_RIDE) */
+  int ride;             /* experts' short tails ride on full m-tiles: MOKK_RIDE_* (MOKD_GEMM_RIDE) */
   int gather;           /* gate/up GEMMs pick rows out of x (MOKD_GEMM_GATHER) */
   cudaStream_t stream;
   int *status;          /* device: bit 0 = an expert id out of range */

@@ -70,6 +70,8 @@ typedef struct gemm_args {
   const int *tile_off_ride; /* the same for m-tiles of 128 rows where a tail of at most
                              * MOKK_RIDE_ROWS rows past a group's last full m-tile rides on
                              * it (the Hopper core's cooperative tiles); NULL: no rides */
+  int ride_whole;       /* riding tails: the whole tail on the group's last m-tile, rather
+                         * than half on each of its last two (gemm_sm90.cuh) */
   int tiles_max;        /* worst-case m-tiles (NT, NN) */
   int groups_all;       /* groups of the whole schedule (every EP rank's experts) */
   void *C, *C2;

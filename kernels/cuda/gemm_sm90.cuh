@@ -106,7 +106,8 @@ enum { SHARE_NONE, SHARE_A, SHARE_B };
 typedef struct tile {
   int g, mt, nt;
   int rows;   /* NT, NN: valid rows of the group; TN: the group's reduction length */
-  int tail;   /* NT, NN: rows past the tile riding on it (gemm_args.tile_off_ride), else 0 */
+  int tail;   /* NT, NN: rows riding on the tile (gemm_args.tile_off_ride), else 0 */
+  int ride0;  /* their first row, from the group's first */
   int64_t rb; /* first row of the group */
   int share;  /* clusters: the operand this tile has in common with the other block's */
 } tile;
@@ -127,7 +128,7 @@ __device__ __forceinline__ tile tile_at(const gemm_args &a, int64_t t)
 {
   tile x;
   int ntn = (a.N + BN - 1) / BN, mtn = (a.M + BM - 1) / BM;
-  x.tail = 0; /* NT, NN grouped: set below */
+  x.tail = x.ride0 = 0; /* NT, NN grouped: set below */
 
   if (LAYOUT == L_TN) {
     int64_t per = (int64_t)mtn * ntn;
@@ -154,9 +155,16 @@ __device__ __forceinline__ tile tile_at(const gemm_args &a, int64_t t)
     x.rows = a.count[lo];
     x.rb = a.row_start[lo];
     /* the rows past the group's last m-tile: none unless the m-tiles were
-     * counted with riding tails */
-    if (x.mt == mtg - 1)
-      x.tail = max(0, x.rows - mtg * BM);
+     * counted with riding tails. They ride on the last m-tile of a group of
+     * one, else half on each of the last two (riding tails, below). */
+    int tail = x.rows - mtg * BM, half = (tail + 1) / 2;
+    if (tail > 0 && (mtg == 1 || a.ride_whole)) {
+      if (x.mt == mtg - 1)
+        x.tail = tail, x.ride0 = mtg * BM;
+    } else if (tail > 0 && x.mt == mtg - 2)
+      x.tail = half, x.ride0 = mtg * BM;
+    else if (tail > 0 && x.mt == mtg - 1)
+      x.tail = tail - half, x.ride0 = mtg * BM + half;
   } else {
     int64_t band = t / ((int64_t)RASTER_M * ntn);
     int m0 = (int)band * RASTER_M, mb = min(RASTER_M, mtn - m0);
@@ -324,7 +332,7 @@ __device__ __forceinline__ void load_stage(const params &p, const tile &x, int k
         tma_load_mc(sa + c * CHUNK, &p.a, k, r, 0, bar, 3);
     }
     if (RIDE && !GA && x.tail > 0) /* each block its own: a pair's other tile may have none */
-      tma_load(sa + BM * 128, &p.at, k, (int)x.rb + (x.mt + 1) * BM, 0, bar);
+      tma_load(sa + BM * 128, &p.at, k, (int)x.rb + x.ride0, 0, bar);
     if (LAYOUT == L_NT) { /* B [groups, N, K], K-major */
       if (EPI == E_GATEUP || CL == 2) { /* two boxes of BN / 2 rows */
 #pragma unroll
@@ -393,7 +401,7 @@ __device__ __forceinline__ void gather_rows(const gemm_args &a, const tile &x, i
     t[i] = r < x.rows ? a.gather[x.rb + r] / a.gather_div : -1;
   }
   if constexpr (RIDE)
-    t[BM / 32] = lane < x.tail ? a.gather[x.rb + (x.mt + 1) * BM + lane] / a.gather_div : -1;
+    t[BM / 32] = lane < x.tail ? a.gather[x.rb + x.ride0 + lane] / a.gather_div : -1;
 }
 
 /* NT, NN: k-block kb of those rows into the A stage at sa (the tail's after
@@ -511,22 +519,33 @@ __device__ __forceinline__ void mma_run_tn(float (&acc0)[BN / 2], float (&acc1)[
  * 128. Such a tail on an m-tile of its own costs most of a full tile: the
  * tile streams the same weight tiles for 8 rows as for 128 (bench_gemm,
  * gate/up shape, wide2: 256 rows an expert 6.758 ms, 264 rows 9.143). So a
- * tail of up to MOKK_RIDE_ROWS rows rides on the expert's last full m-tile
+ * tail of up to MOKK_RIDE_ROWS rows rides on full m-tiles of the expert
  * instead (the m-tiles of gemm_args.tile_off_ride): its rows come with each
  * A stage, and each warpgroup multiplies them by the stage's B tile, which
  * is already in shared memory, with the operands swapped: the B tile's 64-row
  * blocks cw and cw + 2 (the gate and the up block of the same columns, for
- * E_GATEUP) as wgmma's A, the tail as its B (N = 32). A riding row's dot
- * products are the same products summed over the same k steps as in a tile
- * of its own; the ride_invariance test holds their bits to that. */
+ * E_GATEUP) as wgmma's A, the tail as its B (N = 16 or 32). A riding row's
+ * dot products are the same products summed over the same k steps as in a
+ * tile of its own; the ride_invariance test holds their bits to that.
+ * Unless gemm_args.ride_whole, an expert of two m-tiles or more splits its
+ * tail between the last two, each taking at most 16 rows (tile_at). With
+ * the whole tail on one tile, that tile ran up to a quarter longer than the
+ * other, which reads the same weight tiles: on single blocks the two
+ * drifted apart by more than the L2 keeps of the weights streaming through
+ * it, and the slower one read its last k-blocks from memory again (dsv3's
+ * gate/up, H100, Nsight Compute: 21.6 GB read and 7.87 ms whole, 16.8 GB
+ * and 6.85 ms split). Where the k loop is short (down) or a cluster's pair
+ * walks in lockstep anyway (d_x), two small products cost more than one
+ * (3.47 against 3.62 ms, 7.09 against 7.18): those stay whole (cuda_moe.cu). */
 
-/* One stage of a tile with a riding tail: the tile's MMAs into acc, then the
- * tail's into t0 (B block cw) and t1 (B block cw + 2), one straight run. The
- * tail's rows sit after the tile's 128 in the A stage. TB: B is MN-major
- * (NN), and so the tail's A operand is. */
-template <int TB, int BN>
-__device__ __forceinline__ void mma_run_ride(float (&acc)[BN / 2], float (&t0)[16],
-                                             float (&t1)[16], uint32_t sa, uint32_t sb, int cw)
+/* One stage of a tile with a riding tail of at most NR rows: the tile's MMAs
+ * into acc, then the tail's into t0 (B block cw) and t1 (B block cw + 2),
+ * one straight run. The tail's rows sit after the tile's 128 in the A stage.
+ * TB: B is MN-major (NN), and so the tail's A operand is. */
+template <int TB, int BN, int NR>
+__device__ __forceinline__ void mma_run_ride(float (&acc)[BN / 2], float (&t0)[NR / 2],
+                                             float (&t1)[NR / 2], uint32_t sa, uint32_t sb,
+                                             int cw)
 {
   acc_fence(acc);
   acc_fence(t0);
@@ -541,8 +560,8 @@ __device__ __forceinline__ void mma_run_ride(float (&acc)[BN / 2], float (&t0)[1
                      : wgmma_desc(sb + cw * CHUNK + kk * 32, 16, 1024);
     uint64_t d1 = TB ? wgmma_desc(sb + (cw + 2) * CHUNK + kk * 2048, CHUNK, 1024)
                      : wgmma_desc(sb + (cw + 2) * CHUNK + kk * 32, 16, 1024);
-    wgmma_32<TB, 0>(t0, d0, dt, 1);
-    wgmma_32<TB, 0>(t1, d1, dt, 1);
+    wgmma_ride<NR, TB, 0>(t0, d0, dt, 1);
+    wgmma_ride<NR, TB, 0>(t1, d1, dt, 1);
   }
   wgmma_commit();
   wgmma_wait<1>();
@@ -789,18 +808,19 @@ __device__ __forceinline__ void epilogue(const gemm_args &a, const tile &x, floa
  * t0 and t1, columns 64 cw + 16 w + l / 4 + {0, 8} of the tile's B blocks cw
  * and cw + 2, for tail rows 8 j + 2 (l % 4) + {0, 1}: t[4 j + 2 r + c]. Each
  * value goes out as the epilogue of a tile of its own would write it. */
-template <int EPI, int BN, int BM>
+template <int EPI, int BN, int NR>
 __device__ __forceinline__ void epilogue_ride(const gemm_args &a, const tile &x,
-                                              const float (&t0)[16], const float (&t1)[16],
-                                              int cw, int warp, int lane)
+                                              const float (&t0)[NR / 2],
+                                              const float (&t1)[NR / 2], int cw, int warp,
+                                              int lane)
 {
   static_assert(EPI != E_DH, "d_h does not ride (cuda_moe.cu, gemm)");
-  const int64_t row0 = x.rb + (int64_t)(x.mt + 1) * BM;
+  const int64_t row0 = x.rb + x.ride0;
 #pragma unroll
   for (int r = 0; r < 2; r++) {
     const int col = 16 * warp + lane / 4 + 8 * r;
 #pragma unroll
-    for (int j = 0; j < 4; j++)
+    for (int j = 0; j < NR / 8; j++)
 #pragma unroll
       for (int c = 0; c < 2; c++) {
         const int tr = 8 * j + 2 * (lane & 3) + c;
@@ -940,6 +960,36 @@ __device__ __forceinline__ void stage_done(uint64_t *empty, int &prev, int &s, u
   stage_next<STAGES>(s, ph);
 }
 
+/* The k loop and epilogue of a tile with a riding tail of at most NR rows: a
+ * loop of its own, so that the tail's accumulators live only here and the
+ * other tiles' loop stays what it is without rides. */
+template <int LAYOUT, int EPI, int BN, int BM, int CL, int STAGES, int A_BYTES, int B_BYTES,
+          int NR, bool GA>
+__device__ __forceinline__ void ride_tile(const gemm_args &a, const tile &x, int nk,
+                                          float (&acc0)[BN / 2], uint32_t sa0, uint32_t sb0,
+                                          uint64_t *full, uint64_t *empty, int &s, uint32_t &ph,
+                                          int &prev, int b0, int cw, int warp, int lane,
+                                          int rank)
+{
+  constexpr int TB = LAYOUT != L_NT;
+  float t0[NR / 2], t1[NR / 2];
+#pragma unroll
+  for (int i = 0; i < NR / 2; i++)
+    t0[i] = t1[i] = 0.0f;
+  for (int kb = 0; kb < nk; kb++) {
+    stage_wait<GA>(full, s, ph);
+    mma_run_ride<TB, BN, NR>(acc0, t0, t1, sa0 + s * A_BYTES, sb0 + s * B_BYTES, cw);
+    stage_done<CL, STAGES>(empty, prev, s, ph, lane, rank);
+  }
+  wgmma_wait<0>();
+  acc_fence(acc0);
+  acc_fence(t0);
+  acc_fence(t1);
+  stage_release<CL>(empty, prev, lane, rank);
+  epilogue<LAYOUT, EPI, BN, BM>(a, x, acc0, b0, warp, lane);
+  epilogue_ride<EPI, BN, NR>(a, x, t0, t1, cw, warp, lane);
+}
+
 /* The cooperative consumer: both warpgroups on one BM x BN tile, BM / 2 rows
  * each, as one (BM = 128) or two (BM = 256) 64-row blocks. */
 template <int LAYOUT, int EPI, int BN, int BM, int CL, bool RIDE, bool GA>
@@ -987,25 +1037,14 @@ __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsi
      * kb - 1's are waited for and its stage handed back */
     int prev = -1;
     if constexpr (RIDE) {
+      if (x.tail > 16) {
+        ride_tile<LAYOUT, EPI, BN, BM, CL, STAGES, A_BYTES, B_BYTES, 32, GA>(
+            a, x, nk, acc0, sa0, sb0, full, empty, s, ph, prev, b0, cw, warp, lane, rank);
+        continue;
+      }
       if (x.tail > 0) {
-        /* a loop of its own: the tail's accumulators live only here, and the
-         * other tiles' loop stays what it is without rides */
-        float t0[16], t1[16];
-#pragma unroll
-        for (int i = 0; i < 16; i++)
-          t0[i] = t1[i] = 0.0f;
-        for (int kb = 0; kb < nk; kb++) {
-          stage_wait<GA>(full, s, ph);
-          mma_run_ride<TB, BN>(acc0, t0, t1, sa0 + s * A_BYTES, sb0 + s * B_BYTES, cw);
-          stage_done<CL, STAGES>(empty, prev, s, ph, lane, rank);
-        }
-        wgmma_wait<0>();
-        acc_fence(acc0);
-        acc_fence(t0);
-        acc_fence(t1);
-        stage_release<CL>(empty, prev, lane, rank);
-        epilogue<LAYOUT, EPI, BN, BM>(a, x, acc0, b0, warp, lane);
-        epilogue_ride<EPI, BN, BM>(a, x, t0, t1, cw, warp, lane);
+        ride_tile<LAYOUT, EPI, BN, BM, CL, STAGES, A_BYTES, B_BYTES, 16, GA>(
+            a, x, nk, acc0, sa0, sb0, full, empty, s, ph, prev, b0, cw, warp, lane, rank);
         continue;
       }
     }

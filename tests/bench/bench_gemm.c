@@ -8,8 +8,8 @@
 
 #include "gpu/gemm_core.h"
 
-static const char *VNAME[GEMM_VARIANTS] = {"coop128", "coop256", "pingpong", "tall",
-                                            "wide2",   "tall2", "wide2r"};
+static const char *VNAME[GEMM_VARIANTS] = {"coop128", "coop256", "pingpong", "tall",  "wide2",
+                                            "tall2",   "wide2r",  "wide1r",   "wide1w"};
 
 static const int SHAPES[][3] = {{8192, 4096, 7168}, {8192, 7168, 2048}, {8192, 8192, 8192}};
 #define NSHAPES (int)(sizeof SHAPES / sizeof SHAPES[0])
@@ -101,11 +101,13 @@ int main(int argc, char **argv)
     }
   }
   /* grouped forward GEMMs as the layer computes them: 256 and 2048 rows an
-   * expert; then what a ragged tail costs: 264 rows (two full 128-row
-   * m-tiles and one of 8 rows), 320 (a tail of one warpgroup's 64 rows) and
-   * 192 (one full m-tile, one half) */
+   * expert; then what a ragged tail costs: 264, 272 and 288 rows (two full
+   * 128-row m-tiles and a tail of 8, 16 or 32 rows, which rides in the
+   * riding variants), 320 (a tail of one warpgroup's 64 rows) and 192 (one
+   * full m-tile, one half) */
   static const int GR[][4] = {{256, 256, 4096, 7168}, {64, 2048, 3072, 4096},
-                              {256, 264, 4096, 7168}, {256, 320, 4096, 7168},
+                              {256, 264, 4096, 7168}, {256, 272, 4096, 7168},
+                              {256, 288, 4096, 7168}, {256, 320, 4096, 7168},
                               {256, 192, 4096, 7168}};
   printf("\n%-28s %9s %9s %9s\n", "grouped groups,rows,N,K", "variant", "ms", "TFLOP/s");
   for (size_t i = 0; i < sizeof GR / sizeof GR[0]; i++) {

@@ -245,13 +245,14 @@ START_TEST(tokens_not_tile_multiple)
 END_TEST
 
 /* Experts that end a few rows past a multiple of 128: their tails ride on
- * the last full m-tile (gemm_sm90.cuh). 150 rows on every expert (a tail of
- * 22), then about 150 an expert, with I and H of 192, whose last n-tile is
+ * full m-tiles (gemm_sm90.cuh). 150 rows on every expert (a tail of 22),
+ * 273 (a tail of 17 over two m-tiles), then about 150 an expert, with I and H of 192, whose last n-tile is
  * partly past N. */
 START_TEST(riding_tails)
 {
   mokk_shape s = {.H = 192, .I = 192, .E = 4, .K = 4, .I_s = 64, .swiglu_limit = 1.5f};
   matches_cpu(s, 150, ROUTE_SAME, 14, MOKK_GRAD_BF16);
+  matches_cpu(s, 273, ROUTE_SAME, 21, MOKK_GRAD_BF16); /* split over two m-tiles */
   s.K = 2;
   matches_cpu(s, 300, ROUTE_RANDOM, 15, MOKK_GRAD_BF16);
   matches_cpu(s, 300, ROUTE_RANDOM, 16, MOKK_GRAD_FP32_ACCUM);
@@ -328,8 +329,8 @@ static void expect_same(const moe_out *a, const moe_out *b, const moe_case *c, c
  * the grouped tiles in static order and from the tile counter. */
 START_TEST(gemm_core_layouts)
 {
-  static const char *names[GEMM_VARIANTS] = {"coop128", "coop256", "pingpong", "tall",
-                                                "wide2",   "tall2", "wide2r"};
+  static const char *names[GEMM_VARIANTS] = {"coop128", "coop256", "pingpong", "tall",  "wide2",
+                                                "tall2",   "wide2r",  "wide1r",   "wide1w"};
   static const int grids[] = {0, 3};
   char msg[2048];
   double worst = 0;
@@ -470,44 +471,64 @@ START_TEST(tile_order_invariance)
 }
 END_TEST
 
-/* A tail riding on its expert's last m-tile (swapped operands) gives the
- * bits of the same rows on an m-tile of their own, forward and backward, on
- * a full grid and on three blocks. The routing must make riding tails:
- * experts of 129 to 160 rows. */
-START_TEST(ride_invariance)
+/* A tail riding on its expert's m-tiles (swapped operands) gives the bits of
+ * the same rows on an m-tile of their own, forward and backward, split over
+ * the last two m-tiles and whole on the last one, on a full grid and on
+ * three blocks. The routings must make riding tails: experts of 129 to 160
+ * rows (one m-tile: the whole tail on it, in either mode), then every
+ * expert with 273 rows and with 257 (two m-tiles: a tail of 17 split 9 and
+ * 8, of 1 split 1 and 0). */
+static void ride_invariance_on(mokk_shape s, int64_t T, route_kind route, uint64_t seed)
 {
-  mokk_shape s = {.H = 256, .I = 192, .E = 4, .K = 2, .I_s = 64, .P = 1};
   static const int blocks[] = {0, 3};
   static const mokk_grad_mode modes[] = {MOKK_GRAD_BF16, MOKK_GRAD_FP32_ACCUM};
-  int count[4] = {0}, riding = 0;
+  int count[8] = {0}, riding = 0;
   moe_case c;
-  moe_out on, off;
+  moe_out on, whole, off;
   char err[2 * MOK_ERRLEN] = "";
 
-  case_make(&c, &s, 290, 17, ROUTE_RANDOM);
+  ck_assert_int_le(s.E, 8);
+  case_make(&c, &s, T, seed, route);
   for (int64_t i = 0; i < c.T * s.K; i++)
     count[c.ids[i]]++;
-  for (int e = 0; e < 4; e++)
-    riding += count[e] > 128 && count[e] % 128 <= 32;
+  for (int e = 0; e < s.E; e++)
+    riding += count[e] > 128 && count[e] % 128 != 0 && count[e] % 128 <= 32;
   ck_assert_msg(riding >= 2, "the case has %d experts with a riding tail (rows %d %d %d %d)",
                 riding, count[0], count[1], count[2], count[3]);
   for (size_t i = 0; i < sizeof blocks / sizeof blocks[0]; i++)
     for (size_t m = 0; m < 2; m++) {
       mokk_cuda_set_max_blocks(gpu, blocks[i]);
-      mokk_cuda_set_ride(gpu, 1);
+      mokk_cuda_set_ride(gpu, MOKK_RIDE_SPLIT);
       ck_assert_msg(gpu_run(&c, 1, modes[m], 0.5f, &on, err) == 0, "%s", err);
-      mokk_cuda_set_ride(gpu, 0);
+      mokk_cuda_set_ride(gpu, MOKK_RIDE_WHOLE);
+      ck_assert_msg(gpu_run(&c, 1, modes[m], 0.5f, &whole, err) == 0, "%s", err);
+      mokk_cuda_set_ride(gpu, MOKK_RIDE_OFF);
       ck_assert_msg(gpu_run(&c, 1, modes[m], 0.5f, &off, err) == 0, "%s", err);
       expect_same(&on, &off, &c, "tails on m-tiles of their own");
+      expect_same(&whole, &off, &c, "whole tails on the last m-tile");
       if (modes[m] == MOKK_GRAD_FP32_ACCUM)
-        for (int w = 0; w < MOKK_NWEIGHTS; w++)
+        for (int w = 0; w < MOKK_NWEIGHTS; w++) {
           ck_assert_msg(memcmp(on.g_f32[w], off.g_f32[w], case_weight_elems(&c, w) * 4) == 0,
                         "riding tails: fp32 %s differs", wname[w]);
-      out_free(&on), out_free(&off);
+          ck_assert_msg(memcmp(whole.g_f32[w], off.g_f32[w], case_weight_elems(&c, w) * 4) ==
+                            0,
+                        "whole riding tails: fp32 %s differs", wname[w]);
+        }
+      out_free(&on), out_free(&whole), out_free(&off);
     }
-  mokk_cuda_set_ride(gpu, 1);
+  mokk_cuda_set_ride(gpu, MOKK_RIDE_AUTO);
   mokk_cuda_set_max_blocks(gpu, 0);
   case_free(&c);
+}
+
+START_TEST(ride_invariance)
+{
+  ride_invariance_on((mokk_shape){.H = 256, .I = 192, .E = 4, .K = 2, .I_s = 64, .P = 1}, 290,
+                     ROUTE_RANDOM, 17);
+  ride_invariance_on((mokk_shape){.H = 256, .I = 192, .E = 4, .K = 4, .I_s = 64, .P = 1}, 273,
+                     ROUTE_SAME, 19);
+  ride_invariance_on((mokk_shape){.H = 192, .I = 128, .E = 2, .K = 2, .I_s = 64, .P = 1}, 257,
+                     ROUTE_SAME, 20);
 }
 END_TEST
 

@@ -92,22 +92,27 @@ static void *zeros(int64_t bytes)
   return p;
 }
 
+/* the weight gradients' last k-blocks: 1, 2 (90 rows), 3 and 4 k16 steps;
+ * riding tails: on the one m-tile of its group, 2 rows (130) and 22 (150);
+ * split over the last two m-tiles, 32 rows (288: 16 and 16), 17 (273: 9
+ * and 8) and 1 (257: 1 and none); none on 300 */
+static const int GROUP_ROWS[] = {0, 1, 130, 300, 64, 90, 288, 273, 257, 150};
+#define NG (int)(sizeof GROUP_ROWS / sizeof GROUP_ROWS[0])
+
 typedef struct grouping {
   int groups, rows;
-  int count[8], row_start[8], tile_off[27]; /* m-tiles of 128 rows, of 256, of 128 riding */
+  int count[NG], row_start[NG];
+  int tile_off[3 * (NG + 1)]; /* m-tiles of 128 rows, of 256, of 128 riding */
   int *d_count, *d_row_start, *d_tile_off;
   void *d_maps; /* the grouped weight gradients' tensor maps */
   int *d_sched; /* the tile counter of grouped NT and NN GEMMs; NULL: static order */
+  bool whole;   /* riding tails whole on a group's last m-tile (gemm_args.ride_whole) */
 } grouping;
 
-/* the weight gradients' last k-blocks: 1, 2 (90 rows), 3 and 4 k16 steps;
- * riding tails of 2 (130 rows) and 32 rows (288), none on 300 */
-static const int GROUP_ROWS[] = {0, 1, 130, 300, 64, 90, 288};
-#define NG (int)(sizeof GROUP_ROWS / sizeof GROUP_ROWS[0])
-
-static void grouping_make(grouping *gp, bool dynamic)
+static void grouping_make(grouping *gp, bool dynamic, bool whole)
 {
   memset(gp, 0, sizeof *gp);
+  gp->whole = whole;
   gp->groups = NG;
   for (int g = 0; g < gp->groups; g++) {
     gp->count[g] = GROUP_ROWS[g];
@@ -149,6 +154,7 @@ static gemm_args grouped_args(const grouping *gp)
   a.tile_off_ride = gp->d_tile_off + 2 * (gp->groups + 1);
   a.maps = gp->d_maps;
   a.sched = gp->d_sched;
+  a.ride_whole = gp->whole;
   return a;
 }
 
@@ -197,17 +203,18 @@ static int sms(void)
  * TN bf16 and fp32-accumulate with the C/C2 split, grouped and dense. Each
  * line of the report names a case and its error / tolerance. */
 template <int BN, bool PP, int BM, int CL = 1, bool RIDE = false>
-static int run_cases(int grid, bool dynamic, char *msg, size_t msglen, double *worst_out)
+static int run_cases(int grid, bool dynamic, bool whole, char *msg, size_t msglen,
+                     double *worst_out)
 {
   grouping gp;
   char err[256];
   int rc, fails = 0;
   double worst_all = 0;
   size_t used = 0;
-  const int K = 192, N = 320, IE = 192, R = 873; /* R = sum of GROUP_ROWS */
+  const int K = 192, N = 320, IE = 192, R = 1553; /* R = sum of GROUP_ROWS */
 
   constexpr int TN_BM = BM == 256 ? 128 : BM; /* tall tiles are for NT and NN */
-  grouping_make(&gp, dynamic);
+  grouping_make(&gp, dynamic, whole);
   if (gp.rows != R) {
     snprintf(msg, msglen, "grouping has %d rows", gp.rows);
     return -1;
@@ -421,19 +428,23 @@ extern "C" int gemm_core_check(int variant, int grid, int dynamic, char *msg, si
   msg[0] = 0;
   switch (variant) {
   case GEMM_COOP256:
-    return run_cases<256, false, 128>(grid, dynamic != 0, msg, msglen, worst);
+    return run_cases<256, false, 128>(grid, dynamic != 0, false, msg, msglen, worst);
   case GEMM_PINGPONG:
-    return run_cases<128, true, 128>(grid, dynamic != 0, msg, msglen, worst);
+    return run_cases<128, true, 128>(grid, dynamic != 0, false, msg, msglen, worst);
   case GEMM_TALL:
-    return run_cases<128, false, 256>(grid, dynamic != 0, msg, msglen, worst);
+    return run_cases<128, false, 256>(grid, dynamic != 0, false, msg, msglen, worst);
   case GEMM_WIDE2:
-    return run_cases<256, false, 128, 2>(grid, dynamic != 0, msg, msglen, worst);
+    return run_cases<256, false, 128, 2>(grid, dynamic != 0, false, msg, msglen, worst);
   case GEMM_TALL2:
-    return run_cases<128, false, 256, 2>(grid, dynamic != 0, msg, msglen, worst);
+    return run_cases<128, false, 256, 2>(grid, dynamic != 0, false, msg, msglen, worst);
   case GEMM_WIDE2R:
-    return run_cases<256, false, 128, 2, true>(grid, dynamic != 0, msg, msglen, worst);
+    return run_cases<256, false, 128, 2, true>(grid, dynamic != 0, false, msg, msglen, worst);
+  case GEMM_WIDE1R:
+  case GEMM_WIDE1W:
+    return run_cases<256, false, 128, 1, true>(grid, dynamic != 0, variant == GEMM_WIDE1W, msg,
+                                               msglen, worst);
   default:
-    return run_cases<128, false, 128>(grid, dynamic != 0, msg, msglen, worst);
+    return run_cases<128, false, 128>(grid, dynamic != 0, false, msg, msglen, worst);
   }
 }
 
@@ -457,6 +468,11 @@ static int nt_variant(const gemm_args *a, int64_t rows, int variant, char *err)
     if (a->count != NULL)
       return sm90::gemm<L_NT, E_BF16, 256, false, 128, 2, true>(a, rows, sms(), 0, err);
     return sm90::gemm<L_NT, E_BF16, 256, false, 128, 2>(a, rows, sms(), 0, err);
+  case GEMM_WIDE1R:
+  case GEMM_WIDE1W:
+    if (a->count != NULL)
+      return sm90::gemm<L_NT, E_BF16, 256, false, 128, 1, true>(a, rows, sms(), 0, err);
+    return sm90::gemm<L_NT, E_BF16, 256>(a, rows, sms(), 0, err);
   default:
     return sm90::gemm<L_NT, E_BF16, 128>(a, rows, sms(), 0, err);
   }
@@ -464,7 +480,9 @@ static int nt_variant(const gemm_args *a, int64_t rows, int variant, char *err)
 
 /* Median ms of a grouped NT GEMM shaped like the layer's forward: `groups`
  * experts of `rows` rows each, C[rows of g] = A[rows of g] B[g]^T with B
- * [groups, N, K]; 0 when it could not run. */
+ * [groups, N, K]; 0 when it could not run. The single-block riding variants
+ * take their tiles from a counter, as the layer's forward does; the others
+ * in static order. */
 extern "C" double gemm_core_time_grouped(int groups, int rows, int N, int K, int variant,
                                          int iters)
 {
@@ -472,7 +490,8 @@ extern "C" double gemm_core_time_grouped(int groups, int rows, int N, int K, int
   int64_t R = (int64_t)groups * rows;
   bf16 *A = rand_bf16(R * K, 41), *B = rand_bf16((int64_t)groups * N * K, 42);
   bf16 *C = (bf16 *)zeros(R * N * 2);
-  int *h = (int *)calloc(5 * (groups + 1), sizeof(int)), *d = NULL;
+  const int n = 5 * (groups + 1) + 1; /* + 1: the tile counter, zero */
+  int *h = (int *)calloc(n, sizeof(int)), *d = NULL;
   double *ms = (double *)calloc(iters, sizeof *ms), med = 0;
   cudaEvent_t e0, e1;
   gemm_args a;
@@ -486,14 +505,17 @@ extern "C" double gemm_core_time_grouped(int groups, int rows, int N, int K, int
     h[3 * groups + 1 + g + 1] = h[3 * groups + 1 + g] + (rows + 255) / 256;
     h[4 * groups + 2 + g + 1] = h[4 * groups + 2 + g] + ride;
   }
-  cudaMalloc(&d, 5 * (groups + 1) * sizeof(int));
-  cudaMemcpy(d, h, 5 * (groups + 1) * sizeof(int), cudaMemcpyHostToDevice);
+  cudaMalloc(&d, n * sizeof(int));
+  cudaMemcpy(d, h, n * sizeof(int), cudaMemcpyHostToDevice);
   memset(&a, 0, sizeof a);
   a.groups = groups, a.count = d, a.row_start = d + groups, a.tile_off = d + 2 * groups;
   a.tile_off_tall = d + 3 * groups + 1;
   a.tile_off_ride = d + 4 * groups + 2;
   a.A = A, a.lda = K, a.B = B, a.ldb = K, a.b_stride = (int64_t)N * K, a.N = N, a.K = K;
   a.C = C, a.ldc = N;
+  if (variant == GEMM_WIDE1R || variant == GEMM_WIDE1W)
+    a.sched = d + n - 1;
+  a.ride_whole = variant == GEMM_WIDE1W;
   cudaEventCreate(&e0), cudaEventCreate(&e1);
   for (int i = -2; i < iters; i++) {
     cudaEventRecord(e0);

@@ -14,8 +14,10 @@ extern "C" {
  * two take in turns; the last two: 128 x 256 and 256 x 128 tiles on
  * clusters of two blocks that share operands (NT and NN; their TN cases run
  * without clusters); then 128 x 256 tiles on clusters with riding tails (a
- * group's last few rows multiplied on its last full m-tile; grouped NT and
- * NN, the rest as wide2) */
+ * group's last few rows multiplied on its full m-tiles, split over the last
+ * two; grouped NT and NN, the rest as wide2); then on single blocks with
+ * riding tails split (as the forward runs them) and whole on the last m-tile
+ * (the rest as coop256) */
 enum {
   GEMM_COOP128,
   GEMM_COOP256,
@@ -24,6 +26,8 @@ enum {
   GEMM_WIDE2,
   GEMM_TALL2,
   GEMM_WIDE2R,
+  GEMM_WIDE1R,
+  GEMM_WIDE1W,
   GEMM_VARIANTS
 };
 

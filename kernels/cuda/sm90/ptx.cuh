@@ -324,7 +324,8 @@ __device__ __forceinline__ void wgmma_256(float (&d)[128], uint64_t a, uint64_t 
       : "l"(a), "l"(b), "n"(TA), "n"(TB), "r"(acc));
 }
 
-/* D[64 x 32] += A[64 x 16] B[16 x 32]: a riding tail's product (gemm_sm90.cuh). */
+/* D[64 x 32] += A[64 x 16] B[16 x 32], and D[64 x 16] += A[64 x 16] B[16 x 16]:
+ * a riding tail's product (gemm_sm90.cuh). */
 template <int TA, int TB>
 __device__ __forceinline__ void wgmma_32(float (&d)[16], uint64_t a, uint64_t b, int acc)
 {
@@ -338,6 +339,31 @@ __device__ __forceinline__ void wgmma_32(float (&d)[16], uint64_t a, uint64_t b,
       "}\n"
       : MOKK_W8(0), MOKK_W8(8)
       : "l"(a), "l"(b), "n"(TA), "n"(TB), "r"(acc));
+}
+
+template <int TA, int TB>
+__device__ __forceinline__ void wgmma_16(float (&d)[8], uint64_t a, uint64_t b, int acc)
+{
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %12, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7}, "
+      "%8, %9, p, 1, 1, %10, %11;\n"
+      "}\n"
+      : MOKK_W8(0)
+      : "l"(a), "l"(b), "n"(TA), "n"(TB), "r"(acc));
+}
+
+/* A riding tail's product of NR = 16 or 32 rows. */
+template <int NR, int TA, int TB>
+__device__ __forceinline__ void wgmma_ride(float (&d)[NR / 2], uint64_t a, uint64_t b, int acc)
+{
+  if constexpr (NR == 32)
+    wgmma_32<TA, TB>(d, a, b, acc);
+  else
+    wgmma_16<TA, TB>(d, a, b, acc);
 }
 
 #undef MOKK_W8
