@@ -462,6 +462,17 @@ extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
   const char *gather = getenv("MOKD_GEMM_GATHER");
   if (gather != NULL && strcmp(gather, "0") != 0 && strcmp(gather, "1") != 0)
     return mokk_fail(err, MOK_EINVAL, "MOKD_GEMM_GATHER: \"%s\" is not 0 or 1", gather);
+  /* and the forward's dispatch on a few SMs beside gate/up against one pass
+   * on all of them before it (0) */
+  const char *ahead = getenv("MOKD_GATHER_AHEAD");
+  long ahead_blocks = MOKK_GATHER_AHEAD_DEFAULT;
+  if (ahead != NULL) {
+    char *end;
+    ahead_blocks = strtol(ahead, &end, 10);
+    if (*ahead == '\0' || *end != '\0' || ahead_blocks < 0 || ahead_blocks > 1024)
+      return mokk_fail(err, MOK_EINVAL, "MOKD_GATHER_AHEAD: \"%s\" is not a number of blocks "
+                       "from 0 to 1024", ahead);
+  }
   /* EP steps over a buffer set per rank, the multi-GPU layout, on one GPU */
   const char *spread = getenv("MOKD_EP_SPREAD");
   if (spread != NULL && strcmp(spread, "0") != 0 && strcmp(spread, "1") != 0)
@@ -477,6 +488,7 @@ extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
              : strcmp(ride, "whole") == 0        ? MOKK_RIDE_WHOLE
                                                  : MOKK_RIDE_OFF;
   cb->gather = gather != NULL && strcmp(gather, "1") == 0;
+  cb->gather_ahead = (int)ahead_blocks;
   cb->base.iface = &cuda_iface;
   cb->base.device = device;
   cb->device = device;
@@ -521,6 +533,11 @@ extern "C" void mokk_cuda_set_ride(mokk_backend *b, int mode)
   ((cuda_backend *)b)->ride = mode == MOKK_RIDE_SPLIT || mode == MOKK_RIDE_WHOLE ? mode
                               : mode != 0                                        ? MOKK_RIDE_AUTO
                                                                                  : MOKK_RIDE_OFF;
+}
+
+extern "C" void mokk_cuda_set_gather_ahead(mokk_backend *b, int blocks)
+{
+  ((cuda_backend *)b)->gather_ahead = blocks > 0 ? blocks : 0;
 }
 
 extern "C" void mokk_cuda_set_gather(mokk_backend *b, int on)

@@ -55,6 +55,13 @@ void mokk_cuda_set_ride(mokk_backend *b, int mode);
  * rows first and the context keeps them (0, the default: the faster, so
  * far; PERF.md v12). Same bits. */
 void mokk_cuda_set_gather(mokk_backend *b, int on);
+/* The forward's dispatch (the gathered rows of x) runs on `blocks` blocks
+ * beside the gate/up GEMM, which starts on the other SMs and waits for an
+ * expert's rows only as it reaches its tiles (MOKD_GATHER_AHEAD; Hopper,
+ * one EP rank a step; 16 by default: PERF.md v16), or on the whole GPU
+ * before it (0). Same bits. */
+#define MOKK_GATHER_AHEAD_DEFAULT 16
+void mokk_cuda_set_gather_ahead(mokk_backend *b, int blocks);
 int mokk_cuda_device(const mokk_backend *b);
 /* The stream every step runs on (a cudaStream_t). */
 void *mokk_cuda_stream(mokk_backend *b);

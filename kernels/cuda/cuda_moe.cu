@@ -262,6 +262,8 @@ typedef struct mlp {
   const int *gather;       /* routed, without gathered rows (xr): each row's pair, whose
                             * token's row of x gate/up and its weight gradient read */
   int gather_div;          /* K: pair -> token */
+  const int *ready;        /* the forward's gate/up: rows counted by the dispatch beside it
+                            * (gemm_args.ready), NULL: gathered before it */
 } mlp;
 
 /* Rank r's experts over the rows of all ranks (TK of them). */
@@ -270,7 +272,7 @@ static mlp mlp_routed(const cuda_ctx *c, int64_t TK, int r)
   const mokk_shape *s = &c->hdr.shape;
   mlp m = {routed(c, TK, r), TK, c->w[r][MOKK_W_GATE], c->w[r][MOKK_W_UP],
            c->w[r][MOKK_W_DOWN], s->I, s->I * s->H, c->g, c->u, c->h,
-           c->xr == NULL ? c->src : NULL, (int)s->K};
+           c->xr == NULL ? c->src : NULL, (int)s->K, NULL};
   return m;
 }
 
@@ -281,7 +283,7 @@ static mlp mlp_shared(const cuda_ctx *c, int64_t T, int r)
   int64_t at = (int64_t)r * T * s->I_s;
   mlp m = {dense(c, T), T, c->w[r][MOKK_S_GATE], c->w[r][MOKK_S_UP], c->w[r][MOKK_S_DOWN],
            s->I_s, 0, c->gs != NULL ? c->gs + at : NULL, c->us != NULL ? c->us + at : NULL,
-           c->hs != NULL ? c->hs + at : NULL, NULL, 0};
+           c->hs != NULL ? c->hs + at : NULL, NULL, 0, NULL};
   return m;
 }
 
@@ -299,6 +301,7 @@ static int mlp_forward(cuda_backend *cb, const mlp *m, const bf16 *x, int64_t H,
   a.N = (int)(2 * m->Ie), a.K = (int)H;
   a.C = m->h, a.ldc = m->Ie;
   a.sg = m->g, a.su = m->u, a.lds = m->Ie;
+  a.ready = m->ready;
   if ((rc = gemm<L_NT, E_GATEUP>(cb, &a, m->rows, err, "gate/up GEMM")))
     return rc;
   a = m->base;
@@ -456,6 +459,7 @@ static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
   const int P = (int)s->P;
   int64_t H = s->H, I = s->I, E = s->E, K = s->K, Is = s->I_s, TG = P * T, TK = TG * K;
   int train = out_ctx != NULL, gather, rc;
+  int *ready = NULL;
   size_t off = 0, o_ids, o_count, o_rs, o_to, o_slot, o_src, o_rw, o_xr = 0, o_g = 0, o_u = 0, o_h,
          o_y, o_gs = 0, o_us = 0, o_hs = 0, o_ys = 0, o_in = 0, in_x = 0;
   const void *px[ROUTE_MAX_RANKS];
@@ -497,7 +501,9 @@ static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
   o_ids = carve(&off, TK * sizeof(int32_t));
   o_count = carve(&off, E * sizeof(int));
   o_rs = carve(&off, (E + 1) * sizeof(int));
-  o_to = carve(&off, 3 * (E + 1) * sizeof(int)); /* m-tiles of 128, 256, 128 riding */
+  /* m-tiles of 128, 256, 128 riding; then the rows of each expert the
+   * dispatch has moved, when it runs beside gate/up (route_gather_ahead) */
+  o_to = carve(&off, (3 * (E + 1) + E) * sizeof(int));
   o_slot = carve(&off, TK * sizeof(int));
   o_src = carve(&off, TK * sizeof(int));
   o_rw = carve(&off, TK * sizeof(float));
@@ -574,7 +580,25 @@ static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
                  xr_bytes(TK, H, E));
   if ((rc = launched(err, "schedule")))
     goto fail;
-  if (!gather) {
+  /* the dispatch beside the gate/up GEMM (Hopper core, single blocks). Not
+   * over virtual ranks: their later GEMMs, which read rows the dispatch may
+   * still be moving while the first one runs, must not start before the
+   * kernel ahead of them has finished (the tile counter), so they could
+   * not wait for the rows the way the first one does. */
+  ready = !gather && cb->gather_ahead > 0 && P == 1 && cb->arch == 90 &&
+                  cb->tiles != MOKK_TILES_TALL && route_gather_ahead_fits((int)E, H)
+              ? c->tile_off + 3 * (E + 1)
+              : NULL;
+  if (ready != NULL) {
+    cudaError_t e = cudaMemsetAsync(ready, 0, E * sizeof(int), cb->stream);
+    if (e == cudaSuccess)
+      e = route_gather_ahead(cb->stream, grid_for(cb, cb->gather_ahead, 1), rows_of(px, P, T),
+                             c->src, c->row_start, (int)E, (int)K, H, c->xr, ready);
+    if (e != cudaSuccess) {
+      rc = cuda_fail(err, e, "dispatch");
+      goto fail;
+    }
+  } else if (!gather) {
     route_gather(cb->stream, grid_for(cb, TK, 16), rows_of(px, P, T), c->src, NULL,
                  c->row_start + E, (int)K, H, c->xr);
     if ((rc = launched(err, "dispatch")))
@@ -582,6 +606,7 @@ static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
   }
   for (int r = 0; r < P; r++) {
     mlp routed_mlp = mlp_routed(c, TK, r);
+    routed_mlp.ready = ready;
     if ((rc = mlp_forward(cb, &routed_mlp, gather ? c->x : c->xr, H, c->y, err)))
       goto fail;
   }

@@ -41,6 +41,8 @@ typedef struct cuda_backend {
   int dynamic;          /* grouped NT GEMMs take tiles from a counter (MOKD_GEMM_ORDER) */
   int ride;             /* experts' short tails ride on full m-tiles: MOKK_RIDE_* (MOKD_GEMM_RIDE) */
   int gather;           /* gate/up GEMMs pick rows out of x (MOKD_GEMM_GATHER) */
+  int gather_ahead;     /* blocks of the forward's dispatch beside its gate/up GEMM; 0: the
+                         * dispatch runs before it on the whole GPU (MOKD_GATHER_AHEAD) */
   cudaStream_t stream;
   int *status;          /* device: bit 0 = an expert id out of range */
   /* device: the tile counter of the GEMMs on `stream` (dynamic order; each

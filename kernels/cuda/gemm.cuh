@@ -92,6 +92,10 @@ typedef struct gemm_args {
                          * memory (the schedule's src: the pair's token), picked row by row
                          * instead of read from a gathered copy; NULL: rows as they lie */
   int gather_div;
+  const int *ready;     /* grouped NT on the Hopper core: A's rows come from a dispatch that
+                         * runs beside the GEMM (route_gather_ahead); group g's rows are in
+                         * memory once ready[g] reaches count[g], and the kernel does not
+                         * wait for the kernel ahead to finish; NULL: A is complete */
 } gemm_args;
 
 /* The Hopper core's grouped weight gradients read each group through two

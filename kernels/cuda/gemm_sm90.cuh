@@ -156,7 +156,8 @@ __device__ __forceinline__ tile tile_at(const gemm_args &a, int64_t t)
     x.rb = a.row_start[lo];
     /* the rows past the group's last m-tile: none unless the m-tiles were
      * counted with riding tails. They ride on the last m-tile of a group of
-     * one, else half on each of the last two (riding tails, below). */
+     * one, or where a.ride_whole says so; else half (rounded up) on the
+     * second-to-last and the rest on the last (riding tails, below). */
     int tail = x.rows - mtg * BM, half = (tail + 1) / 2;
     if (tail > 0 && (mtg == 1 || a.ride_whole)) {
       if (x.mt == mtg - 1)
@@ -1190,7 +1191,10 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
     cluster_sync();
   else
     __syncthreads();
-  pdl_enter(); /* the set-up above overlaps the kernel ahead; memory from here */
+  if (a.ready != NULL) /* the kernel ahead is the dispatch, which counts rows as it goes */
+    pdl_release();
+  else
+    pdl_enter(); /* the set-up above overlaps the kernel ahead; memory from here */
   const int64_t tiles = tile_count<LAYOUT, BN, BM>(a);
 
   if (wg == 0) {
@@ -1201,7 +1205,7 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
       return;
     const int rank = CL == 2 ? (int)cluster_rank() : 0;
     const CUtensorMap *ma = &p.a, *mb = &p.b; /* TN: the current group's */
-    int mg = -1;
+    int mg = -1, rg = -1; /* rg: the last group whose rows were seen ready */
     int s = 0;
     uint32_t ph = 0;
     constexpr bool DYN = dynamic_order<LAYOUT, EPI, PP, CL>();
@@ -1230,6 +1234,10 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
           tma_map_acquire(ma);
           tma_map_acquire(mb);
         }
+      }
+      if (LAYOUT == L_NT && !GA && a.ready != NULL && x.g != rg && x.rows > 0) {
+        wait_count_async(a.ready + x.g, x.rows); /* single blocks: lane 0 alone */
+        rg = x.g;
       }
       int rows[LAYOUT == L_TN ? 1 : BM / 32 + RIDE], keys[2] = {-1, -1};
       if constexpr (GA && LAYOUT != L_TN)
@@ -1391,6 +1399,9 @@ static int gemm(const gemm_args *a, int64_t a_rows, int grid, cudaStream_t strea
   static_assert(!GA || (CL == 1 && BM == 128), "gathered rows: single blocks, 128-row tiles");
   static_assert(!PP || (BN == 128 && BM == 128), "ping-pong tiles are 128 x 128");
   static_assert(CL == 1 || (CL == 2 && !PP && LAYOUT != L_TN), "clusters: NT and NN, cooperative");
+  if (a->ready != NULL && (LAYOUT != L_NT || CL != 1 || GA || a->count == NULL))
+    return mokk_fail(err, MOK_EINVAL, "rows counted by a dispatch beside the GEMM: grouped NT "
+                     "GEMMs on single blocks reading rows as they lie");
   static_assert(!RIDE || (!PP && BM == 128 && BN == 256 && LAYOUT != L_TN),
                 "riding tails: 128 x 256 cooperative NT and NN tiles");
   params p;
@@ -1413,8 +1424,10 @@ static int gemm(const gemm_args *a, int64_t a_rows, int grid, cudaStream_t strea
   }
   e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if constexpr (CL == 1) {
+    /* a.ready: a dependent of the dispatch whatever pdl_on says, so that it
+     * starts while that runs */
     if (e == cudaSuccess)
-      e = pdl_launch(kernel, grid, THREADS, smem, stream, p);
+      e = pdl_launch_if(pdl_on() || a->ready != NULL, kernel, grid, THREADS, smem, stream, p);
   } else if (e == cudaSuccess) {
     cudaLaunchConfig_t lc = {};
     cudaLaunchAttribute at[2] = {{}, pdl_attr()};

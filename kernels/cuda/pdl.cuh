@@ -78,10 +78,10 @@ static inline cudaLaunchAttribute pdl_attr()
   return at;
 }
 
-/* kernel<<<grid, block, smem, st>>>(args...) as a dependent launch. */
+/* kernel<<<grid, block, smem, st>>>(args...), as a dependent launch if dep. */
 template <typename... P, typename... A>
-static cudaError_t pdl_launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
-                              cudaStream_t st, A &&...args)
+static cudaError_t pdl_launch_if(bool dep, void (*kernel)(P...), dim3 grid, dim3 block,
+                                 size_t smem, cudaStream_t st, A &&...args)
 {
   cudaLaunchConfig_t lc = {};
   cudaLaunchAttribute at = pdl_attr();
@@ -90,8 +90,16 @@ static cudaError_t pdl_launch(void (*kernel)(P...), dim3 grid, dim3 block, size_
   lc.dynamicSmemBytes = smem;
   lc.stream = st;
   lc.attrs = &at;
-  lc.numAttrs = pdl_on() ? 1 : 0;
+  lc.numAttrs = dep ? 1 : 0;
   return cudaLaunchKernelEx(&lc, kernel, std::forward<A>(args)...);
+}
+
+/* The same, dependent when pdl_on. */
+template <typename... P, typename... A>
+static cudaError_t pdl_launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
+                              cudaStream_t st, A &&...args)
+{
+  return pdl_launch_if(pdl_on(), kernel, grid, block, smem, st, std::forward<A>(args)...);
 }
 
 #endif

@@ -3,6 +3,7 @@
  * token then k), the dispatch gather, the combines that sum a token's pairs
  * in k order, and d_topk_weights. No floating-point atomics: the only atomic
  * is an integer OR on the error flag. */
+#include <cuda/ptx>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -298,6 +299,129 @@ k_gather(route_rows x, const int *src, const int *lo, const int *hi, int K, int6
   }
 }
 
+/* The forward's dispatch beside the gate/up GEMM (route_gather_ahead), on
+ * a few SMs, which must move as many bytes as the whole GPU's blocks of
+ * k_gather do. Registers hold too little for that: blocks of 1024 threads,
+ * eight 16-byte chunks each in flight, moved 0.7 TB/s on 32 SMs (dsv3,
+ * H100; PERF.md v16). So the copy engine moves the rows: each warp of a
+ * block is a worker with a ring of slots of a row each in shared memory;
+ * its lane 0 loads rows into the ring (cp.async.bulk, completing on the
+ * slot's mbarrier) and stores each out as it lands (a bulk group per row),
+ * refilling a slot once the store has read it. Worker w of W
+ * takes rows w, w + W, ..., so that experts complete in schedule order.
+ * Once a row's store has completed (AHEAD_LAG stores later), it is
+ * counted: ready[e] grows, released at gpu scope, as the worker moves past
+ * expert e. */
+#define AHEAD_LAG 8
+#define AHEAD_SMEM (200 * 1024)
+
+/* The layout of the dynamic shared memory: row_start, then each worker's
+ * mbarriers, then each worker's slots (128-byte aligned). */
+static __host__ __device__ size_t ahead_head(int E, int workers, int slots)
+{
+  size_t rs = ((size_t)(E + 1) * 4 + 127) & ~(size_t)127;
+  return rs + (((size_t)workers * slots * 8 + 127) & ~(size_t)127);
+}
+
+__device__ __forceinline__ void ahead_release(int *ready, int e, int n)
+{
+  /* the rows' bulk stores have completed: order them (async proxy) before
+   * the release that the GEMM's acquire and copy-engine loads follow */
+  cuda::ptx::fence_proxy_async(cuda::ptx::space_global);
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(ready + e), "r"(n) : "memory");
+}
+
+__global__ void __launch_bounds__(256, 1)
+k_gather_ahead(route_rows x, const int *src, const int *row_start, int E, int K, int64_t H,
+               bf16 *__restrict__ xr, int *ready, int slots)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(128) unsigned char sm[];
+  pdl_enter(); /* pdl.cuh: nothing global before it */
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
+  const uint32_t rb = (uint32_t)(H * 2);
+  int *rs = (int *)sm;
+  uint64_t *full = (uint64_t *)(sm + (((size_t)(E + 1) * 4 + 127) & ~(size_t)127)) + warp * slots;
+  unsigned char *buf = sm + ahead_head(E, nw, slots) + (size_t)warp * slots * rb;
+  for (int i = threadIdx.x; i <= E; i += blockDim.x)
+    rs[i] = row_start[i];
+  if (lane == 0) {
+    for (int s = 0; s < slots; s++)
+      cuda::ptx::mbarrier_init(&full[s], 1);
+    cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
+  }
+  __syncthreads();
+  const int rows = rs[E], w = blockIdx.x * nw + warp, W = gridDim.x * nw;
+  const int n = rows > w ? (rows - w + W - 1) / W : 0; /* this worker's rows: w + j W */
+  /* each lane holds the pair of one of 32 consecutive units, and loads the
+   * next 32 ahead of their use */
+  int tb = 0, tv = lane < n ? src[w + lane * W] : 0;
+  int tn = 32 + lane < n ? src[w + (32 + lane) * W] : 0;
+  int ce = -1, cn = 0, we = 0; /* the expert run being counted; the walk over rs */
+
+  for (int q = 0; q < n + slots - 1; q++) {
+    /* store unit j = q - (slots - 1) once it has landed, then load unit q
+     * (q < n) into the slot that unit q - slots has left */
+    const int j = q - (slots - 1);
+    if (j >= 0 && lane == 0) {
+      while (!cuda::ptx::mbarrier_try_wait_parity(&full[j % slots], (uint32_t)(j / slots) & 1))
+        ;
+      cuda::ptx::cp_async_bulk(cuda::ptx::space_global, cuda::ptx::space_shared,
+                               xr + (int64_t)(w + j * W) * H, buf + (size_t)(j % slots) * rb,
+                               rb);
+      cuda::ptx::cp_async_bulk_commit_group();
+      if (j >= AHEAD_LAG) { /* unit j - AHEAD_LAG's store has completed */
+        cuda::ptx::cp_async_bulk_wait_group(cuda::ptx::n32_t<AHEAD_LAG>());
+        int row = w + (j - AHEAD_LAG) * W;
+        while (row >= rs[we + 1])
+          we++;
+        if (we != ce) {
+          if (cn > 0)
+            ahead_release(ready, ce, cn);
+          ce = we, cn = 0;
+        }
+        cn++;
+      }
+    }
+    if (q < n) {
+      if ((q >> 5) != tb) {
+        tb = q >> 5, tv = tn;
+        int u = 32 * (tb + 1) + lane;
+        tn = u < n ? src[w + u * W] : 0;
+      }
+      int p = __shfl_sync(0xffffffffu, tv, q & 31);
+      if (lane == 0) {
+        if (q >= slots) /* unit q - slots's store, all but the newest, has read its slot */
+          cuda::ptx::cp_async_bulk_wait_group_read(cuda::ptx::n32_t<1>());
+        int64_t t = p / K;
+        const bf16 *sp = x.p[t / x.T] + (t % x.T) * H;
+        uint64_t *bar = &full[q % slots];
+        (void)cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta,
+                                                   cuda::ptx::space_shared, bar, rb);
+        cuda::ptx::cp_async_bulk(cuda::ptx::space_cluster, cuda::ptx::space_global,
+                                 buf + (size_t)(q % slots) * rb, sp, rb, bar);
+      }
+    }
+  }
+  if (lane == 0) {
+    cuda::ptx::cp_async_bulk_wait_group(cuda::ptx::n32_t<0>());
+    for (int j = n > AHEAD_LAG ? n - AHEAD_LAG : 0; j < n; j++) {
+      int row = w + j * W;
+      while (row >= rs[we + 1])
+        we++;
+      if (we != ce) {
+        if (cn > 0)
+          ahead_release(ready, ce, cn);
+        ce = we, cn = 0;
+      }
+      cn++;
+    }
+    if (cn > 0)
+      ahead_release(ready, ce, cn);
+  }
+#endif
+}
+
 /* The backward's dispatch, rows [*lo, *hi): dy[row] = bf16(row_w[row]
  * d_out[token of row]); with dtw.p[0], also the row's pair's
  * d_topk_weights, dot(d_out[token], y[row]), read in the same pass as d_out
@@ -451,6 +575,41 @@ void route_gather(cudaStream_t st, int grid, route_rows x, const int *src, const
                   const int *hi, int K, int64_t H, bf16 *xr)
 {
   pdl_launch(k_gather, grid, GATHER_THREADS, 0, st, x, src, lo, hi, K, H, xr);
+}
+
+/* Workers a block and slots a worker for rows of H bf16: 0 slots where
+ * fewer than two rows a worker fit. */
+static void ahead_shape(int E, int64_t H, int *workers, int *slots)
+{
+  size_t rb = (size_t)H * 2;
+  *workers = rb <= 8192 ? 8 : 4;
+  size_t room = AHEAD_SMEM - ahead_head(E, *workers, 16);
+  size_t s = room / (*workers * rb);
+  *slots = s < 2 ? 0 : s > 16 ? 16 : (int)s;
+}
+
+bool route_gather_ahead_fits(int E, int64_t H)
+{
+  int workers, slots;
+  ahead_shape(E, H, &workers, &slots);
+  return slots > 0;
+}
+
+cudaError_t route_gather_ahead(cudaStream_t st, int blocks, route_rows x, const int *src,
+                               const int *row_start, int E, int K, int64_t H, bf16 *xr,
+                               int *ready)
+{
+  int workers, slots;
+  ahead_shape(E, H, &workers, &slots);
+  if (slots == 0)
+    return cudaErrorInvalidValue;
+  size_t smem = ahead_head(E, workers, slots) + (size_t)workers * slots * H * 2;
+  cudaError_t e = cudaFuncSetAttribute(k_gather_ahead, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       (int)smem);
+  if (e != cudaSuccess)
+    return e;
+  return pdl_launch(k_gather_ahead, blocks, 32 * workers, smem, st, x, src, row_start, E, K, H,
+                    xr, ready, slots);
 }
 
 void route_gather_dy(cudaStream_t st, int grid, route_rows d_out, const int *src,

@@ -54,6 +54,14 @@ typedef struct route_pairs {
  * row]. */
 void route_gather(cudaStream_t st, int grid, route_rows x, const int *src, const int *lo,
                   const int *hi, int K, int64_t H, bf16 *xr);
+/* The same for every row of the schedule, on `blocks` blocks, meant to run
+ * beside the gate/up GEMM (gemm_args.ready): row after row in schedule
+ * order, ready[e] counting expert e's rows as they land (zero it first).
+ * Hopper and later; rows of H whose shape route_gather_ahead_fits. */
+bool route_gather_ahead_fits(int E, int64_t H);
+cudaError_t route_gather_ahead(cudaStream_t st, int blocks, route_rows x, const int *src,
+                               const int *row_start, int E, int K, int64_t H, bf16 *xr,
+                               int *ready);
 /* The backward's dispatch of rows [*lo, *hi): dy[row] = bf16(row_w[row]
  * d_out[token of row]); with dtw.p[0] != NULL, also each row's pair's
  * d_topk_weights, dot(d_out[token], y[row]) in route_dtw's order, into

@@ -585,6 +585,54 @@ START_TEST(gather_invariance)
 }
 END_TEST
 
+/* The forward's dispatch running beside gate/up on a few blocks
+ * (mokk_cuda_set_gather_ahead), the GEMM waiting for each expert's rows,
+ * gives the bits of the dispatch run before it: on one dispatch block (the
+ * GEMM mostly waits) and on five, with the GEMM on the full grid and on
+ * three blocks; with experts of no rows, riding tails and dsv3-wide rows
+ * (H 7168: nine rows a chunk of the dispatch). */
+START_TEST(gather_ahead_invariance)
+{
+  static const struct {
+    mokk_shape s;
+    int64_t T;
+    int P;
+    uint64_t seed;
+    route_kind route;
+  } cases[] = {
+      {{.H = 256, .I = 192, .E = 4, .K = 2, .I_s = 64, .P = 1}, 290, 1, 21, ROUTE_RANDOM},
+      {{.H = 512, .I = 128, .E = 16, .K = 4, .I_s = 0, .P = 1}, 3000, 1, 22, ROUTE_RANDOM},
+      {{.H = 128, .I = 64, .E = 64, .K = 3, .I_s = 64, .P = 1}, 10, 1, 23, ROUTE_RANDOM},
+      {{.H = 7168, .I = 64, .E = 4, .K = 2, .I_s = 0, .P = 1}, 200, 1, 25, ROUTE_SAME},
+  };
+  static const int blocks[] = {0, 3}, ahead[] = {1, 5};
+  char err[2 * MOK_ERRLEN] = "";
+
+  for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+    moe_case c;
+    moe_out off;
+    case_make(&c, &cases[k].s, cases[k].T, cases[k].seed, cases[k].route);
+    mokk_cuda_set_gather_ahead(gpu, 0);
+    ck_assert_msg(gpu_run_ranks(&c, cases[k].P, MOKK_GRAD_BF16, 0.5f, &off, err) == 0, "%s",
+                  err);
+    for (size_t i = 0; i < sizeof blocks / sizeof blocks[0]; i++)
+      for (size_t j = 0; j < sizeof ahead / sizeof ahead[0]; j++) {
+        moe_out on;
+        mokk_cuda_set_max_blocks(gpu, blocks[i]);
+        mokk_cuda_set_gather_ahead(gpu, ahead[j]);
+        ck_assert_msg(gpu_run_ranks(&c, cases[k].P, MOKK_GRAD_BF16, 0.5f, &on, err) == 0, "%s",
+                      err);
+        expect_same(&on, &off, &c, "the dispatch beside gate/up");
+        out_free(&on);
+      }
+    mokk_cuda_set_max_blocks(gpu, 0);
+    out_free(&off);
+    case_free(&c);
+  }
+  mokk_cuda_set_gather_ahead(gpu, MOKK_GATHER_AHEAD_DEFAULT);
+}
+END_TEST
+
 START_TEST(batch_invariance)
 {
   mokk_shape s = {.H = 128, .I = 64, .E = 8, .K = 2, .I_s = 64, .P = 1};
@@ -2069,6 +2117,7 @@ static Suite *gpu_suite(void)
   tcase_add_test(tc, tile_order_invariance);
   tcase_add_test(tc, ride_invariance);
   tcase_add_test(tc, gather_invariance);
+  tcase_add_test(tc, gather_ahead_invariance);
   tcase_add_test(tc, batch_invariance);
   suite_add_tcase(su, tc);
   tc = tcase_create("errors");

@@ -212,6 +212,21 @@ __device__ __forceinline__ void fence_async_shared()
   cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
 }
 
+/* Waits until *count (written by other blocks, released at gpu scope) is
+ * at least want, then orders what those blocks wrote before it ahead of
+ * this thread's copy-engine loads (a generic-to-async proxy fence). */
+__device__ __forceinline__ void wait_count_async(const int *count, int want)
+{
+  for (;;) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(count) : "memory");
+    if (v >= want)
+      break;
+    __nanosleep(64);
+  }
+  cuda::ptx::fence_proxy_async(cuda::ptx::space_global);
+}
+
 /* ---- warpgroups ----------------------------------------------------------- */
 
 template <uint32_t REGS>
