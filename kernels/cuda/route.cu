@@ -331,6 +331,25 @@ __device__ __forceinline__ void ahead_release(int *ready, int e, int n)
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(ready + e), "r"(n) : "memory");
 }
 
+/* A worker's count of completed rows: the expert of the rows counted last
+ * (e), how many of them have not been released (n), and the walk over
+ * row_start to the expert of the next (rows come in ascending order). */
+typedef struct ahead_run {
+  int e, n, walk;
+} ahead_run;
+
+__device__ __forceinline__ void ahead_count(ahead_run &r, const int *rs, int row, int *ready)
+{
+  while (row >= rs[r.walk + 1])
+    r.walk++;
+  if (r.walk != r.e) {
+    if (r.n > 0)
+      ahead_release(ready, r.e, r.n);
+    r.e = r.walk, r.n = 0;
+  }
+  r.n++;
+}
+
 __global__ void __launch_bounds__(256, 1)
 k_gather_ahead(route_rows x, const int *src, const int *row_start, int E, int K, int64_t H,
                bf16 *__restrict__ xr, int *ready, int slots)
@@ -357,7 +376,7 @@ k_gather_ahead(route_rows x, const int *src, const int *row_start, int E, int K,
    * next 32 ahead of their use */
   int tb = 0, tv = lane < n ? src[w + lane * W] : 0;
   int tn = 32 + lane < n ? src[w + (32 + lane) * W] : 0;
-  int ce = -1, cn = 0, we = 0; /* the expert run being counted; the walk over rs */
+  ahead_run run = {-1, 0, 0};
 
   for (int q = 0; q < n + slots - 1; q++) {
     /* store unit j = q - (slots - 1) once it has landed, then load unit q
@@ -372,15 +391,7 @@ k_gather_ahead(route_rows x, const int *src, const int *row_start, int E, int K,
       cuda::ptx::cp_async_bulk_commit_group();
       if (j >= AHEAD_LAG) { /* unit j - AHEAD_LAG's store has completed */
         cuda::ptx::cp_async_bulk_wait_group(cuda::ptx::n32_t<AHEAD_LAG>());
-        int row = w + (j - AHEAD_LAG) * W;
-        while (row >= rs[we + 1])
-          we++;
-        if (we != ce) {
-          if (cn > 0)
-            ahead_release(ready, ce, cn);
-          ce = we, cn = 0;
-        }
-        cn++;
+        ahead_count(run, rs, w + (j - AHEAD_LAG) * W, ready);
       }
     }
     if (q < n) {
@@ -405,19 +416,10 @@ k_gather_ahead(route_rows x, const int *src, const int *row_start, int E, int K,
   }
   if (lane == 0) {
     cuda::ptx::cp_async_bulk_wait_group(cuda::ptx::n32_t<0>());
-    for (int j = n > AHEAD_LAG ? n - AHEAD_LAG : 0; j < n; j++) {
-      int row = w + j * W;
-      while (row >= rs[we + 1])
-        we++;
-      if (we != ce) {
-        if (cn > 0)
-          ahead_release(ready, ce, cn);
-        ce = we, cn = 0;
-      }
-      cn++;
-    }
-    if (cn > 0)
-      ahead_release(ready, ce, cn);
+    for (int j = n > AHEAD_LAG ? n - AHEAD_LAG : 0; j < n; j++)
+      ahead_count(run, rs, w + j * W, ready);
+    if (run.n > 0)
+      ahead_release(ready, run.e, run.n);
   }
 #endif
 }
