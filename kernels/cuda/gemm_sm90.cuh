@@ -31,6 +31,11 @@
  *   halves of one B tile, so the SwiGLU runs on registers in the epilogue.
  * - Tile order: an expert's tiles run together, m-tiles fastest; dense GEMMs
  *   walk bands of 16 m-tiles.
+ * - The forward's gate/up may start while the dispatch that gathers its
+ *   rows still runs on a few SMs (gemm_args.ready, route_gather_ahead): it
+ *   is launched as that kernel's dependent and does not wait for it; the
+ *   producer waits for an expert's rows to be counted before its first
+ *   tile of that expert.
  * - Ragged experts: a tail of a few rows past an expert's last full m-tile
  *   rides on that tile (riding tails, below) rather than streaming the
  *   expert's weight tiles again for an m-tile of its own.
@@ -1399,11 +1404,11 @@ static int gemm(const gemm_args *a, int64_t a_rows, int grid, cudaStream_t strea
   static_assert(!GA || (CL == 1 && BM == 128), "gathered rows: single blocks, 128-row tiles");
   static_assert(!PP || (BN == 128 && BM == 128), "ping-pong tiles are 128 x 128");
   static_assert(CL == 1 || (CL == 2 && !PP && LAYOUT != L_TN), "clusters: NT and NN, cooperative");
+  static_assert(!RIDE || (!PP && BM == 128 && BN == 256 && LAYOUT != L_TN),
+                "riding tails: 128 x 256 cooperative NT and NN tiles");
   if (a->ready != NULL && (LAYOUT != L_NT || CL != 1 || GA || a->count == NULL))
     return mokk_fail(err, MOK_EINVAL, "rows counted by a dispatch beside the GEMM: grouped NT "
                      "GEMMs on single blocks reading rows as they lie");
-  static_assert(!RIDE || (!PP && BM == 128 && BN == 256 && LAYOUT != L_TN),
-                "riding tails: 128 x 256 cooperative NT and NN tiles");
   params p;
   int rc = make_params<LAYOUT, EPI, BN, BM, CL, RIDE, GA>(&p, a, a_rows, err);
   if (rc)

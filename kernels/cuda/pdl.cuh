@@ -18,6 +18,11 @@
  * room that this kernel's blocks have left, since all of them are running
  * by the time every one has released.
  *
+ * One kernel keeps the rule another way: gate/up after the forward's
+ * dispatch (gemm_args.ready) never calls pdl_wait; it reads the rows only
+ * after the dispatch has counted them (acquire against release), and
+ * everything else it reads was written before the dispatch started.
+ *
  * Off by default: measured on an H100 (PERF.md v14) it did not pay.
  * bench_gpu, two rounds, forward ms plain / dependent: dsv3 13.761, 13.758
  * / 13.960, 13.902; qwen3_4k 0.920, 0.920 / 0.930, 0.937; qwen3_32k 6.065,
