@@ -1,8 +1,9 @@
 /* route.cu - moving rows between tokens and experts: the schedule (a stable
  * counting sort of the (token, k) pairs by expert, rows of an expert by
  * token then k), the dispatch gather, the combines that sum a token's pairs
- * in k order, and d_topk_weights. No floating-point atomics: the only atomic
- * is an integer OR on the error flag. */
+ * in k order, and d_topk_weights. No floating-point atomics: the only atomics
+ * are an integer OR on the error flag and the integer row counts of the
+ * dispatch that runs beside gate/up. */
 #include <cuda/ptx>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
