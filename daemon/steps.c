@@ -490,6 +490,29 @@ static void step_queue(mokd_session *s, mokd_step *j)
   mokd_executor_queue_for(s->exec, &j->work, s->tenant, s->t->weight, step_work, step_done);
 }
 
+/* A built step goes on: to its group's wait (l a rank's layer, group its
+ * serial), else to the session's queue. A step that does not match the
+ * group's fails every rank's (*told: they have been told); the caller
+ * frees it. */
+static int step_submit(mokd_session *s, mokd_layer *l, mokd_step *j, uint64_t group, int *told,
+                       char *err)
+{
+  int rc;
+
+  if (l == NULL) {
+    step_queue(s, j);
+    return 0;
+  }
+  j->rank = l->rank;
+  j->group = group;
+  if ((rc = group_match(l, j, err))) {
+    *told = 1;
+    return rc;
+  }
+  step_park(l, j);
+  return 0;
+}
+
 /* ---- requests ------------------------------------------------------------- */
 
 /* A rank of a group whose request is refused fails the group's step: the
@@ -607,17 +630,9 @@ static int forward_step(mokd_session *s, const Mokd__Request *q, mokd_layer *l, 
       mokd_result_pin(r, warenas[i]);
     mokd_result_pin(r, xa);
   }
-  if (l->shape.P > 1) {
-    j->rank = l->rank;
-    j->group = mokd_group_serial(l);
-    if ((rc = group_match(l, j, err))) {
-      *told = 1;
-      goto fail;
-    }
-    step_park(l, j);
-    return 0;
-  }
-  step_queue(s, j);
+  mokd_layer *gl = l->shape.P > 1 ? l : NULL;
+  if ((rc = step_submit(s, gl, j, gl != NULL ? mokd_group_serial(gl) : 0, told, err)))
+    goto fail;
   return 0;
 
 fail:
@@ -773,19 +788,13 @@ static int backward_step(mokd_session *s, const Mokd__Request *q, mokd_result *c
       rc = mokk_fail(err, MOK_ENOMEM, "out of memory");
       goto fail;
     }
+  mokd_layer *gl = NULL; /* group_context found it */
   if (c->gctx != NULL) {
-    mokd_layer *l = mokd_layer_find(s, c->layer); /* group_context found it */
+    gl = mokd_layer_find(s, c->layer);
     j->gctx = c->gctx;
-    j->rank = l->rank;
-    j->group = c->gctx->group;
-    if ((rc = group_match(l, j, err))) {
-      *told = 1;
-      goto fail;
-    }
-    step_park(l, j);
-    return 0;
   }
-  step_queue(s, j);
+  if ((rc = step_submit(s, gl, j, gl != NULL ? c->gctx->group : 0, told, err)))
+    goto fail;
   return 0;
 
 fail:
