@@ -318,10 +318,14 @@ k_gather(route_rows x, const int *src, const int *lo, const int *hi, int K, int6
 
 /* The layout of the dynamic shared memory: row_start, then each worker's
  * mbarriers, then each worker's slots (128-byte aligned). */
+static __host__ __device__ size_t ahead_rs_bytes(int E)
+{
+  return ((size_t)(E + 1) * 4 + 127) & ~(size_t)127;
+}
+
 static __host__ __device__ size_t ahead_head(int E, int workers, int slots)
 {
-  size_t rs = ((size_t)(E + 1) * 4 + 127) & ~(size_t)127;
-  return rs + (((size_t)workers * slots * 8 + 127) & ~(size_t)127);
+  return ahead_rs_bytes(E) + (((size_t)workers * slots * 8 + 127) & ~(size_t)127);
 }
 
 __device__ __forceinline__ void ahead_release(int *ready, int e, int n)
@@ -361,7 +365,7 @@ k_gather_ahead(route_rows x, const int *src, const int *row_start, int E, int K,
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
   const uint32_t rb = (uint32_t)(H * 2);
   int *rs = (int *)sm;
-  uint64_t *full = (uint64_t *)(sm + (((size_t)(E + 1) * 4 + 127) & ~(size_t)127)) + warp * slots;
+  uint64_t *full = (uint64_t *)(sm + ahead_rs_bytes(E)) + warp * slots;
   unsigned char *buf = sm + ahead_head(E, nw, slots) + (size_t)warp * slots * rb;
   for (int i = threadIdx.x; i <= E; i += blockDim.x)
     rs[i] = row_start[i];
@@ -379,10 +383,11 @@ k_gather_ahead(route_rows x, const int *src, const int *row_start, int E, int K,
   int tn = 32 + lane < n ? src[w + (32 + lane) * W] : 0;
   ahead_run run = {-1, 0, 0};
 
-  for (int q = 0; q < n + slots - 1; q++) {
-    /* store unit j = q - (slots - 1) once it has landed, then load unit q
-     * (q < n) into the slot that unit q - slots has left */
-    const int j = q - (slots - 1);
+  for (int q = 0; q < n + slots; q++) {
+    /* store unit j = q - slots once it has landed, then, once that store
+     * has read its slot, load unit q (q < n) into it: every slot holds a
+     * load in flight while the worker waits */
+    const int j = q - slots;
     if (j >= 0 && lane == 0) {
       while (!cuda::ptx::mbarrier_try_wait_parity(&full[j % slots], (uint32_t)(j / slots) & 1))
         ;
@@ -403,8 +408,8 @@ k_gather_ahead(route_rows x, const int *src, const int *row_start, int E, int K,
       }
       int p = __shfl_sync(0xffffffffu, tv, q & 31);
       if (lane == 0) {
-        if (q >= slots) /* unit q - slots's store, all but the newest, has read its slot */
-          cuda::ptx::cp_async_bulk_wait_group_read(cuda::ptx::n32_t<1>());
+        if (j >= 0) /* unit j's store, the newest, has read the slot */
+          cuda::ptx::cp_async_bulk_wait_group_read(cuda::ptx::n32_t<0>());
         int64_t t = p / K;
         const bf16 *sp = x.p[t / x.T] + (t % x.T) * H;
         uint64_t *bar = &full[q % slots];
