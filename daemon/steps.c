@@ -490,10 +490,11 @@ static void step_queue(mokd_session *s, mokd_step *j)
   mokd_executor_queue_for(s->exec, &j->work, s->tenant, s->t->weight, step_work, step_done);
 }
 
-/* A built step goes on: to its group's wait (l a rank's layer, group its
- * serial), else to the session's queue. A step that does not match the
- * group's fails every rank's (*told: they have been told); the caller
- * frees it. */
+/* A built step goes on. With l, the layer of an EP rank, it waits for the
+ * group's other ranks (group: the serial of the group it belongs to); a
+ * step that does not match theirs fails every rank's step (*told: they have
+ * been told), and the caller frees it. Without l it joins the session's
+ * queue. */
 static int step_submit(mokd_session *s, mokd_layer *l, mokd_step *j, uint64_t group, int *told,
                        char *err)
 {
@@ -788,9 +789,9 @@ static int backward_step(mokd_session *s, const Mokd__Request *q, mokd_result *c
       rc = mokk_fail(err, MOK_ENOMEM, "out of memory");
       goto fail;
     }
-  mokd_layer *gl = NULL; /* group_context found it */
+  mokd_layer *gl = NULL;
   if (c->gctx != NULL) {
-    gl = mokd_layer_find(s, c->layer);
+    gl = mokd_layer_find(s, c->layer); /* group_context found it */
     j->gctx = c->gctx;
   }
   if ((rc = step_submit(s, gl, j, gl != NULL ? c->gctx->group : 0, told, err)))
