@@ -443,8 +443,10 @@ extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
                      "MOKD_GEMM_TILES: \"%s\" is not auto, wide, tall or pingpong", tiles);
   /* and for measuring clusters of two blocks against single blocks */
   const char *clusters = getenv("MOKD_GEMM_CLUSTERS");
-  if (clusters != NULL && strcmp(clusters, "0") != 0 && strcmp(clusters, "1") != 0)
-    return mokk_fail(err, MOK_EINVAL, "MOKD_GEMM_CLUSTERS: \"%s\" is not 0 or 1", clusters);
+  if (clusters != NULL && strcmp(clusters, "0") != 0 && strcmp(clusters, "1") != 0 &&
+      strcmp(clusters, "all") != 0)
+    return mokk_fail(err, MOK_EINVAL, "MOKD_GEMM_CLUSTERS: \"%s\" is not 0, 1 or all",
+                     clusters);
   /* and the tile order of grouped GEMMs: dynamic (the default) or static */
   const char *order = getenv("MOKD_GEMM_ORDER");
   if (order != NULL && strcmp(order, "dynamic") != 0 && strcmp(order, "static") != 0)
@@ -473,6 +475,11 @@ extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
       return mokk_fail(err, MOK_EINVAL, "MOKD_GATHER_AHEAD: \"%s\" is not a number of blocks "
                        "from 0 to 1024", ahead);
   }
+  /* and the forward's epilogues through shared memory and the copy engine
+   * (the default) against stores from registers */
+  const char *stores = getenv("MOKD_GEMM_STORES");
+  if (stores != NULL && strcmp(stores, "async") != 0 && strcmp(stores, "regs") != 0)
+    return mokk_fail(err, MOK_EINVAL, "MOKD_GEMM_STORES: \"%s\" is not async or regs", stores);
   /* EP steps over a buffer set per rank, the multi-GPU layout, on one GPU */
   const char *spread = getenv("MOKD_EP_SPREAD");
   if (spread != NULL && strcmp(spread, "0") != 0 && strcmp(spread, "1") != 0)
@@ -480,7 +487,9 @@ extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
   if ((cb = (cuda_backend *)calloc(1, sizeof *cb)) == NULL)
     return mokk_fail(err, MOK_ENOMEM, "out of memory");
   cb->tiles = tile_choice;
-  cb->clusters = clusters == NULL || strcmp(clusters, "1") == 0;
+  cb->clusters = clusters == NULL || strcmp(clusters, "1") == 0 ? 1
+                 : strcmp(clusters, "all") == 0                 ? 2
+                                                                : 0;
   cb->spread = spread != NULL && strcmp(spread, "1") == 0;
   cb->dynamic = order == NULL || strcmp(order, "dynamic") == 0;
   cb->ride = ride == NULL || strcmp(ride, "1") == 0 ? MOKK_RIDE_AUTO
@@ -489,6 +498,7 @@ extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
                                                  : MOKK_RIDE_OFF;
   cb->gather = gather != NULL && strcmp(gather, "1") == 0;
   cb->gather_ahead = (int)ahead_blocks;
+  cb->store_regs = stores != NULL && strcmp(stores, "regs") == 0;
   cb->base.iface = &cuda_iface;
   cb->base.device = device;
   cb->device = device;

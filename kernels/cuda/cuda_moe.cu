@@ -131,6 +131,7 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
   if (cb->arch == 90) {
     gemm_args order = *a; /* the tile order: the stream's counter, or static */
     order.sched = cb->dynamic ? cb->tile_ctr : NULL;
+    order.store_regs = cb->store_regs;
     order.ride_whole = cb->ride == MOKK_RIDE_WHOLE ||
                        (cb->ride == MOKK_RIDE_AUTO && (LAYOUT != L_NT || EPI != E_GATEUP));
     a = &order;
@@ -182,9 +183,13 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
        * order) dsv3's backward took 33.8-34.3 ms against 30.1-30.3. */
       if constexpr (EPI != E_DH) {
         if (cl && cb->ride && a->tile_off_ride != NULL && rows_per_group <= 512) {
-          if constexpr (LAYOUT == L_NT)
+          if constexpr (LAYOUT == L_NT) {
+            if (cb->clusters == 2 && a->ready == NULL)
+              return sm90::gemm<LAYOUT, EPI, 256, false, 128, 2, true>(a, a_rows, grid,
+                                                                       cb->stream, err);
             return sm90::gemm<LAYOUT, EPI, 256, false, 128, 1, true>(a, a_rows, grid,
                                                                      cb->stream, err);
+          }
           return sm90::gemm<LAYOUT, EPI, 256, false, 128, 2, true>(a, a_rows, grid, cb->stream,
                                                                    err);
         }
@@ -193,7 +198,7 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
        * run on single blocks too. Nsight Compute, ms on clusters / single
        * blocks: qwen3_32k gate/up 3.005 / 2.842, down 1.493 / 1.445; mid
        * gate/up 5.138 / 4.977, down 2.500 / 2.493. */
-      if (cl && LAYOUT == L_NN)
+      if (cl && (LAYOUT == L_NN || (cb->clusters == 2 && a->ready == NULL)))
         return sm90::gemm<LAYOUT, EPI, 256, false, 128, 2>(a, a_rows, grid, cb->stream, err);
       return sm90::gemm<LAYOUT, EPI, 256>(a, a_rows, grid, cb->stream, err);
     }

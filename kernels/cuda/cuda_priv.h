@@ -37,12 +37,14 @@ typedef struct cuda_backend {
   int device, sms, max_blocks;
   int arch;             /* compute capability as 10 major + minor; 0 until asked */
   int tiles;            /* MOKK_TILES_*: MOKD_GEMM_TILES, auto unless measuring */
-  int clusters;         /* grouped NT/NN GEMMs on clusters of two (MOKD_GEMM_CLUSTERS) */
+  int clusters;         /* grouped NT/NN GEMMs on clusters of two (MOKD_GEMM_CLUSTERS); 2:
+                         * the forward's too, where no dispatch runs beside gate/up */
   int dynamic;          /* grouped NT GEMMs take tiles from a counter (MOKD_GEMM_ORDER) */
   int ride;             /* experts' short tails ride on full m-tiles: MOKK_RIDE_* (MOKD_GEMM_RIDE) */
   int gather;           /* gate/up GEMMs pick rows out of x (MOKD_GEMM_GATHER) */
   int gather_ahead;     /* blocks of the forward's dispatch beside its gate/up GEMM; 0: the
                          * dispatch runs before it on the whole GPU (MOKD_GATHER_AHEAD) */
+  int store_regs;       /* the forward's epilogues store from registers (MOKD_GEMM_STORES=regs) */
   cudaStream_t stream;
   int *status;          /* device: bit 0 = an expert id out of range */
   /* device: the tile counter of the GEMMs on `stream` (dynamic order; each

@@ -23,7 +23,9 @@
  *   128 x 128 ping-pong tiles, each warpgroup owning every other tile, for
  *   weight gradients whose tiles are one k-block or very long.
  * - Stores: weight gradients, pure stores, leave through shared memory and
- *   the copy engine (out_*); the other epilogues store from registers.
+ *   the copy engine (out_*), and so do the forward's (async_out: y, h and the
+ *   saved g and u), through the stages of the tile's last two k-blocks; the
+ *   other epilogues store from registers.
  * - Operands stay where they are: K-major operands (x, h, the forward's
  *   weights) and MN-major ones (the backward's weights, the weight gradients'
  *   rows) are both read by the copy engine as they lie in memory; wgmma's
@@ -101,8 +103,9 @@ __host__ __device__ constexpr bool stores_tiles()
 
 typedef struct params { /* 64-byte aligned, as CUtensorMap is */
   CUtensorMap a, b, b2; /* b2: the up weights (gate/up), or B's rows k >= split (NN) */
-  CUtensorMap c, c2;    /* TS stores: C, and C2 for rows m >= split */
+  CUtensorMap c, c2;    /* TS stores: C, and C2 for rows m >= split; async_out: C */
   CUtensorMap at;       /* RIDE: A in boxes of MOKK_RIDE_ROWS rows, for riding tails */
+  CUtensorMap sg, su;   /* async_out, E_GATEUP: the saved gate and up (fp32); C's is c */
   gemm_args g;
 } params;
 
@@ -966,16 +969,214 @@ __device__ __forceinline__ void stage_done(uint64_t *empty, int &prev, int &s, u
   stage_next<STAGES>(s, ph);
 }
 
+/* ---- epilogues through shared memory, asynchronously -----------------------
+ * The forward's epilogues (NT: y; gate/up: h and the saved g and u) stored
+ * from registers, and while they did, the tile's MMAs had ended and the next
+ * tile's could not start. Each warpgroup now writes its 64-row block into
+ * shared memory in the copy engine's layout (128-byte swizzle, boxes of 64
+ * rows of 128 bytes) and one of its threads hands the boxes over; the
+ * warpgroup goes on to its next tile while the engine writes them out.
+ * Room: a tile keeps the stages of its last two k-blocks (one a warpgroup:
+ * its B part takes y, or g and then u; its A part h) instead of handing them
+ * back after their MMAs. They go back once the copy engine has read them,
+ * after the warpgroup's first MMAs of its next tile; meanwhile the producer
+ * fills the other stages with that tile's first k-blocks. A block holding
+ * rows past its group's end (a group's last m-tile) stores from registers,
+ * since a box writes every row; so do tiles of one k-block, and every tile
+ * with gemm_args.store_regs. The values, and so the bits, are those of the
+ * register epilogue (gemm_core checks them against each other).
+ * H100, bench_gpu --iters 20, forward ms, registers / async, two rounds
+ * each: dsv3 12.934, 12.913 / 12.767, 12.711; mid 8.907, 8.735 / 8.573,
+ * 8.587; qwen3_4k 0.927, 0.926 / 0.919, 0.903; qwen3_32k 5.852, 5.934 /
+ * 5.660, 5.762. Less than a build without the stores had promised (dsv3's
+ * gate/up 6588 against 7676 µs, qwen3_32k's down 839 against 1534), but
+ * that build had lost more than its stores: 839 µs is 983 TFLOP/s, above
+ * what the tensor cores do, so MMAs whose results went nowhere were gone
+ * too, and what it timed was close to the loads alone (PERF.md v18). */
+template <int LAYOUT, int EPI, int BN, int BM, int CL, bool GA>
+__host__ __device__ constexpr bool async_out()
+{
+  return LAYOUT == L_NT && (EPI == E_BF16 || EPI == E_GATEUP) && BM == 128 && CL == 1 && !GA &&
+         (BN == 128 || BN == 256);
+}
+
+constexpr int BAR_EPI = 3; /* named barrier: both consumer warpgroups are done with a tile's MMAs */
+
+/* The two stages a tile's epilogue keeps (-1: none). */
+struct kept {
+  int s0, s1;
+};
+
+/* Hands back the stages the last tile's epilogue kept, once the copy engine
+ * has read what this warpgroup's thread wt == 0 stored from them: its four
+ * warps' arrivals on each. */
+__device__ __forceinline__ void kept_release(uint64_t *empty, kept &k, int wt)
+{
+  if (k.s0 < 0)
+    return;
+  if (wt == 0) {
+    tma_store_wait<0, true>();
+    bar_arrive_n(&empty[k.s0], 4);
+    bar_arrive_n(&empty[k.s1], 4);
+  }
+  k.s0 = k.s1 = -1;
+}
+
+/* A consumer is done issuing k-block kb of nk from stage s. keep: the tile
+ * keeps its last two stages (kept), so the one before the last is not handed
+ * back; at kb = 0 the last tile's kept stages go back. */
+template <int CL, int STAGES, bool AO>
+__device__ __forceinline__ void stage_step(uint64_t *empty, int &prev, int &s, uint32_t &ph,
+                                           int lane, int rank, int kb, int nk, bool keep,
+                                           kept &k, int wt)
+{
+  if (AO && keep && kb == nk - 1) {
+    k.s0 = prev;
+    prev = s;
+    stage_next<STAGES>(s, ph);
+  } else {
+    stage_done<CL, STAGES>(empty, prev, s, ph, lane, rank);
+  }
+  if (AO && kb == 0)
+    kept_release(empty, k, wt);
+}
+
+/* The h of a 64-row block (BN / 2 columns, bf16) into {64, 64} boxes at out,
+ * the layout out_block writes: the SwiGLU of gate piece j and up piece j +
+ * BN / 16 (8 columns each), as epilogue computes it. */
+template <int BN>
+__device__ __forceinline__ void out_block_h(const float (&acc)[BN / 2], unsigned char *out,
+                                            float L, int warp, int lane)
+{
+  constexpr int U = BN / 16;
+  const int i = lane >> 3, row = warp * 16 + (i & 1) * 8 + (lane & 7);
+  unsigned char *rp = out + row * 128;
+#pragma unroll
+  for (int j = 0; j < BN / 16; j += 2) {
+    uint32_t v[4];
+#pragma unroll
+    for (int m = 0; m < 4; m++) { /* piece j + m / 2, row half m % 2 */
+      const int e = 4 * (j + m / 2) + 2 * (m % 2);
+      v[m] = bf16x2(swiglu_sfu(acc[e], acc[e + 4 * U], L),
+                    swiglu_sfu(acc[e + 1], acc[e + 1 + 4 * U], L));
+    }
+    const int c = j + (i >> 1);
+    stmatrix_x4(smem_addr(rp + (c >> 3) * 8192 + (((c & 7) ^ (row & 7)) << 4)), v[0], v[1], v[2],
+                v[3]);
+  }
+}
+
+/* Accumulator pieces j0 .. j0 + BN / 16 - 1 (BN / 2 columns, fp32) of a
+ * 64-row block into {32, 64} boxes at out: column 8 j + 2 (l % 4) of row
+ * r lies in box (8 j) / 32, 16-byte unit ((8 j) % 32) / 4 + (l % 4) / 2,
+ * swizzled by the row. A warp's store covers 8 rows of 32 bytes, every
+ * 16-byte unit at its own place: two passes of the banks, as for 256
+ * bytes at least. */
+template <int BN>
+__device__ __forceinline__ void out_block_f32(const float (&acc)[BN / 2], int j0,
+                                              unsigned char *out, int warp, int lane)
+{
+  const int q = lane & 3;
+  const uint32_t base = smem_addr(out);
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    const int row = warp * 16 + 8 * r + (lane >> 2);
+#pragma unroll
+    for (int j = 0; j < BN / 16; j++) {
+      const int unit = 2 * (j & 3) + (q >> 1);
+      const uint32_t at =
+          base + (j >> 2) * 8192 + row * 128 + ((unit ^ (row & 7)) << 4) + (q & 1) * 8;
+      st_shared_f2(at, acc[4 * (j0 + j) + 2 * r], acc[4 * (j0 + j) + 2 * r + 1]);
+    }
+  }
+}
+
+/* Stores the bf16 boxes of one block staged at out: columns col0 + 64 c of
+ * a tensor of n columns, rows row.. row + 63. Thread wt == 0 only. */
+__device__ __forceinline__ void out_boxes(const CUtensorMap *map, const unsigned char *out,
+                                          int nbox, int col0, int cols_per_box, int n, int row)
+{
+  for (int c = 0; c < nbox && col0 + c * cols_per_box < n; c++)
+    tma_store(map, col0 + c * cols_per_box, row, 0, out + c * 8192);
+  tma_store_commit();
+}
+
+/* Block b0 of tile x, this warpgroup's, out through the kept stage whose A
+ * part is sa and B part sb. */
+template <int EPI, int BN, int BM>
+__device__ __forceinline__ void epilogue_async(const params &p, const tile &x,
+                                               const float (&acc)[BN / 2], int b0,
+                                               unsigned char *sa, unsigned char *sb, int cw,
+                                               int wt, int warp, int lane)
+{
+  const gemm_args &a = p.g;
+  const int row = (int)(x.rb + x.mt * BM + b0 * 64);
+  if constexpr (EPI == E_BF16) {
+    out_block<BN>(acc, sb, warp, lane);
+    fence_async_shared();
+    named_sync(6 + cw, 128);
+    if (wt == 0)
+      out_boxes(&p.c, sb, BN / 64, x.nt * BN, 64, a.N, row);
+  } else {
+    static_assert(EPI == E_GATEUP, "async epilogues: NT bf16 and gate/up");
+    const int ie = a.N / 2, i0 = x.nt * (BN / 2);
+    const bool save = a.sg != NULL;
+    if (save) /* g first: its boxes are read while h is computed */
+      out_block_f32<BN>(acc, 0, sb, warp, lane);
+    out_block_h<BN>(acc, sa, a.limit, warp, lane);
+    fence_async_shared();
+    named_sync(6 + cw, 128);
+    if (wt == 0) {
+      if (save)
+        out_boxes(&p.sg, sb, BN / 64, i0, 32, ie, row);
+      out_boxes(&p.c, sa, BN / 128, i0, 64, ie, row);
+      if (save)
+        tma_store_wait<1, true>(); /* g's boxes read: u takes their place */
+    }
+    if (save) {
+      named_sync(6 + cw, 128);
+      out_block_f32<BN>(acc, BN / 16, sb, warp, lane);
+      fence_async_shared();
+      named_sync(6 + cw, 128);
+      if (wt == 0)
+        out_boxes(&p.su, sb, BN / 64, i0, 32, ie, row);
+    }
+  }
+}
+
+/* A tile's epilogue for block b0 (this warpgroup's): through the stages it
+ * kept where its rows are all the group's, else from registers. */
+template <int LAYOUT, int EPI, int BN, int BM, bool AO>
+__device__ __forceinline__ void tile_out(const params &p, const tile &x, float (&acc)[BN / 2],
+                                         int b0, bool keep, const kept &k, unsigned char *sa,
+                                         unsigned char *sb, int a_bytes, int b_bytes, int cw,
+                                         int wt, int warp, int lane)
+{
+  if constexpr (AO) {
+    if (keep) {
+      named_sync(BAR_EPI, 256); /* both warpgroups' MMAs are done with the kept stages */
+      if (x.mt * BM + (b0 + 1) * 64 <= x.rows) {
+        const int st = cw == 0 ? k.s0 : k.s1;
+        epilogue_async<EPI, BN, BM>(p, x, acc, b0, sa + st * a_bytes, sb + st * b_bytes, cw, wt,
+                                    warp, lane);
+        return;
+      }
+    }
+  }
+  epilogue<LAYOUT, EPI, BN, BM>(p.g, x, acc, b0, warp, lane);
+}
+
 /* The k loop and epilogue of a tile with a riding tail of at most NR rows: a
  * loop of its own, so that the tail's accumulators live only here and the
  * other tiles' loop stays what it is without rides. */
 template <int LAYOUT, int EPI, int BN, int BM, int CL, int STAGES, int A_BYTES, int B_BYTES,
-          int NR, bool GA>
-__device__ __forceinline__ void ride_tile(const gemm_args &a, const tile &x, int nk,
-                                          float (&acc0)[BN / 2], uint32_t sa0, uint32_t sb0,
+          int NR, bool GA, bool AO>
+__device__ __forceinline__ void ride_tile(const params &p, const tile &x, int nk,
+                                          float (&acc0)[BN / 2], unsigned char *sa,
+                                          unsigned char *sb, uint32_t sa0, uint32_t sb0,
                                           uint64_t *full, uint64_t *empty, int &s, uint32_t &ph,
-                                          int &prev, int b0, int cw, int warp, int lane,
-                                          int rank)
+                                          int &prev, bool keep, kept &k, int b0, int cw, int wt,
+                                          int warp, int lane, int rank)
 {
   constexpr int TB = LAYOUT != L_NT;
   float t0[NR / 2], t1[NR / 2];
@@ -985,15 +1186,19 @@ __device__ __forceinline__ void ride_tile(const gemm_args &a, const tile &x, int
   for (int kb = 0; kb < nk; kb++) {
     stage_wait<GA>(full, s, ph);
     mma_run_ride<TB, BN, NR>(acc0, t0, t1, sa0 + s * A_BYTES, sb0 + s * B_BYTES, cw);
-    stage_done<CL, STAGES>(empty, prev, s, ph, lane, rank);
+    stage_step<CL, STAGES, AO>(empty, prev, s, ph, lane, rank, kb, nk, keep, k, wt);
   }
   wgmma_wait<0>();
   acc_fence(acc0);
   acc_fence(t0);
   acc_fence(t1);
-  stage_release<CL>(empty, prev, lane, rank);
-  epilogue<LAYOUT, EPI, BN, BM>(a, x, acc0, b0, warp, lane);
-  epilogue_ride<EPI, BN, NR>(a, x, t0, t1, cw, warp, lane);
+  if (AO && keep)
+    k.s1 = prev;
+  else
+    stage_release<CL>(empty, prev, lane, rank);
+  tile_out<LAYOUT, EPI, BN, BM, AO>(p, x, acc0, b0, keep, k, sa, sb, A_BYTES, B_BYTES, cw, wt,
+                                    warp, lane);
+  epilogue_ride<EPI, BN, NR>(p.g, x, t0, t1, cw, warp, lane);
 }
 
 /* The cooperative consumer: both warpgroups on one BM x BN tile, BM / 2 rows
@@ -1017,9 +1222,12 @@ __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsi
   const int b0 = TALL ? 2 * cw : cw; /* this warpgroup's first 64-row block */
   const int rank = CL == 2 ? (int)cluster_rank() : 0;
   constexpr bool DYN = dynamic_order<LAYOUT, EPI, false, CL>();
+  constexpr bool AO = async_out<LAYOUT, EPI, BN, BM, CL, GA>();
   const int64_t units = (tiles + CL - 1) / CL;
+  const int wt = ct & 127;
   int s = 0;
   uint32_t ph = 0;
+  kept k = {-1, -1};
   for (int64_t u = blockIdx.x / CL;; u += gridDim.x / CL) {
     if (DYN && a.sched != NULL)
       u = ring_take(q);
@@ -1027,6 +1235,8 @@ __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsi
       break;
     tile x = unit_at<LAYOUT, BN, BM, CL>(a, u, tiles, rank);
     int nk = k_blocks<LAYOUT>(a, x);
+    /* the epilogue goes out through this tile's last two stages (async_out) */
+    const bool keep = AO && !a.store_regs && nk >= 2;
     /* a group's last m-tile often has no rows for some 64-row blocks: their
      * warpgroup then only keeps the pipeline going and leaves the tensor
      * cores to the others */
@@ -1044,13 +1254,15 @@ __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsi
     int prev = -1;
     if constexpr (RIDE) {
       if (x.tail > 16) {
-        ride_tile<LAYOUT, EPI, BN, BM, CL, STAGES, A_BYTES, B_BYTES, 32, GA>(
-            a, x, nk, acc0, sa0, sb0, full, empty, s, ph, prev, b0, cw, warp, lane, rank);
+        ride_tile<LAYOUT, EPI, BN, BM, CL, STAGES, A_BYTES, B_BYTES, 32, GA, AO>(
+            p, x, nk, acc0, sa, sb, sa0, sb0, full, empty, s, ph, prev, keep, k, b0, cw, wt, warp,
+            lane, rank);
         continue;
       }
       if (x.tail > 0) {
-        ride_tile<LAYOUT, EPI, BN, BM, CL, STAGES, A_BYTES, B_BYTES, 16, GA>(
-            a, x, nk, acc0, sa0, sb0, full, empty, s, ph, prev, b0, cw, warp, lane, rank);
+        ride_tile<LAYOUT, EPI, BN, BM, CL, STAGES, A_BYTES, B_BYTES, 16, GA, AO>(
+            p, x, nk, acc0, sa, sb, sa0, sb0, full, empty, s, ph, prev, keep, k, b0, cw, wt, warp,
+            lane, rank);
         continue;
       }
     }
@@ -1063,12 +1275,15 @@ __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsi
         mma_run<TA, TB, BN, BK / 16, TALL>(acc0, acc1, at, bt, b0);
       else if (act0)
         mma_run<TA, TB, BN, BK / 16, false>(acc0, acc1, at, bt, b0);
-      stage_done<CL, STAGES>(empty, prev, s, ph, lane, rank);
+      stage_step<CL, STAGES, AO>(empty, prev, s, ph, lane, rank, kb, nk, keep, k, wt);
     }
     wgmma_wait<0>();
     acc_fence(acc0);
     acc_fence(acc1);
-    stage_release<CL>(empty, prev, lane, rank);
+    if (AO && keep)
+      k.s1 = prev;
+    else
+      stage_release<CL>(empty, prev, lane, rank);
     if (TS && !a.accum) {
       static_assert(!TS || !TALL, "one 64-row block a warpgroup");
       unsigned char *mine = out + cw * (C::OUT_BYTES / 2);
@@ -1077,11 +1292,12 @@ __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsi
       out_issue<BN, BM>(p, x, mine, b0, 1, cw, ct & 127);
       continue;
     }
-    epilogue<LAYOUT, EPI, BN, BM>(a, x, acc0, b0, warp, lane);
+    tile_out<LAYOUT, EPI, BN, BM, AO>(p, x, acc0, b0, keep, k, sa, sb, A_BYTES, B_BYTES, cw, wt,
+                                      warp, lane);
     if constexpr (TALL)
       epilogue<LAYOUT, EPI, BN, BM>(a, x, acc1, b0 + 1, warp, lane);
   }
-  if (TS && (ct & 127) == 0)
+  if ((TS || AO) && wt == 0)
     tma_store_wait<0, false>(); /* the staging lives as long as the block */
 }
 
@@ -1351,6 +1567,16 @@ static int make_params(params *p, const gemm_args *a, int64_t a_rows, char *err)
   }
   if (!GA && (rc = mokk_tmap_bf16(&p->a, a->A, a->K, a_rows, 1, a->lda, 0, 64, err)))
     return rc;
+  if (async_out<LAYOUT, EPI, BN, BM, CL, GA>()) { /* C's rows are A's */
+    int64_t rows = a->count != NULL ? a_rows : a->M;
+    int64_t n = EPI == E_GATEUP ? a->N / 2 : a->N;
+    if ((rc = mokk_tmap_bf16(&p->c, a->C, n, rows, 1, a->ldc, 0, 64, err)))
+      return rc;
+    if (EPI == E_GATEUP && a->sg != NULL &&
+        ((rc = mokk_tmap_f32(&p->sg, a->sg, n, rows, a->lds, 64, err)) ||
+         (rc = mokk_tmap_f32(&p->su, a->su, n, rows, a->lds, 64, err))))
+      return rc;
+  }
   if (LAYOUT == L_NT) {
     if (EPI == E_GATEUP) {
       if ((rc = mokk_tmap_bf16(&p->b, a->B, a->K, a->N / 2, a->groups, a->ldb, a->b_stride,

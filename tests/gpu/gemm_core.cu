@@ -189,6 +189,19 @@ static double compare(const void *got_d, int got_bf16, const float *ref_d, int64
   return worst;
 }
 
+/* Bytes that differ between two device buffers of n bytes. */
+static int64_t differ(const void *a_d, const void *b_d, int64_t n)
+{
+  unsigned char *a = (unsigned char *)malloc(n), *b = (unsigned char *)malloc(n);
+  int64_t d = 0;
+  cudaMemcpy(a, a_d, n, cudaMemcpyDeviceToHost);
+  cudaMemcpy(b, b_d, n, cudaMemcpyDeviceToHost);
+  for (int64_t i = 0; i < n; i++)
+    d += a[i] != b[i];
+  free(a), free(b);
+  return d;
+}
+
 #define TOL_F32 (1.0 / 4096)
 #define TOL_BF16 (1.0 / 128)
 
@@ -229,6 +242,16 @@ static int run_cases(int grid, bool dynamic, bool whole, char *msg, size_t msgle
     if (!(w_ <= worst_all))                                                          \
       worst_all = w_;                                                                \
   } while (0)
+  /* the epilogues through shared memory (async_out) against the same
+   * epilogues from registers: the same bits */
+#define SAME(name, x, y, n)                                                          \
+  do {                                                                               \
+    int64_t d_ = differ((x), (y), (n));                                              \
+    used += snprintf(msg + used, used < msglen ? msglen - used : 0,                  \
+                     "%s %lld bytes differ; ", name, (long long)d_);                 \
+    if (d_ != 0)                                                                     \
+      fails++;                                                                       \
+  } while (0)
 #define RUN(call)                                                                    \
   do {                                                                               \
     if ((rc = (call)) != 0) {                                                        \
@@ -243,6 +266,8 @@ static int run_cases(int grid, bool dynamic, bool whole, char *msg, size_t msgle
   float *ref2 = (float *)zeros((int64_t)R * 2 * IE * 4 * NG);
   void *C = zeros((int64_t)R * 2 * IE * 4 * NG), *C2 = zeros((int64_t)R * 2 * IE * 4 * NG);
   float *sg = (float *)zeros((int64_t)R * IE * 4), *su = (float *)zeros((int64_t)R * IE * 4);
+  float *sg2 = (float *)zeros((int64_t)R * IE * 4), *su2 = (float *)zeros((int64_t)R * IE * 4);
+  constexpr bool ASYNC = sm90::async_out<L_NT, E_BF16, BN, BM, CL, false>() && !PP;
 
   /* NT bf16, grouped: C[r, n] = A[r, :K] . B[g][n, :K] */
   {
@@ -255,6 +280,12 @@ static int run_cases(int grid, bool dynamic, bool whole, char *msg, size_t msgle
           K, refc + (int64_t)gp.row_start[g] * N, N, 0);
     CORE_OK(cudaDeviceSynchronize());
     REPORT("nt_bf16", compare(C, 1, refc, (int64_t)R * N, TOL_BF16));
+    if (ASYNC) {
+      a.C = C2, a.store_regs = 1;
+      RUN((sm90::gemm<L_NT, E_BF16, BN, PP, BM, CL, RIDE>(&a, R, grid, 0, err)));
+      CORE_OK(cudaDeviceSynchronize());
+      SAME("nt_bf16_regs", C, C2, (int64_t)R * N * 2);
+    }
   }
   /* NT gate/up: g = A . Bg^T, u = A . Bu^T saved, h = swiglu(g, u): h
    * (the special-function unit's, bf16) against swiglu.h's of the reference
@@ -279,6 +310,20 @@ static int run_cases(int grid, bool dynamic, bool whole, char *msg, size_t msgle
                                                                     a.limit);
     CORE_OK(cudaDeviceSynchronize());
     REPORT("nt_h", compare(C, 1, refc, (int64_t)R * IE, TOL_BF16));
+    if (ASYNC) {
+      a.C = C2, a.sg = sg2, a.su = su2, a.store_regs = 1;
+      RUN((sm90::gemm<L_NT, E_GATEUP, BN, PP, BM, CL, RIDE>(&a, R, grid, 0, err)));
+      CORE_OK(cudaDeviceSynchronize());
+      SAME("nt_h_regs", C, C2, (int64_t)R * IE * 2);
+      SAME("nt_gate_regs", sg, sg2, (int64_t)R * IE * 4);
+      SAME("nt_up_regs", su, su2, (int64_t)R * IE * 4);
+      /* and without saving g and u (inference): h alone */
+      a.C = C2, a.sg = a.su = NULL, a.store_regs = 0;
+      CORE_OK(cudaMemset(C2, 0, (size_t)R * IE * 2));
+      RUN((sm90::gemm<L_NT, E_GATEUP, BN, PP, BM, CL, RIDE>(&a, R, grid, 0, err)));
+      CORE_OK(cudaDeviceSynchronize());
+      SAME("nt_h_only", C, C2, (int64_t)R * IE * 2);
+    }
   }
   /* NT bf16, dense (the shared expert): 300 rows */
   {
@@ -290,6 +335,12 @@ static int run_cases(int grid, bool dynamic, bool whole, char *msg, size_t msgle
     ref(A, K, 1, B, K, 1, 300, N, K, refc, N, 0);
     CORE_OK(cudaDeviceSynchronize());
     REPORT("nt_dense", compare(C, 1, refc, 300LL * N, TOL_BF16));
+    if (ASYNC) {
+      a.C = C2, a.store_regs = 1;
+      RUN((sm90::gemm<L_NT, E_BF16, BN, PP, BM, CL>(&a, 300, grid, 0, err)));
+      CORE_OK(cudaDeviceSynchronize());
+      SAME("nt_dense_regs", C, C2, 300LL * N * 2);
+    }
   }
   /* NN fp32 with the k split: C[r, n] = A[r, :IE] . Bg[g][:, n] + A[r, IE:] . Bu[g][:, n] */
   {
@@ -399,8 +450,9 @@ static int run_cases(int grid, bool dynamic, bool whole, char *msg, size_t msgle
   }
 #undef RUN
 #undef REPORT
+#undef SAME
   cudaFree(A), cudaFree(B), cudaFree(B2), cudaFree(Bt), cudaFree(refc), cudaFree(ref2);
-  cudaFree(C), cudaFree(C2), cudaFree(sg), cudaFree(su);
+  cudaFree(C), cudaFree(C2), cudaFree(sg), cudaFree(su), cudaFree(sg2), cudaFree(su2);
   grouping_free(&gp);
   CORE_OK(cudaGetLastError());
   *worst_out = worst_all;

@@ -52,6 +52,12 @@ __device__ __forceinline__ void bar_arrive(uint64_t *bar)
   (void)cuda::ptx::mbarrier_arrive(bar);
 }
 
+/* n arrivals at once: one thread answering for n warps. */
+__device__ __forceinline__ void bar_arrive_n(uint64_t *bar, uint32_t n)
+{
+  (void)cuda::ptx::mbarrier_arrive(bar, n);
+}
+
 /* One arrival that also announces `bytes` of copies completing on bar. */
 __device__ __forceinline__ void bar_expect(uint64_t *bar, uint32_t bytes)
 {
@@ -184,6 +190,12 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t
   asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr),
                "r"(r0), "r"(r1), "r"(r2), "r"(r3)
                : "memory");
+}
+
+/* Two floats to shared memory (8-byte aligned). */
+__device__ __forceinline__ void st_shared_f2(uint32_t addr, float a, float b)
+{
+  asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(a), "f"(b) : "memory");
 }
 
 /* ---- row gathers ------------------------------------------------------------

@@ -13,4 +13,9 @@
 int mokk_tmap_bf16(CUtensorMap *map, const void *base, uint64_t inner, uint64_t outer,
                    uint64_t depth, uint64_t ld, uint64_t depth_ld, uint32_t box_outer, char *err);
 
+/* An fp32 matrix of outer x inner elements, rows `ld` apart, in boxes of
+ * 32 x box_outer with the 128-byte swizzle. */
+int mokk_tmap_f32(CUtensorMap *map, const void *base, uint64_t inner, uint64_t outer,
+                  uint64_t ld, uint32_t box_outer, char *err);
+
 #endif
