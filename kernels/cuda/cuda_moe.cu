@@ -132,8 +132,11 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
     gemm_args order = *a; /* the tile order: the stream's counter, or static */
     order.sched = cb->dynamic ? cb->tile_ctr : NULL;
     order.store_regs = cb->store_regs;
+    /* tails split where the two m-tiles run side by side: gate/up, and
+     * the forward on pairs (gemm_sm90.cuh, paired) */
     order.ride_whole = cb->ride == MOKK_RIDE_WHOLE ||
-                       (cb->ride == MOKK_RIDE_AUTO && (LAYOUT != L_NT || EPI != E_GATEUP));
+                       (cb->ride == MOKK_RIDE_AUTO && LAYOUT != L_NT) ||
+                       (cb->ride == MOKK_RIDE_AUTO && EPI != E_GATEUP && cb->clusters != 2);
     a = &order;
     int grid = grid_for(cb, gemm_tiles(a, LAYOUT), 1);
     /* over the whole schedule, so that a rank's slice of the experts takes
@@ -184,7 +187,7 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
       if constexpr (EPI != E_DH) {
         if (cl && cb->ride && a->tile_off_ride != NULL && rows_per_group <= 512) {
           if constexpr (LAYOUT == L_NT) {
-            if (cb->clusters == 2 && a->ready == NULL)
+            if (cb->clusters == 2)
               return sm90::gemm<LAYOUT, EPI, 256, false, 128, 2, true>(a, a_rows, grid,
                                                                        cb->stream, err);
             return sm90::gemm<LAYOUT, EPI, 256, false, 128, 1, true>(a, a_rows, grid,
@@ -198,7 +201,7 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
        * run on single blocks too. Nsight Compute, ms on clusters / single
        * blocks: qwen3_32k gate/up 3.005 / 2.842, down 1.493 / 1.445; mid
        * gate/up 5.138 / 4.977, down 2.500 / 2.493. */
-      if (cl && (LAYOUT == L_NN || (cb->clusters == 2 && a->ready == NULL)))
+      if (cl && (LAYOUT == L_NN || cb->clusters == 2))
         return sm90::gemm<LAYOUT, EPI, 256, false, 128, 2>(a, a_rows, grid, cb->stream, err);
       return sm90::gemm<LAYOUT, EPI, 256>(a, a_rows, grid, cb->stream, err);
     }

@@ -38,7 +38,7 @@ typedef struct cuda_backend {
   int arch;             /* compute capability as 10 major + minor; 0 until asked */
   int tiles;            /* MOKK_TILES_*: MOKD_GEMM_TILES, auto unless measuring */
   int clusters;         /* grouped NT/NN GEMMs on clusters of two (MOKD_GEMM_CLUSTERS); 2:
-                         * the forward's too, where no dispatch runs beside gate/up */
+                         * the forward's too, as pairs (gemm_sm90.cuh, paired) */
   int dynamic;          /* grouped NT GEMMs take tiles from a counter (MOKD_GEMM_ORDER) */
   int ride;             /* experts' short tails ride on full m-tiles: MOKK_RIDE_* (MOKD_GEMM_RIDE) */
   int gather;           /* gate/up GEMMs pick rows out of x (MOKD_GEMM_GATHER) */

@@ -72,7 +72,7 @@ constexpr int RASTER_M = 16;       /* dense GEMMs: m-tiles per band */
 
 constexpr int SMEM_MAX = 232448;  /* dynamic shared memory a block may opt into */
 constexpr int SLOTS = 4;          /* the tile-order ring (ring_put) */
-constexpr int RING_BYTES = 2 * SLOTS * 8 + SLOTS * 4;
+constexpr int RING_BYTES = 2 * SLOTS * 8 + SLOTS * 4 + 2 * 8 + 8; /* and the pair's mail */
 
 /* BM: rows of a tile, 128 (64 per consumer warpgroup) or, for the grouped
  * GEMMs whose weight slabs must be read once per expert, 256 (128 each).
@@ -188,8 +188,9 @@ __device__ __forceinline__ tile tile_at(const gemm_args &a, int64_t t)
   return x;
 }
 
-/* Clusters of two blocks (CL = 2, NT and NN) take the tiles in pairs, 2u and
- * 2u + 1 of the same order, block r of the cluster tile 2u + r. Next to each
+/* Clusters of two blocks (CL = 2) take the tiles in pairs, 2u and 2u + 1 of
+ * the same order, block r of the cluster tile 2u + r. In NN (NT: pairs,
+ * below) the two share an operand. Next to each
  * other in that order, the two tiles mostly belong to one expert and share
  * its weight tile (B: the same n-tile, m-tiles apart: every expert of more
  * than one m-tile) or its rows (A: the same m-tile, n-tiles apart: experts of
@@ -201,6 +202,9 @@ __device__ __forceinline__ tile tile_at(const gemm_args &a, int64_t t)
  * pair's blocks walk their k loops in lockstep: a stage is refilled only when
  * both have finished with it. A pair past the last tile gets an empty tile
  * (no rows: nothing loaded, multiplied or stored). */
+template <int LAYOUT, int CL>
+__host__ __device__ constexpr bool paired();
+
 template <int LAYOUT, int BN, int BM, int CL>
 __device__ __forceinline__ tile unit_at(const gemm_args &a, int64_t u, int64_t tiles, int rank)
 {
@@ -214,12 +218,79 @@ __device__ __forceinline__ tile unit_at(const gemm_args &a, int64_t u, int64_t t
     memset(&x, 0, sizeof x);
     return x;
   }
-  if (o < tiles) {
+  if (!paired<LAYOUT, CL>() && o < tiles) {
     tile y = tile_at<LAYOUT, BN, BM>(a, o);
     if (y.g == x.g)
       x.share = y.nt == x.nt ? SHARE_B : y.mt == x.mt ? SHARE_A : SHARE_NONE;
   }
   return x;
+}
+
+/* ---- pairs ------------------------------------------------------------------
+ * In NT GEMMs a cluster's two blocks only run neighbouring tiles of the order
+ * at the same time, each with its own loads and stages, no operand shared
+ * (paired): tiles 2u and 2u + 1, mostly the two m-tiles of one expert's
+ * n-tile, which read the same weight tile. Both blocks of a cluster sit in
+ * one GPC and so at one of the L2's two partitions: the weight tile then
+ * crosses the fabric between the partitions once at most, where two blocks
+ * anywhere on the GPU have it cross for either half of the chip. That was
+ * the fabric dsv3's gate/up kept 98 % busy (PERF.md v17); on pairs it is
+ * 89 % busy, 84 % in down, the L2 serves 21 % fewer sectors, and neither
+ * runs faster (H100, Nsight Compute: gate/up 6.79 against 6.90 ms, down
+ * 3.41 against 3.36; PERF.md v18): the fabric was not what held them. The
+ * forward stays on single blocks; MOKD_GEMM_CLUSTERS=all puts it on pairs.
+ * NN's clusters share operands instead (multicast, above) and refill a stage
+ * only once both blocks are done with it (lockstep). */
+template <int LAYOUT, int CL>
+__host__ __device__ constexpr bool paired()
+{
+  return CL == 2 && LAYOUT == L_NT;
+}
+
+/* Blocks that release each stage: two where a pair shares operands. */
+template <int LAYOUT, int CL>
+__host__ __device__ constexpr int lockstep()
+{
+  return paired<LAYOUT, CL>() ? 1 : CL;
+}
+
+/* A pair in counter order: when block 1's producer needs its next unit it
+ * asks block 0's (an arrival on block 0's barrier) and waits; block 0's,
+ * once it needs its own next unit and block 1 has asked, takes one from the
+ * counter and sends it (st.async: the value and its 4 bytes on block 1's
+ * barrier at once). So the two start each unit together. With a mailbox
+ * of SLOTS units that block 0 filled as it went, block 1, whose tiles
+ * carried the whole riding tail in down, fell four units behind, the two
+ * no longer read the same weight tile at one time, and down read its
+ * weights from memory twice (dsv3, Nsight Compute: 15.13 GB against 7.83,
+ * 5.27 ms against 3.34). */
+struct mail {
+  uint64_t *full, *asked; /* full: block 1's, the unit's bytes; asked: block 0's, block 1's ask */
+  int *val;
+  uint32_t ph;
+};
+
+/* Block 1: its next unit. */
+__device__ __forceinline__ int mail_recv(mail &m)
+{
+  bar_arrive_remote(m.asked, 0);
+  bar_expect(m.full, 4);
+  bar_wait(m.full, m.ph);
+  m.ph ^= 1;
+  return ld_shared(m.val);
+}
+
+/* Block 0: waits for block 1 to ask. */
+__device__ __forceinline__ void mail_wait(mail &m)
+{
+  bar_wait(m.asked, m.ph);
+  m.ph ^= 1;
+}
+
+/* Block 0: unit v to block 1. */
+__device__ __forceinline__ void mail_send(mail &m, int v)
+{
+  st_async_remote(m.val, v, m.full, 1);
 }
 
 /* ---- tile order -------------------------------------------------------------
@@ -289,7 +360,7 @@ __device__ __forceinline__ int ring_take(ring &q)
 template <int LAYOUT, int EPI, bool PP, int CL>
 __host__ __device__ constexpr bool dynamic_order()
 {
-  return (LAYOUT == L_NT || EPI == E_DH) && !PP && CL == 1;
+  return (LAYOUT == L_NT || EPI == E_DH) && !PP && (CL == 1 || paired<LAYOUT, CL>());
 }
 
 template <int LAYOUT>
@@ -996,8 +1067,8 @@ __device__ __forceinline__ void stage_done(uint64_t *empty, int &prev, int &s, u
 template <int LAYOUT, int EPI, int BN, int BM, int CL, bool GA>
 __host__ __device__ constexpr bool async_out()
 {
-  return LAYOUT == L_NT && (EPI == E_BF16 || EPI == E_GATEUP) && BM == 128 && CL == 1 && !GA &&
-         (BN == 128 || BN == 256);
+  return LAYOUT == L_NT && (EPI == E_BF16 || EPI == E_GATEUP) && BM == 128 &&
+         (CL == 1 || paired<LAYOUT, CL>()) && !GA && (BN == 128 || BN == 256);
 }
 
 constexpr int BAR_EPI = 3; /* named barrier: both consumer warpgroups are done with a tile's MMAs */
@@ -1186,7 +1257,8 @@ __device__ __forceinline__ void ride_tile(const params &p, const tile &x, int nk
   for (int kb = 0; kb < nk; kb++) {
     stage_wait<GA>(full, s, ph);
     mma_run_ride<TB, BN, NR>(acc0, t0, t1, sa0 + s * A_BYTES, sb0 + s * B_BYTES, cw);
-    stage_step<CL, STAGES, AO>(empty, prev, s, ph, lane, rank, kb, nk, keep, k, wt);
+    stage_step<lockstep<LAYOUT, CL>(), STAGES, AO>(empty, prev, s, ph, lane, rank, kb, nk, keep,
+                                                   k, wt);
   }
   wgmma_wait<0>();
   acc_fence(acc0);
@@ -1195,7 +1267,7 @@ __device__ __forceinline__ void ride_tile(const params &p, const tile &x, int nk
   if (AO && keep)
     k.s1 = prev;
   else
-    stage_release<CL>(empty, prev, lane, rank);
+    stage_release<lockstep<LAYOUT, CL>()>(empty, prev, lane, rank);
   tile_out<LAYOUT, EPI, BN, BM, AO>(p, x, acc0, b0, keep, k, sa, sb, A_BYTES, B_BYTES, cw, wt,
                                     warp, lane);
   epilogue_ride<EPI, BN, NR>(p.g, x, t0, t1, cw, warp, lane);
@@ -1275,7 +1347,8 @@ __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsi
         mma_run<TA, TB, BN, BK / 16, TALL>(acc0, acc1, at, bt, b0);
       else if (act0)
         mma_run<TA, TB, BN, BK / 16, false>(acc0, acc1, at, bt, b0);
-      stage_step<CL, STAGES, AO>(empty, prev, s, ph, lane, rank, kb, nk, keep, k, wt);
+      stage_step<lockstep<LAYOUT, CL>(), STAGES, AO>(empty, prev, s, ph, lane, rank, kb, nk,
+                                                     keep, k, wt);
     }
     wgmma_wait<0>();
     acc_fence(acc0);
@@ -1283,7 +1356,7 @@ __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsi
     if (AO && keep)
       k.s1 = prev;
     else
-      stage_release<CL>(empty, prev, lane, rank);
+      stage_release<lockstep<LAYOUT, CL>()>(empty, prev, lane, rank);
     if (TS && !a.accum) {
       static_assert(!TS || !TALL, "one 64-row block a warpgroup");
       unsigned char *mine = out + cw * (C::OUT_BYTES / 2);
@@ -1390,7 +1463,9 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
   unsigned char *sa = (unsigned char *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
   unsigned char *sb = sa + STAGES * A_BYTES, *out = sb + STAGES * B_BYTES;
   uint64_t *full = (uint64_t *)(out + C::OUT_BYTES), *empty = full + STAGES;
-  ring q = {empty + STAGES, empty + STAGES + SLOTS, (int *)(empty + STAGES + 2 * SLOTS), 0, 0};
+  uint64_t *rb = empty + STAGES; /* the ring's and the mail's barriers, then their words */
+  ring q = {rb, rb + SLOTS, (int *)(rb + 2 * SLOTS + 2), 0, 0};
+  mail m = {rb + 2 * SLOTS, rb + 2 * SLOTS + 1, (int *)(rb + 2 * SLOTS + 2) + SLOTS, 0};
   const gemm_args &a = p.g;
   const int wg = threadIdx.x / 128;
 
@@ -1399,13 +1474,16 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
     tma_prefetch_map(&p.b);
     for (int s = 0; s < STAGES; s++) {
       bar_init(&full[s], GA ? 1 + 32 : 1); /* GA: and each gathering lane's */
-      /* one arrival per warp that reads the stage, in both blocks of a cluster */
-      bar_init(&empty[s], (PP ? 4 : 8) * CL);
+      /* one arrival per warp that reads the stage, in both blocks of a cluster
+       * in lockstep */
+      bar_init(&empty[s], (PP ? 4 : 8) * lockstep<LAYOUT, CL>());
     }
     for (int j = 0; j < SLOTS; j++) {
       bar_init(&q.full[j], 1);
       bar_init(&q.empty[j], 256);
     }
+    bar_init(m.full, 1);
+    bar_init(m.asked, 1);
     bar_init_fence();
   }
   if (CL == 2)
@@ -1487,18 +1565,28 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
         stage_next<STAGES>(s, ph);
       }
       if (dyn) {
-        int next = lane == 0 ? atomicAdd(a.sched, 1) : 0;
-        if (lane == 0 && next == units - 1) /* the last claim: zero for the next GEMM */
-          atomicExch(a.sched, 0);
+        int next = 0;
+        if (paired<LAYOUT, CL>() && rank == 1) {
+          next = mail_recv(m);
+        } else if (lane == 0) {
+          if (paired<LAYOUT, CL>())
+            mail_wait(m);
+          next = atomicAdd(a.sched, 1);
+          if (next == units - 1) /* the last claim: zero for the next GEMM */
+            atomicExch(a.sched, 0);
+          if (paired<LAYOUT, CL>())
+            mail_send(m, next);
+        }
         if constexpr (GA)
           next = __shfl_sync(0xffffffffu, next, 0);
         u = next;
       }
       u += gridDim.x / CL;
     }
-    /* a cluster: stay until both blocks' consumers have released every stage,
-     * so none of the other block's arrivals lands after this block is gone */
-    for (int i = 0; CL == 2 && i < STAGES; i++) {
+    /* a cluster in lockstep: stay until both blocks' consumers have released
+     * every stage, so none of the other block's arrivals lands after this
+     * block is gone */
+    for (int i = 0; lockstep<LAYOUT, CL>() == 2 && i < STAGES; i++) {
       bar_wait(&empty[s], ph ^ 1);
       stage_next<STAGES>(s, ph);
     }
@@ -1632,9 +1720,9 @@ static int gemm(const gemm_args *a, int64_t a_rows, int grid, cudaStream_t strea
   static_assert(CL == 1 || (CL == 2 && !PP && LAYOUT != L_TN), "clusters: NT and NN, cooperative");
   static_assert(!RIDE || (!PP && BM == 128 && BN == 256 && LAYOUT != L_TN),
                 "riding tails: 128 x 256 cooperative NT and NN tiles");
-  if (a->ready != NULL && (LAYOUT != L_NT || CL != 1 || GA || a->count == NULL))
+  if (a->ready != NULL && (LAYOUT != L_NT || GA || a->count == NULL))
     return mokk_fail(err, MOK_EINVAL, "rows counted by a dispatch beside the GEMM: grouped NT "
-                     "GEMMs on single blocks reading rows as they lie");
+                     "GEMMs reading rows as they lie");
   params p;
   int rc = make_params<LAYOUT, EPI, BN, BM, CL, RIDE, GA>(&p, a, a_rows, err);
   if (rc)
@@ -1670,7 +1758,7 @@ static int gemm(const gemm_args *a, int64_t a_rows, int grid, cudaStream_t strea
     lc.dynamicSmemBytes = smem;
     lc.stream = stream;
     lc.attrs = at;
-    lc.numAttrs = pdl_on() ? 2 : 1;
+    lc.numAttrs = pdl_on() || a->ready != NULL ? 2 : 1; /* a.ready: as for single blocks */
     lc.gridDim = dim3(CL * 64);
     int fit = 0;
     if (cudaOccupancyMaxActiveClusters(&fit, kernel, &lc) != cudaSuccess || fit < 1) {

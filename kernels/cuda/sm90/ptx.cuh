@@ -76,6 +76,20 @@ __device__ __forceinline__ void bar_arrive_remote(uint64_t *bar, uint32_t rank)
   asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
 }
 
+/* v into the word at p's place in the shared memory of block `rank` of the
+ * cluster, completing its 4 bytes on the barrier at bar's place there. */
+__device__ __forceinline__ void st_async_remote(int *p, int v, uint64_t *bar, uint32_t rank)
+{
+  uint32_t rp, rbar;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rp) : "r"(smem_addr(p)), "r"(rank));
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+               : "=r"(rbar)
+               : "r"(smem_addr(bar)), "r"(rank));
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.u32 [%0], %1, [%2];" ::"r"(rp),
+               "r"(v), "r"(rbar)
+               : "memory");
+}
+
 /* Shared-memory words other threads write between barrier phases. */
 __device__ __forceinline__ int ld_shared(const int *p)
 {
