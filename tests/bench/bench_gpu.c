@@ -142,16 +142,24 @@ static void problem_fill(problem *p)
  * buffers (Megatron's gradient accumulation fusion) instead of writing bf16 */
 static int fp32_accum;
 
+/* Device memory of a shape's tensors: x, out, d_out, d_x; ids, weights,
+ * d_topk_weights; weights (bf16) and gradients (bf16, or fp32 with
+ * --fp32-accum). The step's own memory comes on top. */
+static double problem_bytes(const shape_def *d)
+{
+  mokk_shape s = {.H = d->H, .I = d->I, .E = d->E, .K = d->K, .I_s = d->Is, .P = 1};
+  double bytes = 4.0 * d->T * d->H * 2 + 3.0 * d->T * d->K * 4;
+  for (int w = 0; w < MOKK_NWEIGHTS; w++)
+    bytes += (2.0 + (fp32_accum ? 4.0 : 2.0)) * mokk_weight_elems(&s, w);
+  return bytes;
+}
+
 static void problem_make(problem *p, const shape_def *d)
 {
   int64_t T = d->T, K = d->K;
 
   problem_route(p, d);
-  /* x, out, d_out, d_x; ids, weights, d_topk_weights; weights (bf16) and
-   * gradients (bf16, or fp32 with --fp32-accum) */
-  p->bytes = 4.0 * T * d->H * 2 + 3.0 * T * K * 4;
-  for (int w = 0; w < MOKK_NWEIGHTS; w++)
-    p->bytes += (2.0 + (fp32_accum ? 4.0 : 2.0)) * mokk_weight_elems(&p->s, w);
+  p->bytes = problem_bytes(d);
   p->fr.x = dmalloc(T * d->H * 2);
   p->fr.topk_ids = dmalloc(T * K * 4);
   p->fr.topk_weights = dmalloc(T * K * 4);
@@ -707,6 +715,14 @@ int main(int argc, char **argv)
     snprintf(list, sizeof list, ",%s,", want);
     if (strstr(list, pat) == NULL)
       continue;
+    size_t avail = 0, total = 0;
+    CUDA_OK(cudaMemGetInfo(&avail, &total));
+    if (problem_bytes(d) > (double)avail) { /* mok (103 GB) on an 80 GB card */
+      printf("skip %s: its tensors take %.1f GB, the GPU has %.1f GB free\n", d->name,
+             problem_bytes(d) / 1e9, avail / 1e9);
+      fflush(stdout);
+      continue;
+    }
     result *r = &res[nres++];
     memset(r, 0, sizeof *r);
     r->d = d;
