@@ -556,7 +556,10 @@ static void report(const result *r, int n, double ceil_tf, const char *csv)
 
   if (csv != NULL && f == NULL)
     fprintf(stderr, "bench_gpu: cannot write %s\n", csv);
-  printf("\ndense ceiling (torch.matmul 8192^3 bf16, same run): %.1f TFLOP/s\n", ceil_tf);
+  if (ceil_tf > 0)
+    printf("\ndense ceiling (torch.matmul 8192^3 bf16, same run): %.1f TFLOP/s\n", ceil_tf);
+  else
+    printf("\ndense ceiling: not measured (--ceiling CMD), so no %% of it below\n");
   printf("%-10s %-24s %-24s %-17s %-17s %-15s %-13s\n", "shape", "mokd fwd ms (TF/s, %ceil)",
          "mokd bwd ms (TF/s, %ceil)", "via mokd fwd/bwd", "torch fwd/bwd", "ratio fwd/bwd",
          "peak GB m/t");
@@ -570,12 +573,20 @@ static void report(const result *r, int n, double ceil_tf, const char *csv)
     double pf = ceil_tf > 0 ? 100 * ff / ceil_tf : 0, pb = ceil_tf > 0 ? 100 * fb / ceil_tf : 0;
     double rf = r[i].tf > 0 ? r[i].tf / r[i].f : 0, rb = r[i].tb > 0 ? r[i].tb / r[i].b : 0;
     char c1[32], c2[32], c3[32], c4[32], c5[32], c6[32];
-    snprintf(c1, sizeof c1, "%.3f (%.0f, %.0f%%)", r[i].f, ff, pf);
-    snprintf(c2, sizeof c2, "%.3f (%.0f, %.0f%%)", r[i].b, fb, pb);
+    if (ceil_tf > 0) {
+      snprintf(c1, sizeof c1, "%.3f (%.0f, %.0f%%)", r[i].f, ff, pf);
+      snprintf(c2, sizeof c2, "%.3f (%.0f, %.0f%%)", r[i].b, fb, pb);
+    } else {
+      snprintf(c1, sizeof c1, "%.3f (%.0f, -)", r[i].f, ff);
+      snprintf(c2, sizeof c2, "%.3f (%.0f, -)", r[i].b, fb);
+    }
     snprintf(c3, sizeof c3, "%.3f/%.3f", r[i].df, r[i].db);
     snprintf(c4, sizeof c4, "%.3f/%.3f", r[i].tf, r[i].tb);
     snprintf(c5, sizeof c5, "%.3fx/%.3fx", rf, rb);
-    snprintf(c6, sizeof c6, "%.1f/%.1f", r[i].peak, r[i].tpeak);
+    if (r[i].tpeak > 0)
+      snprintf(c6, sizeof c6, "%.1f/%.1f", r[i].peak, r[i].tpeak);
+    else
+      snprintf(c6, sizeof c6, "%.1f/-", r[i].peak);
     printf("%-10s %-24s %-24s %-17s %-17s %-15s %-13s\n", d->name, c1, c2,
            r[i].df > 0 ? c3 : "-", r[i].tf > 0 ? c4 : "-", r[i].tf > 0 ? c5 : "-", c6);
     if (f != NULL)
