@@ -555,6 +555,16 @@ extern "C" void mokk_cuda_set_gather(mokk_backend *b, int on)
   ((cuda_backend *)b)->gather = on != 0;
 }
 
+extern "C" void mokk_cuda_set_store_regs(mokk_backend *b, int on)
+{
+  ((cuda_backend *)b)->store_regs = on != 0;
+}
+
+extern "C" void mokk_cuda_set_clusters(mokk_backend *b, int mode)
+{
+  ((cuda_backend *)b)->clusters = mode >= 2 ? 2 : mode > 0;
+}
+
 extern "C" int mokk_cuda_device(const mokk_backend *b)
 {
   return ((const cuda_backend *)b)->device;

@@ -62,6 +62,14 @@ void mokk_cuda_set_gather(mokk_backend *b, int on);
  * before it (0). Same bits. */
 #define MOKK_GATHER_AHEAD_DEFAULT 16
 void mokk_cuda_set_gather_ahead(mokk_backend *b, int blocks);
+/* The forward's epilogues store from registers (on != 0,
+ * MOKD_GEMM_STORES=regs) rather than through shared memory and the copy
+ * engine (0, the default; Hopper). Same bits. */
+void mokk_cuda_set_store_regs(mokk_backend *b, int on);
+/* Clusters of two blocks (MOKD_GEMM_CLUSTERS): for the data gradients of
+ * experts of more than 128 rows (1, the default), none (0), or for the
+ * forward's GEMMs too, as pairs (2, "all"; Hopper). Same bits. */
+void mokk_cuda_set_clusters(mokk_backend *b, int mode);
 int mokk_cuda_device(const mokk_backend *b);
 /* The stream every step runs on (a cudaStream_t). */
 void *mokk_cuda_stream(mokk_backend *b);
