@@ -480,6 +480,11 @@ extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
   const char *stores = getenv("MOKD_GEMM_STORES");
   if (stores != NULL && strcmp(stores, "async") != 0 && strcmp(stores, "regs") != 0)
     return mokk_fail(err, MOK_EINVAL, "MOKD_GEMM_STORES: \"%s\" is not async or regs", stores);
+  /* and the backward's d_x in column halves (the default: less memory)
+   * against whole rows */
+  const char *halves = getenv("MOKD_DX_HALVES");
+  if (halves != NULL && strcmp(halves, "0") != 0 && strcmp(halves, "1") != 0)
+    return mokk_fail(err, MOK_EINVAL, "MOKD_DX_HALVES: \"%s\" is not 0 or 1", halves);
   /* EP steps over a buffer set per rank, the multi-GPU layout, on one GPU */
   const char *spread = getenv("MOKD_EP_SPREAD");
   if (spread != NULL && strcmp(spread, "0") != 0 && strcmp(spread, "1") != 0)
@@ -499,6 +504,7 @@ extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
   cb->gather = gather != NULL && strcmp(gather, "1") == 0;
   cb->gather_ahead = (int)ahead_blocks;
   cb->store_regs = stores != NULL && strcmp(stores, "regs") == 0;
+  cb->dx_halves = halves == NULL || strcmp(halves, "1") == 0;
   cb->base.iface = &cuda_iface;
   cb->base.device = device;
   cb->device = device;
@@ -558,6 +564,11 @@ extern "C" void mokk_cuda_set_gather(mokk_backend *b, int on)
 extern "C" void mokk_cuda_set_store_regs(mokk_backend *b, int on)
 {
   ((cuda_backend *)b)->store_regs = on != 0;
+}
+
+extern "C" void mokk_cuda_set_dx_halves(mokk_backend *b, int on)
+{
+  ((cuda_backend *)b)->dx_halves = on != 0;
 }
 
 extern "C" void mokk_cuda_set_clusters(mokk_backend *b, int mode)

@@ -70,6 +70,9 @@ void mokk_cuda_set_store_regs(mokk_backend *b, int on);
  * experts of more than 128 rows (1, the default), none (0), or for the
  * forward's GEMMs too, as pairs (2, "all"; Hopper). Same bits. */
 void mokk_cuda_set_clusters(mokk_backend *b, int mode);
+/* The backward's d_x in two column halves (on != 0, the default): its fp32
+ * rows take half the memory; or whole rows (0, MOKD_DX_HALVES=0). Same bits. */
+void mokk_cuda_set_dx_halves(mokk_backend *b, int on);
 int mokk_cuda_device(const mokk_backend *b);
 /* The stream every step runs on (a cudaStream_t). */
 void *mokk_cuda_stream(mokk_backend *b);

@@ -335,15 +335,16 @@ static int mlp_dh(cuda_backend *cb, const mlp *m, const bf16 *d_out, const float
   return gemm<L_NN, E_DH>(cb, &a, m->rows, err, "d_h GEMM");
 }
 
-/* dx = d_g W_gate + d_u W_up (fp32, per row): one sum over k = 2 Ie. */
-static int mlp_dx(cuda_backend *cb, const mlp *m, int64_t H, const bf16 *dgu, float *dx,
-                  char *err)
+/* dx = d_g W_gate + d_u W_up (fp32, per row): one sum over k = 2 Ie, for
+ * columns n0 .. n0 + w - 1 of d_x: dx[row, 0 .. w), rows w apart. */
+static int mlp_dx(cuda_backend *cb, const mlp *m, int64_t H, int64_t n0, int64_t w,
+                  const bf16 *dgu, float *dx, char *err)
 {
   gemm_args a = m->base;
   a.A = dgu, a.lda = 2 * m->Ie;
-  a.B = m->wg, a.B2 = m->wu, a.split = m->Ie, a.ldb = H, a.b_stride = m->stride;
-  a.N = (int)H, a.K = (int)(2 * m->Ie);
-  a.C = dx, a.ldc = H;
+  a.B = m->wg + n0, a.B2 = m->wu + n0, a.split = m->Ie, a.ldb = H, a.b_stride = m->stride;
+  a.N = (int)w, a.K = (int)(2 * m->Ie);
+  a.C = dx, a.ldc = w;
   return gemm<L_NN, E_F32>(cb, &a, m->rows, err, "d_x GEMM");
 }
 
@@ -351,7 +352,7 @@ static int mlp_backward(cuda_backend *cb, const mlp *m, const bf16 *d_out, const
                         int64_t H, bf16 *dgu, float *dx, char *err)
 {
   int rc = mlp_dh(cb, m, d_out, scale, H, dgu, err);
-  return rc ? rc : mlp_dx(cb, m, H, dgu, dx, err);
+  return rc ? rc : mlp_dx(cb, m, H, 0, H, dgu, dx, err);
 }
 
 /* ---- forward ------------------------------------------------------------- */
@@ -757,11 +758,15 @@ static int cuda_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
   if (c->spread)
     return spread_backward(cb, c, mode, ranks, dev, err);
 
-  /* One region of TK x H fp32 holds, in turn: dy (bf16, read by the d_h
-   * GEMMs and the down weight gradients), then dxr (fp32, written by the
-   * d_x GEMMs, which run after every rank's d_h and down weight gradient).
-   * The peak is the region, not its two tenants. */
-  o_dy = o_dxr = carve(&off, TK * H * 4);
+  /* One region holds, in turn: dy (bf16, TK x H, read by the d_h GEMMs and
+   * the down weight gradients), then dxr (fp32, written by the d_x GEMMs,
+   * which run after every rank's d_h and down weight gradient). d_x comes
+   * in column slices of Hs (halves unless MOKD_DX_HALVES=0), and so dxr
+   * takes TK x Hs fp32, no more than dy: TK x H x 2 bytes less at the peak
+   * than whole rows (mid: 1.07 GB), for a second read of d_g | d_u and a
+   * second combine. Every element is the same sum either way. */
+  const int64_t Hs = cb->dx_halves ? (H / 2 + 63) / 64 * 64 : H;
+  o_dy = o_dxr = carve(&off, TK * (H * 2 > Hs * 4 ? H * 2 : Hs * 4));
   o_dgu = carve(&off, TK * 2 * I * 2);
   o_maps = carve(&off, (size_t)(E / P) * GEMM_TN_MAP_BYTES);
   if (Is) {
@@ -814,24 +819,29 @@ static int cuda_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
     if ((rc = weight_grads(cb, c, &ranks[r], r, WG_DOWN, accum, dy, dgu, d_out, dgus,
                            base + o_maps, err)))
       goto out;
-  for (int r = 0; r < P; r++) { /* dxr overwrites dy from here on */
-    mlp routed_mlp = mlp_routed(c, TK, r);
-    moved_weights(&routed_mlp, &ranks[r], MOKK_W_GATE);
-    if ((rc = mlp_dx(cb, &routed_mlp, H, dgu, dxr, err)))
-      goto out;
-  }
-  for (int r = 0; r < P; r++) {
+  for (int r = 0; r < P && Is; r++) { /* the shared expert's d_x, whole rows */
     const mokk_bwd_rank *br = &ranks[r];
     mlp shared_mlp = mlp_shared(c, T, r);
-    float *dxs_r = Is ? dxs + r * T * H : NULL;
     moved_weights(&shared_mlp, br, MOKK_S_GATE);
-    if (Is && (rc = mlp_backward(cb, &shared_mlp, (const bf16 *)br->d_out, NULL, H,
-                                 dgus + r * T * 2 * Is, dxs_r, err)))
+    if ((rc = mlp_backward(cb, &shared_mlp, (const bf16 *)br->d_out, NULL, H,
+                           dgus + r * T * 2 * Is, dxs + r * T * H, err)))
       goto out;
-    route_combine_dx(cb->stream, grid_for(cb, T, 16), one_owner(dxr), c->slot + r * T * K,
-                     dxs_r, T, (int)K, H, (bf16 *)br->d_x);
-    if ((rc = launched(err, "d_x combine")))
-      goto out;
+  }
+  for (int64_t n0 = 0; n0 < H; n0 += Hs) { /* dxr overwrites dy from here on */
+    const int64_t w = H - n0 < Hs ? H - n0 : Hs;
+    for (int r = 0; r < P; r++) {
+      mlp routed_mlp = mlp_routed(c, TK, r);
+      moved_weights(&routed_mlp, &ranks[r], MOKK_W_GATE);
+      if ((rc = mlp_dx(cb, &routed_mlp, H, n0, w, dgu, dxr, err)))
+        goto out;
+    }
+    for (int r = 0; r < P; r++) {
+      route_combine_dx(cb->stream, grid_for(cb, T, 16), one_owner(dxr), c->slot + r * T * K,
+                       Is ? dxs + r * T * H + n0 : NULL, T, (int)K, w, w, H,
+                       (bf16 *)ranks[r].d_x + n0);
+      if ((rc = launched(err, "d_x combine")))
+        goto out;
+    }
   }
 
   /* weight gradients: sums over rows, in row order, one block per tile */
@@ -1279,7 +1289,7 @@ static int spread_backward(cuda_backend *cb, cuda_ctx *c, mokk_grad_mode mode,
     mlp routed_mlp = mlp_routed(&v, TK, r);
     moved_weights(&routed_mlp, br, MOKK_W_GATE);
     if ((rc = mlp_dh(&on, &routed_mlp, dy[r], NULL, H, dgu[r], err)) ||
-        (rc = mlp_dx(&on, &routed_mlp, H, dgu[r], dxr[r], err)))
+        (rc = mlp_dx(&on, &routed_mlp, H, 0, H, dgu[r], dxr[r], err)))
       goto out;
     mlp shared_mlp = mlp_shared(&v, T, r);
     moved_weights(&shared_mlp, br, MOKK_S_GATE);
@@ -1298,7 +1308,7 @@ static int spread_backward(cuda_backend *cb, cuda_ctx *c, mokk_grad_mode mode,
     if ((rc = rank_enter(dev, r, err)))
       goto out;
     route_combine_dx(on.stream, grid_for(cb, T, 16), spread_owners(pdx, p, P, El),
-                     p->slot + r * T * K, dxs[r], T, (int)K, H, (bf16 *)br->d_x);
+                     p->slot + r * T * K, dxs[r], T, (int)K, H, H, H, (bf16 *)br->d_x);
     if ((rc = launched(err, "d_x combine")))
       goto out;
     for (int q = 0; Is && q < P; q++) {

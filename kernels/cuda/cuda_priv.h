@@ -45,6 +45,7 @@ typedef struct cuda_backend {
   int gather_ahead;     /* blocks of the forward's dispatch beside its gate/up GEMM; 0: the
                          * dispatch runs before it on the whole GPU (MOKD_GATHER_AHEAD) */
   int store_regs;       /* the forward's epilogues store from registers (MOKD_GEMM_STORES=regs) */
+  int dx_halves;        /* the backward's d_x in two column halves (MOKD_DX_HALVES; 1 default) */
   cudaStream_t stream;
   int *status;          /* device: bit 0 = an expert id out of range */
   /* device: the tile counter of the GEMMs on `stream` (dynamic order; each

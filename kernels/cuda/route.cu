@@ -500,27 +500,29 @@ __device__ __forceinline__ void load8(const float *p, float (&o)[8])
 
 /* out[t] = bf16( sum_k [tw[t,k] *] v[t,k]  (k ascending)  + extra[t] ): the
  * forward's combine (bf16 y, router weights, shared ys) and the backward's
- * d_x (fp32 rows, no weights, shared part). tw and extra may be NULL. Each
- * thread owns eight columns; every element is summed in the same order. */
+ * d_x (fp32 rows, no weights, shared part). tw and extra may be NULL. W
+ * columns of rows ldv (v) and ldo (extra, out) elements apart: d_x comes
+ * in slices of its columns. Each thread owns eight columns; every element
+ * is summed in the same order. */
 template <typename V, typename X>
 __global__ void k_combine(route_owners v, const int *slot, const float *tw, const X *extra,
-                          int64_t T, int K, int64_t H, bf16 *out)
+                          int64_t T, int K, int64_t W, int64_t ldv, int64_t ldo, bf16 *out)
 {
   pdl_enter(); /* pdl.cuh: nothing global before it */
   for (int64_t t = blockIdx.x; t < T; t += gridDim.x)
-    for (int64_t c = threadIdx.x * 8; c < H; c += blockDim.x * 8) {
+    for (int64_t c = threadIdx.x * 8; c < W; c += blockDim.x * 8) {
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, x[8];
       for (int k = 0; k < K; k++) {
         int r = slot[t * K + k];
         if (r < 0)
           continue;
-        load8(owned_row<V>(v, r, H) + c, x);
+        load8(owned_row<V>(v, r, ldv) + c, x);
 #pragma unroll
         for (int j = 0; j < 8; j++)
           acc[j] = __fadd_rn(acc[j], tw != NULL ? __fmul_rn(tw[t * K + k], x[j]) : x[j]);
       }
       if (extra != NULL) {
-        load8(extra + t * H + c, x);
+        load8(extra + t * ldo + c, x);
 #pragma unroll
         for (int j = 0; j < 8; j++)
           acc[j] = __fadd_rn(acc[j], x[j]);
@@ -529,7 +531,7 @@ __global__ void k_combine(route_owners v, const int *slot, const float *tw, cons
 #pragma unroll
       for (int j = 0; j < 8; j++)
         o.h[j] = __float2bfloat16_rn(acc[j]);
-      *(uint4 *)(out + t * H + c) = o.v;
+      *(uint4 *)(out + t * ldo + c) = o.v;
     }
 }
 
@@ -631,14 +633,15 @@ void route_gather_dy(cudaStream_t st, int grid, route_rows d_out, const int *src
 void route_combine_out(cudaStream_t st, int grid, route_owners y, const int *slot,
                        const float *tw, const bf16 *ys, int64_t T, int K, int64_t H, bf16 *out)
 {
-  pdl_launch(k_combine<bf16, bf16>, grid, 256, 0, st, y, slot, tw, ys, T, K, H, out);
+  pdl_launch(k_combine<bf16, bf16>, grid, 256, 0, st, y, slot, tw, ys, T, K, H, H, H, out);
 }
 
 void route_combine_dx(cudaStream_t st, int grid, route_owners dxr, const int *slot,
-                      const float *dxs, int64_t T, int K, int64_t H, bf16 *dx)
+                      const float *dxs, int64_t T, int K, int64_t W, int64_t ldr, int64_t H,
+                      bf16 *dx)
 {
   pdl_launch(k_combine<float, float>, grid, 256, 0, st, dxr, slot, (const float *)NULL, dxs, T,
-             K, H, dx);
+             K, W, ldr, H, dx);
 }
 
 void route_dtw(cudaStream_t st, int grid, const bf16 *d_out, route_owners y, const int *slot,

@@ -72,9 +72,12 @@ void route_gather_dy(cudaStream_t st, int grid, route_rows d_out, const int *src
 /* out[t] = bf16(sum_k tw[t,k] y[slot[t,k]] (k ascending) + ys[t]); ys may be NULL. */
 void route_combine_out(cudaStream_t st, int grid, route_owners y, const int *slot,
                        const float *tw, const bf16 *ys, int64_t T, int K, int64_t H, bf16 *out);
-/* dx[t] = bf16(sum_k dxr[slot[t,k]] (k ascending) + dxs[t]); dxs may be NULL. */
+/* dx[t] = bf16(sum_k dxr[slot[t,k]] (k ascending) + dxs[t]); dxs may be NULL.
+ * W columns: dxr's rows ldr elements apart, dxs's and dx's H (a slice of
+ * d_x's columns: pointers at its first column). */
 void route_combine_dx(cudaStream_t st, int grid, route_owners dxr, const int *slot,
-                      const float *dxs, int64_t T, int K, int64_t H, bf16 *dx);
+                      const float *dxs, int64_t T, int K, int64_t W, int64_t ldr, int64_t H,
+                      bf16 *dx);
 /* dtw[p] = sum_h d_out[token of p, h] y[slot[p], h], 0 for a pair with no
  * row: a block a pair (grid: up to TK blocks). */
 void route_dtw(cudaStream_t st, int grid, const bf16 *d_out, route_owners y, const int *slot,

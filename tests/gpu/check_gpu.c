@@ -631,10 +631,12 @@ START_TEST(gather_ahead_invariance)
 END_TEST
 
 /* The forward's epilogues through shared memory (the default) against
- * stores from registers, and the forward on pairs of blocks against single
- * blocks: the same bits for every output. Experts of 145, 750 and 50 rows
- * on average: riding tails, whole m-tiles, and 64-row blocks that end past
- * their expert's rows (stored from registers either way). */
+ * stores from registers, the forward on pairs of blocks against single
+ * blocks, and d_x in column halves (the default) against whole rows: the
+ * same bits for every output. Experts of 145, 750 and 50 rows on average:
+ * riding tails, whole m-tiles, and 64-row blocks that end past their
+ * expert's rows (stored from registers either way); H = 384 halves into
+ * 256 and 128 columns. */
 START_TEST(epilogue_invariance)
 {
   static const struct {
@@ -644,15 +646,16 @@ START_TEST(epilogue_invariance)
   } cases[] = {
       {{.H = 256, .I = 192, .E = 4, .K = 2, .I_s = 64, .P = 1}, 290, 31},
       {{.H = 512, .I = 128, .E = 16, .K = 4, .I_s = 0, .P = 1}, 3000, 32},
-      {{.H = 384, .I = 256, .E = 8, .K = 2, .I_s = 0, .P = 1}, 200, 33},
+      {{.H = 384, .I = 256, .E = 8, .K = 2, .I_s = 64, .P = 1}, 200, 33},
   };
   static const struct {
-    int regs, clusters;
+    int regs, clusters, halves;
     const char *what;
   } runs[] = {
-      {1, 1, "the forward's stores from registers"},
-      {0, 2, "the forward on pairs"},
-      {1, 2, "the forward on pairs, stores from registers"},
+      {1, 1, 1, "the forward's stores from registers"},
+      {0, 2, 1, "the forward on pairs"},
+      {1, 2, 1, "the forward on pairs, stores from registers"},
+      {0, 1, 0, "d_x in whole rows"},
   };
   char err[2 * MOK_ERRLEN] = "";
 
@@ -665,12 +668,14 @@ START_TEST(epilogue_invariance)
       moe_out on;
       mokk_cuda_set_store_regs(gpu, runs[i].regs);
       mokk_cuda_set_clusters(gpu, runs[i].clusters);
+      mokk_cuda_set_dx_halves(gpu, runs[i].halves);
       ck_assert_msg(gpu_run_ranks(&c, 1, MOKK_GRAD_BF16, 0.5f, &on, err) == 0, "%s", err);
       expect_same(&on, &ref, &c, runs[i].what);
       out_free(&on);
     }
     mokk_cuda_set_store_regs(gpu, 0);
     mokk_cuda_set_clusters(gpu, 1);
+    mokk_cuda_set_dx_halves(gpu, 1);
     out_free(&ref);
     case_free(&c);
   }
