@@ -189,12 +189,11 @@ __device__ __forceinline__ tile tile_at(const gemm_args &a, int64_t t)
 }
 
 /* Clusters of two blocks (CL = 2) take the tiles in pairs, 2u and 2u + 1 of
- * the same order, block r of the cluster tile 2u + r. In NN (NT: pairs,
- * below) the two share an operand. Next to each
- * other in that order, the two tiles mostly belong to one expert and share
- * its weight tile (B: the same n-tile, m-tiles apart: every expert of more
- * than one m-tile) or its rows (A: the same m-tile, n-tiles apart: experts of
- * one m-tile). Each block then loads half of the shared operand and the copy
+ * the same order, block r of the cluster tile 2u + r. In NN the two share an
+ * operand (NT: pairs, below). Next to each other in that order, the two
+ * tiles mostly belong to one expert and share its weight tile (B: the same
+ * n-tile, m-tiles apart: every expert of more than one m-tile) or its rows
+ * (A: the same m-tile, n-tiles apart: experts of one m-tile). Each block then loads half of the shared operand and the copy
  * engine writes it into both blocks' shared memory (multicast), so an
  * expert's weights cross from memory once for two m-tiles, where two blocks
  * reading the same slab at different times had made the L2 fetch it twice
