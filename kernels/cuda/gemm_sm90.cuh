@@ -1111,6 +1111,18 @@ __device__ __forceinline__ void stage_step(uint64_t *empty, int &prev, int &s, u
     kept_release(empty, k, wt);
 }
 
+/* After a tile's last MMAs: its last stage goes back, or stays with the
+ * one before it for the epilogue (keep). */
+template <int CL, bool AO>
+__device__ __forceinline__ void stage_last(uint64_t *empty, int prev, bool keep, kept &k,
+                                           int lane, int rank)
+{
+  if (AO && keep)
+    k.s1 = prev;
+  else
+    stage_release<CL>(empty, prev, lane, rank);
+}
+
 /* The h of a 64-row block (BN / 2 columns, bf16) into {64, 64} boxes at out,
  * the layout out_block writes: the SwiGLU of gate piece j and up piece j +
  * BN / 16 (8 columns each), as epilogue computes it. */
@@ -1161,13 +1173,14 @@ __device__ __forceinline__ void out_block_f32(const float (&acc)[BN / 2], int j0
   }
 }
 
-/* Stores the bf16 boxes of one block staged at out: columns col0 + 64 c of
- * a tensor of n columns, rows row.. row + 63. Thread wt == 0 only. */
+/* The boxes of one 64-row block staged at out (8 KiB apart), as one bulk
+ * group: columns col0, col0 + cols, ... of a tensor of n columns, rows
+ * row .. row + 63. Thread wt == 0 only. */
 __device__ __forceinline__ void out_boxes(const CUtensorMap *map, const unsigned char *out,
-                                          int nbox, int col0, int cols_per_box, int n, int row)
+                                          int nbox, int col0, int cols, int n, int row)
 {
-  for (int c = 0; c < nbox && col0 + c * cols_per_box < n; c++)
-    tma_store(map, col0 + c * cols_per_box, row, 0, out + c * 8192);
+  for (int c = 0; c < nbox && col0 + c * cols < n; c++)
+    tma_store(map, col0 + c * cols, row, 0, out + c * 8192);
   tma_store_commit();
 }
 
@@ -1263,10 +1276,7 @@ __device__ __forceinline__ void ride_tile(const params &p, const tile &x, int nk
   acc_fence(acc0);
   acc_fence(t0);
   acc_fence(t1);
-  if (AO && keep)
-    k.s1 = prev;
-  else
-    stage_release<lockstep<LAYOUT, CL>()>(empty, prev, lane, rank);
+  stage_last<lockstep<LAYOUT, CL>(), AO>(empty, prev, keep, k, lane, rank);
   tile_out<LAYOUT, EPI, BN, BM, AO>(p, x, acc0, b0, keep, k, sa, sb, A_BYTES, B_BYTES, cw, wt,
                                     warp, lane);
   epilogue_ride<EPI, BN, NR>(p.g, x, t0, t1, cw, warp, lane);
@@ -1352,10 +1362,7 @@ __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsi
     wgmma_wait<0>();
     acc_fence(acc0);
     acc_fence(acc1);
-    if (AO && keep)
-      k.s1 = prev;
-    else
-      stage_release<lockstep<LAYOUT, CL>()>(empty, prev, lane, rank);
+    stage_last<lockstep<LAYOUT, CL>(), AO>(empty, prev, keep, k, lane, rank);
     if (TS && !a.accum) {
       static_assert(!TS || !TALL, "one 64-row block a warpgroup");
       unsigned char *mine = out + cw * (C::OUT_BYTES / 2);
