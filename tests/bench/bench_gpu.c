@@ -775,6 +775,8 @@ int main(int argc, char **argv)
     double f = fms[iters / 2], b = bms[iters / 2];
     double flop = flops_fwd(d);
     r->f = f, r->b = b;
+    printf("mokd %s spread: fwd_ms min %.3f max %.3f, bwd_ms min %.3f max %.3f\n", d->name,
+           fms[0], fms[iters - 1], bms[0], bms[iters - 1]);
     printf("mokd %s T=%lld H=%lld I=%lld E=%lld K=%lld shared=%d fwd_ms=%.3f fwd_tflops=%.1f "
            "bwd_ms=%.3f bwd_tflops=%.1f peak_gb=%.3f\n",
            d->name, (long long)d->T, (long long)d->H, (long long)d->I, (long long)d->E,

@@ -19,6 +19,7 @@ typedef CUptiResult (*fn_register)(CUpti_BuffersCallbackRequestFunc,
 typedef CUptiResult (*fn_kind)(CUpti_ActivityKind);
 typedef CUptiResult (*fn_flush)(uint32_t);
 typedef CUptiResult (*fn_next)(uint8_t *, size_t, CUpti_Activity **);
+typedef CUptiResult (*fn_cbname)(CUpti_CallbackDomain, uint32_t, const char **);
 
 static struct {
   void *lib;
@@ -26,6 +27,7 @@ static struct {
   fn_kind enable, disable;
   fn_flush flush;
   fn_next next;
+  fn_cbname cbname; /* optional: names of runtime calls */
 } cupti;
 
 #define TRACE_MAX 4096
@@ -33,6 +35,7 @@ static struct {
 
 typedef struct span {
   uint64_t start, end;
+  int api; /* a runtime call on the host, not work on the GPU */
   char what[72];
 } span;
 
@@ -47,7 +50,7 @@ static void CUPTIAPI buffer_request(uint8_t **buf, size_t *size, size_t *max_rec
   *max_records = 0;
 }
 
-static void add(uint64_t start, uint64_t end, const char *what)
+static void add_span(uint64_t start, uint64_t end, const char *what, int api)
 {
   if (nspans == TRACE_MAX) {
     lost++;
@@ -56,7 +59,13 @@ static void add(uint64_t start, uint64_t end, const char *what)
   span *s = &spans[nspans++];
   s->start = start;
   s->end = end;
+  s->api = api;
   snprintf(s->what, sizeof s->what, "%s", what != NULL ? what : "?");
+}
+
+static void add(uint64_t start, uint64_t end, const char *what)
+{
+  add_span(start, end, what, 0);
 }
 
 static void add_bytes(uint64_t start, uint64_t end, const char *op, uint64_t bytes)
@@ -65,6 +74,8 @@ static void add_bytes(uint64_t start, uint64_t end, const char *op, uint64_t byt
   snprintf(what, sizeof what, "%s %llu B", op, (unsigned long long)bytes);
   add(start, end, what);
 }
+
+static uint64_t host_ns = 20000; /* MOKD_TRACE_HOST_US */
 
 static void CUPTIAPI buffer_done(CUcontext ctx, uint32_t stream, uint8_t *buf, size_t size,
                                  size_t valid)
@@ -81,6 +92,23 @@ static void CUPTIAPI buffer_done(CUcontext ctx, uint32_t stream, uint8_t *buf, s
     } else if (r->kind == CUPTI_ACTIVITY_KIND_MEMCPY) {
       const CUpti_ActivityMemcpy6 *m = (const CUpti_ActivityMemcpy6 *)r;
       add_bytes(m->start, m->end, "memcpy", m->bytes);
+    } else if (r->kind == CUPTI_ACTIVITY_KIND_RUNTIME || r->kind == CUPTI_ACTIVITY_KIND_DRIVER) {
+      /* host calls of host_ns or more: what keeps the host from launching */
+      const CUpti_ActivityAPI *a = (const CUpti_ActivityAPI *)r;
+      const int rt = r->kind == CUPTI_ACTIVITY_KIND_RUNTIME;
+      const char *name = NULL;
+      char what[72];
+      if (a->end - a->start < host_ns)
+        continue;
+      if (cupti.cbname == NULL ||
+          cupti.cbname(rt ? CUPTI_CB_DOMAIN_RUNTIME_API : CUPTI_CB_DOMAIN_DRIVER_API, a->cbid,
+                       &name) != CUPTI_SUCCESS)
+        name = NULL;
+      if (name != NULL)
+        snprintf(what, sizeof what, "host %s", name);
+      else
+        snprintf(what, sizeof what, "host runtime call %u", (unsigned)a->cbid);
+      add_span(a->start, a->end, what, 1);
     }
   }
   free(buf);
@@ -88,7 +116,9 @@ static void CUPTIAPI buffer_done(CUcontext ctx, uint32_t stream, uint8_t *buf, s
 
 static const CUpti_ActivityKind kinds[] = {CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL,
                                            CUPTI_ACTIVITY_KIND_MEMSET,
-                                           CUPTI_ACTIVITY_KIND_MEMCPY};
+                                           CUPTI_ACTIVITY_KIND_MEMCPY,
+                                           CUPTI_ACTIVITY_KIND_RUNTIME,
+                                           CUPTI_ACTIVITY_KIND_DRIVER};
 
 int trace_open(char *why, size_t n)
 {
@@ -106,6 +136,10 @@ int trace_open(char *why, size_t n)
   cupti.disable = (fn_kind)dlsym(cupti.lib, "cuptiActivityDisable");
   cupti.flush = (fn_flush)dlsym(cupti.lib, "cuptiActivityFlushAll");
   cupti.next = (fn_next)dlsym(cupti.lib, "cuptiActivityGetNextRecord");
+  cupti.cbname = (fn_cbname)dlsym(cupti.lib, "cuptiGetCallbackName");
+  const char *hu = getenv("MOKD_TRACE_HOST_US");
+  if (hu != NULL)
+    host_ns = (uint64_t)(atof(hu) * 1000);
   if (!cupti.reg || !cupti.enable || !cupti.disable || !cupti.flush || !cupti.next) {
     snprintf(why, n, "CUPTI lacks the activity API");
     return -1;
@@ -147,11 +181,23 @@ void trace_cut(FILE *out, const char *label)
     return;
   }
   qsort(spans, (size_t)nspans, sizeof *spans, by_start);
-  uint64_t busy = 0, idle = 0, t0 = nspans > 0 ? spans[0].start : 0, last = t0;
+  uint64_t busy = 0, idle = 0, t0 = 0, last;
+  for (int i = 0; i < nspans; i++) /* the GPU's first record */
+    if (!spans[i].api) {
+      t0 = spans[i].start;
+      break;
+    }
+  last = t0;
   fprintf(out, "trace %s: %d records%s\n", label, nspans, lost ? " (some lost)" : "");
   fprintf(out, "trace %s: %10s %10s %10s  %s\n", label, "start_us", "us", "gap_us", "what");
   for (int i = 0; i < nspans; i++) {
     const span *s = &spans[i];
+    if (s->api) { /* the host's: shown, not counted */
+      fprintf(out, "trace %s: %10.1f %10.1f %10s  %.60s\n", label,
+              ((double)s->start - (double)t0) / 1e3, (double)(s->end - s->start) / 1e3, "-",
+              s->what);
+      continue;
+    }
     double gap = s->start > last ? (double)(s->start - last) / 1e3 : 0;
     fprintf(out, "trace %s: %10.1f %10.1f %10.1f  %.60s\n", label,
             (double)(s->start - t0) / 1e3, (double)(s->end - s->start) / 1e3, gap, s->what);
