@@ -1505,6 +1505,13 @@ int mok_backward_weights(mok_client *c, uint64_t context, const mok_tensor *d_ou
                          const mok_tensor *grads, int ngrads, const mok_tensor *weights,
                          mok_backward_result *res)
 {
+  return mok_backward_flags(c, context, d_out, grads, ngrads, weights, 0, res);
+}
+
+int mok_backward_flags(mok_client *c, uint64_t context, const mok_tensor *d_out,
+                       const mok_tensor *grads, int ngrads, const mok_tensor *weights,
+                       unsigned flags, mok_backward_result *res)
+{
   Mokd__Request req = MOKD__REQUEST__INIT;
   Mokd__Backward b = MOKD__BACKWARD__INIT;
   Mokd__TensorRef rd, rg[MOK_NWEIGHTS], *pg[MOK_NWEIGHTS], rw[MOK_NWEIGHTS],
@@ -1517,6 +1524,9 @@ int mok_backward_weights(mok_client *c, uint64_t context, const mok_tensor *d_ou
     return MOK_ENULL;
   if (ngrads < 0 || ngrads > MOK_NWEIGHTS)
     return fail(c, MOK_EINVAL, "ngrads is %d; it must be 0, 3 or 6", ngrads);
+  if (flags & ~MOK_BACKWARD_LAST)
+    return fail(c, MOK_EINVAL, "unknown backward flags 0x%x (MOK_BACKWARD_LAST is 0x%x)",
+                flags, MOK_BACKWARD_LAST);
   to_wire(d_out, &rd, sd);
   for (int i = 0; i < ngrads; i++) {
     to_wire(&grads[i], &rg[i], sg[i]);
@@ -1539,6 +1549,7 @@ int mok_backward_weights(mok_client *c, uint64_t context, const mok_tensor *d_ou
   }
   b.context = context, b.d_out = &rd, b.n_grads = (size_t)ngrads, b.grads = pg;
   b.n_weights = (size_t)nw, b.weights = pw;
+  b.last = (flags & MOK_BACKWARD_LAST) != 0;
   req.body_case = MOKD__REQUEST__BODY_BACKWARD;
   req.backward = &b;
   if ((rc = step_ready(c, &b.ready_event)) != 0)

@@ -86,6 +86,7 @@ typedef struct mokd_result {
   mokd_arena *pinned[MOKK_NWEIGHTS + 1];
   int npinned;
   uint64_t ctx_bytes;      /* charged to the quota and counted in usage */
+  int used;               /* a Backward with last set was accepted: no other may run */
   uint64_t mark;          /* Release: the request that named it last */
   struct mokd_result *next, *prev;
 } mokd_result;

@@ -27,6 +27,7 @@ struct mokd_step {
   mokk_fwd_rank fr;
   mokk_bwd_rank br;
   mokk_grad_mode mode;
+  unsigned bwd_flags;       /* MOKK_BWD_LAST: Backward.last */
   mokk_ctx *ctx;
   int want_ctx;
   mokk_events **events;     /* the session's, made by the first step that needs them */
@@ -141,7 +142,7 @@ static void step_work(mokd_work *w)
   int rc = mokk_step_begin(j->backend, j->events, j->has_ready ? j->ready : NULL, j->err);
 
   if (rc == 0 && j->backward)
-    rc = mokk_backward(j->backend, j->ctx, j->mode, &j->br, j->err);
+    rc = mokk_backward_flags(j->backend, j->ctx, j->mode, j->bwd_flags, &j->br, j->err);
   else if (rc == 0)
     rc = mokk_forward(j->backend, &j->shape, j->T, &j->fr, j->want_ctx ? &j->ctx : NULL,
                       j->err);
@@ -296,7 +297,7 @@ static void group_work(mokd_work *w)
       br[r] = j->ranks[r]->br;
       br[r].dev = j->ranks[r]->backend;
     }
-    rc = mokk_backward(j->backend, j->gctx->ctx, j->mode, br, j->err);
+    rc = mokk_backward_flags(j->backend, j->gctx->ctx, j->mode, j->bwd_flags, br, j->err);
   } else if (!j->backward && (fr = malloc((size_t)j->P * sizeof *fr)) != NULL) {
     for (int r = 0; r < j->P; r++) {
       fr[r] = j->ranks[r]->fr;
@@ -471,6 +472,10 @@ static int group_match(mokd_layer *l, const mokd_step *j, char *err)
     rc = mokk_fail(err, MOK_ECONTEXT, "EP rank %d named the context of another forward than "
                    "rank %d; every rank's Backward must name its context of the same group "
                    "forward", l->rank, f->rank);
+  else if (j->backward && f->bwd_flags != j->bwd_flags)
+    rc = mokk_fail(err, MOK_EGROUP, "EP rank %d sent a Backward %s last set, rank %d one %s; "
+                   "the ranks of a group Backward must agree on it", l->rank,
+                   j->bwd_flags ? "with" : "without", f->rank, f->bwd_flags ? "with" : "without");
   else
     return 0;
   mokd_group_fail_step(l, rc, err);
@@ -713,6 +718,9 @@ static int backward_step(mokd_session *s, const Mokd__Request *q, mokd_result *c
   if (c == NULL || !c->is_context || (c->ctx == NULL && c->gctx == NULL))
     return mokk_fail(err, MOK_ECONTEXT, "context %llu is unknown, released, or from an "
                      "inference forward", (unsigned long long)b->context);
+  if (c->used)
+    return mokk_fail(err, MOK_ECONTEXT, "context %llu was used up by an earlier Backward with "
+                     "last set; run the Forward again", (unsigned long long)b->context);
   if (c->gctx != NULL && (rc = group_context(s, c, err)))
     return rc;
   sh = c->gctx != NULL ? &c->gctx->ctx->shape : &c->ctx->shape;
@@ -741,6 +749,7 @@ static int backward_step(mokd_session *s, const Mokd__Request *q, mokd_result *c
   j->backward = 1;
   j->ctx = c->ctx;
   j->mode = mode;
+  j->bwd_flags = b->last ? MOKK_BWD_LAST : 0;
   j->br.d_out = pd;
   r->layer = c->layer;
   r->T = c->T;
@@ -796,6 +805,11 @@ static int backward_step(mokd_session *s, const Mokd__Request *q, mokd_result *c
   }
   if ((rc = step_submit(s, gl, j, gl != NULL ? c->gctx->group : 0, told, err)))
     goto fail;
+  /* accepted: the step may write over the saved state. A group's runs
+   * only once every rank's has come, and the engine's context says so
+   * then (its ranks share it) */
+  if (b->last && c->gctx == NULL)
+    c->used = 1;
   return 0;
 
 fail:

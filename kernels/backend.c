@@ -32,16 +32,31 @@ int mokk_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
 int mokk_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
                   const mokk_bwd_rank *ranks, char *err)
 {
+  return mokk_backward_flags(b, ctx, mode, 0, ranks, err);
+}
+
+int mokk_backward_flags(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode, unsigned flags,
+                        const mokk_bwd_rank *ranks, char *err)
+{
   int rc;
 
   if (b == NULL || ctx == NULL)
     return mokk_fail(err, MOK_ENULL, "backend or forward context is NULL");
+  if (flags & ~(unsigned)MOKK_BWD_LAST)
+    return mokk_fail(err, MOK_EINVAL, "unknown backward flags 0x%x", flags);
+  if (ctx->used)
+    return mokk_fail(err, MOK_ECONTEXT, "the forward's saved state was used up by an earlier "
+                     "backward that was its last; run the forward again");
   if ((rc = mokk_bwd_check(&ctx->shape, ctx->T, mode, ranks, err)))
     return rc;
   for (int r = 0; r < ctx->shape.P; r++)
     if ((rc = rank_dev_check(b, r, ranks[r].dev, err)))
       return rc;
-  return b->iface->backward(b, ctx, mode, ranks, err);
+  rc = b->iface->backward(b, ctx, mode, flags, ranks, err);
+  /* even a failed one may have written over the saved state */
+  if (flags & MOKK_BWD_LAST)
+    ctx->used = 1;
+  return rc;
 }
 
 uint64_t mokk_backend_ctx_bound(const mokk_backend *b, const mokk_shape *s, int64_t T,

@@ -20,6 +20,7 @@ typedef struct mokk_events mokk_events; /* one client's ordering state (device b
 struct mokk_ctx {
   mokk_shape shape;
   int64_t T;
+  int used; /* a backward with MOKK_BWD_LAST ran on it: its saved state is gone */
 };
 
 /* Most EP ranks a device backend runs in one step, as virtual ranks on its
@@ -68,6 +69,14 @@ int mokk_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
                  const mokk_fwd_rank *ranks, mokk_ctx **ctx, char *err);
 int mokk_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
                   const mokk_bwd_rank *ranks, char *err);
+/* Flags of mokk_backward_flags. MOKK_BWD_LAST: the last backward of ctx,
+ * as autograd's without retain_graph: it may overwrite what the forward
+ * saved (a backend keeps its own buffers in those places, and so needs less
+ * memory at the backward's peak), and a later backward of ctx fails with
+ * MOK_ECONTEXT. The results are the same bits either way. */
+enum { MOKK_BWD_LAST = 1 };
+int mokk_backward_flags(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode, unsigned flags,
+                        const mokk_bwd_rank *ranks, char *err);
 void mokk_ctx_free(mokk_backend *b, mokk_ctx *ctx);
 /* At least the bytes of the forward context b makes for a step of s->P
  * ranks of T tokens (mokk_ctx_bytes_bound, or more where the backend lays

@@ -15,7 +15,7 @@ typedef struct mokk_backend_iface {
   const char *name;
   int (*forward)(mokk_backend *b, const mokk_shape *s, int64_t T,
                  const mokk_fwd_rank *ranks, mokk_ctx **ctx, char *err);
-  int (*backward)(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
+  int (*backward)(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode, unsigned flags,
                   const mokk_bwd_rank *ranks, char *err);
   void (*ctx_free)(mokk_backend *b, mokk_ctx *ctx);
   size_t (*ctx_bytes)(const mokk_ctx *ctx);

@@ -906,16 +906,21 @@ static uint64_t rank_context(raw_rank *k)
   return c;
 }
 
-static void rank_backward(raw_rank *k, uint64_t context, int64_t T)
+static void rank_backward_last(raw_rank *k, uint64_t context, int64_t T, int last)
 {
   Mokd__Request q = MOKD__REQUEST__INIT;
   Mokd__Backward b = MOKD__BACKWARD__INIT;
   int64_t sx[2] = {T, 32};
   Mokd__TensorRef d = rank_ref(k, 16384, MOKD__DTYPE__DTYPE_BF16, sx, 2);
 
-  b.context = context, b.d_out = &d;
+  b.context = context, b.d_out = &d, b.last = last != 0;
   q.body_case = MOKD__REQUEST__BODY_BACKWARD, q.backward = &b;
   rank_send(k, &q, -1);
+}
+
+static void rank_backward(raw_rank *k, uint64_t context, int64_t T)
+{
+  rank_backward_last(k, context, T, 0);
 }
 
 static void rank_release(raw_rank *k, uint64_t id)
@@ -998,6 +1003,36 @@ START_TEST(ep_inference_ranks_must_agree)
   for (int r = 0; r < 2; r++)
     rank_expect(&k[r], MOK_EGROUP, "the ranks of a group Forward must all ask for inference, "
                                    "or none");
+  ranks_step(k);
+  ranks_close(k);
+}
+END_TEST
+
+/* A group Backward's ranks agree on last; one with last on every rank runs
+ * (the ranks share the forward's state), and a group Backward after it
+ * fails on every rank; the group stands. */
+START_TEST(ep_last_backward_ranks_must_agree)
+{
+  raw_rank k[2];
+  uint64_t c[2];
+
+  ranks_join(k, 23);
+  for (int r = 0; r < 2; r++)
+    rank_forward(&k[r], 4, 0, 0, -1);
+  for (int r = 0; r < 2; r++)
+    c[r] = rank_context(&k[r]);
+  rank_backward_last(&k[0], c[0], 4, 1);
+  rank_backward_last(&k[1], c[1], 4, 0);
+  for (int r = 0; r < 2; r++)
+    rank_expect(&k[r], MOK_EGROUP, "the ranks of a group Backward must agree on it");
+  for (int r = 0; r < 2; r++)
+    rank_backward_last(&k[r], c[r], 4, 1);
+  for (int r = 0; r < 2; r++)
+    mokd__response__free_unpacked(rank_ok(&k[r], "Backward"), NULL);
+  for (int r = 0; r < 2; r++)
+    rank_backward(&k[r], c[r], 4);
+  for (int r = 0; r < 2; r++)
+    rank_expect(&k[r], MOK_ECONTEXT, "used up by an earlier backward");
   ranks_step(k);
   ranks_close(k);
 }
@@ -1147,6 +1182,7 @@ Suite *daemon_ep_suite(void)
   tcase_add_test(tc, ep_step_mismatch_fails_all);
   tcase_add_test(tc, ep_backward_needs_every_context);
   tcase_add_test(tc, ep_inference_ranks_must_agree);
+  tcase_add_test(tc, ep_last_backward_ranks_must_agree);
   tcase_add_test(tc, ep_mismatch_spares_the_next_step);
   tcase_add_test(tc, ep_refused_rank_ends_the_wait);
   tcase_add_test(tc, ep_release_ends_a_backward_wait);

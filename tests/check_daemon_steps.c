@@ -113,6 +113,54 @@ START_TEST(forward_backward_equal_engine)
 }
 END_TEST
 
+/* A context's last Backward (MOK_BACKWARD_LAST) gives the engine's bits;
+ * the daemon then refuses any other Backward of the context, at once and
+ * naming why; the context still owns out until released; unknown flags
+ * never leave the client. */
+START_TEST(last_backward_uses_up_the_context)
+{
+  mok_client *c = connect_ok();
+  mok_layer_desc d = {.hidden = 64, .intermediate = 64, .experts = 4, .top_k = 2,
+                      .shared_intermediate = 64};
+  mok_testbed tb;
+  mok_forward_result f;
+  mok_backward_result b;
+  engine_out e;
+  mok_stats st;
+
+  ck_assert_int_eq(mok_testbed_setup(c, &d, 50, 7, &tb), 0);
+  engine_run(c, &tb, 1, MOKK_GRAD_BF16, &e);
+  ck_assert_int_eq(mok_forward(c, tb.layer, &tb.x, &tb.ids, &tb.tw, 0, &f), 0);
+  ck_assert_int_eq(mok_backward_flags(c, f.context, &tb.d_out, NULL, 0, NULL, 4, &b),
+                   MOK_EINVAL);
+  ck_assert_msg(strstr(mok_last_error(c), "unknown backward flags 0x4") != NULL, "%s",
+                mok_last_error(c));
+  ck_assert_msg(mok_backward_flags(c, f.context, &tb.d_out, NULL, 0, NULL, MOK_BACKWARD_LAST,
+                                   &b) == 0,
+                "%s", mok_last_error(c));
+  ck_assert(memcmp(b.d_x_ptr, e.d_x, (size_t)(50 * 64) * 2) == 0);
+  ck_assert(memcmp(b.d_topk_weights_ptr, e.d_tw, (size_t)(50 * 2) * 4) == 0);
+  for (int w = 0; w < 6; w++)
+    ck_assert_msg(memcmp(b.grad_ptrs[w], e.g16[w], mok_tensor_bytes(&tb.w[w])) == 0,
+                  "gradient %d", w);
+  ck_assert(memcmp(f.out_ptr, e.out, (size_t)(50 * 64) * 2) == 0);
+  ck_assert_int_eq(mok_backward(c, f.context, &tb.d_out, NULL, 0, &b), MOK_ECONTEXT);
+  ck_assert_msg(strstr(mok_last_error(c), "used up by an earlier Backward with last set") !=
+                    NULL,
+                "%s", mok_last_error(c));
+  ck_assert_int_eq(mok_backward_flags(c, f.context, &tb.d_out, NULL, 0, NULL,
+                                      MOK_BACKWARD_LAST, &b),
+                   MOK_ECONTEXT);
+  ck_assert_int_eq(mok_stats_get(c, &st), 0);
+  ck_assert_uint_eq(st.session.contexts, 1); /* still held: it owns out */
+  ck_assert_int_eq(mok_release(c, &f.context, 1), 0);
+  ck_assert_int_eq(mok_stats_get(c, &st), 0);
+  ck_assert_uint_eq(st.session.contexts, 0);
+  engine_free(&e);
+  mok_close(c);
+}
+END_TEST
+
 /* A context keeps its layer's gradient mode: destroying the layer must not
  * turn an fp32-accumulating backward into a bf16 one. */
 START_TEST(context_keeps_its_gradient_mode)
@@ -565,6 +613,7 @@ Suite *daemon_steps_suite(void)
   tcase_add_checked_fixture(tc, setup, teardown);
   tcase_set_timeout(tc, 120);
   tcase_add_test(tc, forward_backward_equal_engine);
+  tcase_add_test(tc, last_backward_uses_up_the_context);
   tcase_add_test(tc, context_keeps_its_gradient_mode);
   tcase_add_test(tc, backward_reads_weights_where_they_are_now);
   tcase_add_test(tc, backward_weights_are_checked);

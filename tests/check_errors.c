@@ -195,6 +195,32 @@ START_TEST(null_pointers)
 }
 END_TEST
 
+/* A context's last backward: the same bits as one that keeps the state
+ * (the CPU engine keeps it either way), then no other backward of the
+ * context; unknown flags are refused before anything runs. */
+START_TEST(last_backward_uses_up_the_context)
+{
+  mokk_ctx *ctx;
+  size_t n = 8 * 16 * 2;
+  uint16_t *keep = malloc(n);
+
+  ck_assert_int_eq(mokk_forward(be, &good, 4, fr, &ctx, err), 0);
+  ck_assert_int_eq(mokk_backward_flags(be, ctx, MOKK_GRAD_BF16, 2, br, err), MOK_EINVAL);
+  ck_assert_msg(strstr(err, "unknown backward flags 0x2") != NULL, "%s", err);
+  ck_assert_int_eq(mokk_backward(be, ctx, MOKK_GRAD_BF16, br, err), 0);
+  memcpy(keep, dx, n);
+  memset(dx, 0, n);
+  ck_assert_int_eq(mokk_backward_flags(be, ctx, MOKK_GRAD_BF16, MOKK_BWD_LAST, br, err), 0);
+  ck_assert(memcmp(keep, dx, n) == 0);
+  ck_assert_int_eq(mokk_backward(be, ctx, MOKK_GRAD_BF16, br, err), MOK_ECONTEXT);
+  ck_assert_msg(strstr(err, "used up by an earlier backward") != NULL, "%s", err);
+  ck_assert_int_eq(mokk_backward_flags(be, ctx, MOKK_GRAD_BF16, MOKK_BWD_LAST, br, err),
+                   MOK_ECONTEXT);
+  mokk_ctx_free(be, ctx);
+  free(keep);
+}
+END_TEST
+
 START_TEST(error_table)
 {
   static const int codes[] = {
@@ -229,6 +255,7 @@ Suite *errors_suite(void)
   tcase_add_test(tc, negative_and_bad_options);
   tcase_add_test(tc, size_overflow);
   tcase_add_test(tc, null_pointers);
+  tcase_add_test(tc, last_backward_uses_up_the_context);
   tcase_add_test(tc, error_table);
   suite_add_tcase(s, tc);
   return s;

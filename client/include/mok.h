@@ -28,7 +28,7 @@ extern "C" {
 #define MOK_PROTOCOL_MIN 1
 /* libmok's own version (libmok.so.0.MINOR.PATCH; the soname changes with MAJOR) */
 #define MOK_VERSION_MAJOR 0
-#define MOK_VERSION_MINOR 3
+#define MOK_VERSION_MINOR 4
 #define MOK_VERSION_PATCH 0
 #define MOK_MAX_DIMS 4
 /* A GPU UUID as nvidia-smi -L prints it, with its NUL */
@@ -296,6 +296,19 @@ int mok_backward(mok_client *c, uint64_t context, const mok_tensor *d_out,
 int mok_backward_weights(mok_client *c, uint64_t context, const mok_tensor *d_out,
                          const mok_tensor *grads, int ngrads, const mok_tensor *weights,
                          mok_backward_result *res);
+/* Flags of mok_backward_flags. MOK_BACKWARD_LAST: the context's last
+ * backward, as autograd's without retain_graph: the daemon may write over
+ * what the forward saved, and the backward needs less GPU memory at its
+ * peak (the cuda backend: T K H 2 bytes, or more, less); the results are
+ * the same bits. Once the daemon has accepted it, a later backward naming
+ * the context fails with MOK_ECONTEXT, whether this one succeeded or not.
+ * The context still owns out until released. */
+#define MOK_BACKWARD_LAST 1u
+/* mok_backward_weights with flags (0 or MOK_BACKWARD_LAST; MOK_EINVAL for
+ * others). */
+int mok_backward_flags(mok_client *c, uint64_t context, const mok_tensor *d_out,
+                       const mok_tensor *grads, int ngrads, const mok_tensor *weights,
+                       unsigned flags, mok_backward_result *res);
 /* Releases contexts and backward results (and the outputs they own). */
 int mok_release(mok_client *c, const uint64_t *ids, int n);
 

@@ -30,7 +30,7 @@
   XX(ESHAPE, -4005, "mismatched or unsupported shape")                         \
   XX(EDTYPE, -4006, "wrong dtype")                                             \
   XX(EDEVICE, -4007, "GPU error")                                              \
-  XX(ECONTEXT, -4008, "unknown or already released forward context")          \
+  XX(ECONTEXT, -4008, "unknown, released or used-up forward context")         \
   XX(EGROUP, -4009, "EP group torn down or its ranks disagree")
 
 typedef enum {

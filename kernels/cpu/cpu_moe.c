@@ -596,7 +596,7 @@ static int run_wgrads(cpu_backend *cb, step *st)
   return atomic_load(&st->failed) ? -1 : 0;
 }
 
-static int cpu_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
+static int cpu_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode, unsigned flags,
                         const mokk_bwd_rank *ranks, char *err)
 {
   cpu_backend *cb = (cpu_backend *)b;
@@ -605,6 +605,7 @@ static int cpu_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
   step st = {.s = s, .T = ctx->T, .El = s->E / s->P, .c = c, .br = ranks, .mode = mode};
   int rc = 0;
 
+  (void)flags; /* MOKK_BWD_LAST: the backward's own buffers are host memory */
   for (int64_t r = 0; r < s->P; r++)
     if ((rc = cpu_rank_here(b, r, ranks[r].dev, err)))
       return rc;

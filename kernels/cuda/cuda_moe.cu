@@ -717,7 +717,7 @@ static int weight_grads(cuda_backend *cb, const cuda_ctx *c, const mokk_bwd_rank
   return 0;
 }
 
-static int cuda_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
+static int cuda_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode, int last,
                          const mokk_bwd_rank *ranks, char *err)
 {
   cuda_backend *cb = (cuda_backend *)b;
@@ -727,7 +727,7 @@ static int cuda_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
   int64_t T = ctx->T, H = s->H, I = s->I, K = s->K, Is = s->I_s, E = s->E, TG = P * T,
           TK = TG * K;
   int accum = mode == MOKK_GRAD_FP32_ACCUM, rc = 0;
-  size_t off = 0, o_dy, o_dgu, o_dxr, o_maps, o_dgus = 0, o_dxs = 0, o_dout = 0;
+  size_t off = 0, o_dy = 0, o_dgu, o_dxr = 0, o_maps, o_dgus = 0, o_dxs = 0, o_dout = 0;
   const void *pd[ROUTE_MAX_RANKS];
   const mokk_backend *rd[MOKK_DEVICE_MAX_RANKS] = {NULL};
   int dev[MOKK_DEVICE_MAX_RANKS] = {0}, multi;
@@ -764,9 +764,20 @@ static int cuda_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
    * in column slices of Hs (halves unless MOKD_DX_HALVES=0), and so dxr
    * takes TK x Hs fp32, no more than dy: TK x H x 2 bytes less at the peak
    * than whole rows (mid: 1.07 GB), for a second read of d_g | d_u and a
-   * second combine. Every element is the same sum either way. */
-  const int64_t Hs = cb->dx_halves ? (H / 2 + 63) / 64 * 64 : H;
-  o_dy = o_dxr = carve(&off, TK * (H * 2 > Hs * 4 ? H * 2 : Hs * 4));
+   * second combine. Every element is the same sum either way.
+   * The context's last backward needs no region: dy takes y's place (the
+   * dispatch reads each row of y, for d_topk_weights, before it writes the
+   * row of dy there), and dxr the span of g, u, h and y, carved one after
+   * another and read by nothing once d_h and the down weight gradient have
+   * run: whole rows where they fit (H <= 5 I), else the widest slices. */
+  int64_t Hs = cb->dx_halves ? (H / 2 + 63) / 64 * 64 : H;
+  if (last) {
+    size_t span = (size_t)((char *)c->y - (char *)c->g) + xr_bytes(TK, H, E);
+    int64_t fit = (int64_t)(span / ((size_t)TK * 4)) / 64 * 64;
+    Hs = fit < H ? fit : H;
+  } else {
+    o_dy = o_dxr = carve(&off, TK * (H * 2 > Hs * 4 ? H * 2 : Hs * 4));
+  }
   o_dgu = carve(&off, TK * 2 * I * 2);
   o_maps = carve(&off, (size_t)(E / P) * GEMM_TN_MAP_BYTES);
   if (Is) {
@@ -780,9 +791,9 @@ static int cuda_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
     return mokk_fail(err, MOK_ENOMEM, "cannot allocate %zu bytes of GPU memory for the "
                      "backward: %s", off, cudaGetErrorString(e));
   char *base = (char *)block;
-  bf16 *dy = (bf16 *)(base + o_dy);
+  bf16 *dy = last ? c->y : (bf16 *)(base + o_dy);
   bf16 *dgu = (bf16 *)(base + o_dgu);
-  float *dxr = (float *)(base + o_dxr);
+  float *dxr = last ? c->g : (float *)(base + o_dxr);
   bf16 *dgus = Is ? (bf16 *)(base + o_dgus) : NULL;
   float *dxs = Is ? (float *)(base + o_dxs) : NULL;
   const bf16 *d_out = (const bf16 *)ranks[0].d_out;
@@ -827,7 +838,7 @@ static int cuda_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
                            dgus + r * T * 2 * Is, dxs + r * T * H, err)))
       goto out;
   }
-  for (int64_t n0 = 0; n0 < H; n0 += Hs) { /* dxr overwrites dy from here on */
+  for (int64_t n0 = 0; n0 < H; n0 += Hs) { /* dxr overwrites dy (last: g, u, h, y) */
     const int64_t w = H - n0 < Hs ? H - n0 : Hs;
     for (int r = 0; r < P; r++) {
       mlp routed_mlp = mlp_routed(c, TK, r);
@@ -1348,8 +1359,8 @@ int cuda_forward_entry(mokk_backend *b, const mokk_shape *s, int64_t T,
   return cuda_forward(b, s, T, ranks, out_ctx, err);
 }
 
-int cuda_backward_entry(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
+int cuda_backward_entry(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode, unsigned flags,
                         const mokk_bwd_rank *ranks, char *err)
 {
-  return cuda_backward(b, ctx, mode, ranks, err);
+  return cuda_backward(b, ctx, mode, (flags & MOKK_BWD_LAST) != 0, ranks, err);
 }

@@ -134,7 +134,7 @@ static inline void ctx_release(cuda_backend *cb, cuda_ctx *c)
  * cuda_backward, reached from the table in cuda_backend.cu. */
 int cuda_forward_entry(mokk_backend *b, const mokk_shape *s, int64_t T,
                        const mokk_fwd_rank *ranks, mokk_ctx **out_ctx, char *err);
-int cuda_backward_entry(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode,
+int cuda_backward_entry(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode, unsigned flags,
                         const mokk_bwd_rank *ranks, char *err);
 
 /* ---- GPU memory (gpumem.cu) --------------------------------------------- */

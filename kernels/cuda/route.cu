@@ -435,10 +435,14 @@ k_gather_ahead(route_rows x, const int *src, const int *row_start, int E, int K,
 /* The backward's dispatch, rows [*lo, *hi): dy[row] = bf16(row_w[row]
  * d_out[token of row]); with dtw.p[0], also the row's pair's
  * d_topk_weights, dot(d_out[token], y[row]), read in the same pass as d_out
- * (a kernel of its own read y at 4.1 TB/s, and d_out again: mid 0.29 ms). */
+ * (a kernel of its own read y at 4.1 TB/s, and d_out again: mid 0.29 ms).
+ * INPLACE: dy is y (a context's last backward): each thread reads its
+ * 16 bytes of y's row before it writes the same 16 bytes of dy's, with
+ * plain loads, as memory this kernel writes must be read. */
+template <bool INPLACE>
 __global__ void __launch_bounds__(GATHER_THREADS)
 k_gather_dy(route_rows d_out, const int *src, const int *lo, const int *hi, int K, int64_t H,
-            const float *row_w, bf16 *__restrict__ dy, route_owners y, route_pairs dtw)
+            const float *row_w, bf16 *dy, route_owners y, route_pairs dtw)
 {
   pdl_enter(); /* pdl.cuh: nothing global before it */
   __shared__ float part[8];
@@ -459,7 +463,7 @@ k_gather_dy(route_rows d_out, const int *src, const int *lo, const int *hi, int 
         if (c + i * GATHER_THREADS < n) {
           a[i] = __ldg(s + c + i * GATHER_THREADS);
           if (dot)
-            b[i] = __ldg(v + c + i * GATHER_THREADS);
+            b[i] = INPLACE ? v[c + i * GATHER_THREADS] : __ldg(v + c + i * GATHER_THREADS);
         }
 #pragma unroll
       for (int i = 0; i < GATHER_BATCH; i++)
@@ -628,8 +632,12 @@ void route_gather_dy(cudaStream_t st, int grid, route_rows d_out, const int *src
                      const int *lo, const int *hi, int K, int64_t H, const float *row_w,
                      bf16 *dy, route_owners y, route_pairs dtw)
 {
-  pdl_launch(k_gather_dy, grid, GATHER_THREADS, 0, st, d_out, src, lo, hi, K, H, row_w, dy, y,
-             dtw);
+  if (dy == (const bf16 *)y.p[0]) /* in place (dtw.p[0] is set: the dot reads y first) */
+    pdl_launch(k_gather_dy<true>, grid, GATHER_THREADS, 0, st, d_out, src, lo, hi, K, H, row_w,
+               dy, y, dtw);
+  else
+    pdl_launch(k_gather_dy<false>, grid, GATHER_THREADS, 0, st, d_out, src, lo, hi, K, H, row_w,
+               dy, y, dtw);
 }
 
 void route_combine_out(cudaStream_t st, int grid, route_owners y, const int *slot,

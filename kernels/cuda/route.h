@@ -65,7 +65,8 @@ cudaError_t route_gather_ahead(cudaStream_t st, int blocks, route_rows x, const 
 /* The backward's dispatch of rows [*lo, *hi): dy[row] = bf16(row_w[row]
  * d_out[token of row]); with dtw.p[0] != NULL, also each row's pair's
  * d_topk_weights, dot(d_out[token], y[row]) in route_dtw's order, into
- * dtw (pairs with no row are not written). */
+ * dtw (pairs with no row are not written). dy may be y's rows themselves
+ * (one owner, dtw.p[0] set): each row of y is read before it is written. */
 void route_gather_dy(cudaStream_t st, int grid, route_rows d_out, const int *src,
                      const int *lo, const int *hi, int K, int64_t H, const float *row_w,
                      bf16 *dy, route_owners y, route_pairs dtw);

@@ -142,6 +142,10 @@ static void problem_fill(problem *p)
  * buffers (Megatron's gradient accumulation fusion) instead of writing bf16 */
 static int fp32_accum;
 
+/* Each step's backward is its forward's last (MOKK_BWD_LAST, as autograd's
+ * without retain_graph, which the torch baseline runs), unless --retain. */
+static int retain;
+
 /* Device memory of a shape's tensors: x, out, d_out, d_x; ids, weights,
  * d_topk_weights; weights (bf16) and gradients (bf16, or fp32 with
  * --fp32-accum). The step's own memory comes on top. */
@@ -462,7 +466,8 @@ static int run_daemon(const char *sock, const shape_def *d, int iters, int do_ve
     t1 = now_ms();
     if (it == -2)
       mem_note("after the first forward");
-    MOK_OK(c, mok_backward(c, fr.context, &dout, NULL, 0, &br));
+    MOK_OK(c, mok_backward_flags(c, fr.context, &dout, NULL, 0, NULL,
+                                 retain ? 0 : MOK_BACKWARD_LAST, &br));
     t2 = now_ms();
     if (it >= 0)
       fms[it] = (float)(t1 - t0), bms[it] = (float)(t2 - t1);
@@ -622,7 +627,8 @@ static int trace_step(mokk_backend *gpu, problem *p, const char *name)
       goto out;
     snprintf(label, sizeof label, "%s fwd", name);
     trace_cut(stdout, pass ? label : NULL);
-    if (mokk_backward(gpu, ctx, mode, &p->br, err) || mokk_cuda_sync(gpu, err))
+    if (mokk_backward_flags(gpu, ctx, mode, retain ? 0 : MOKK_BWD_LAST, &p->br, err) ||
+        mokk_cuda_sync(gpu, err))
       goto out;
     snprintf(label, sizeof label, "%s bwd", name);
     trace_cut(stdout, pass ? label : NULL);
@@ -667,11 +673,14 @@ int main(int argc, char **argv)
       fp32_accum = 1;
     else if (!strcmp(argv[i], "--trace"))
       trace = 1;
+    else if (!strcmp(argv[i], "--retain"))
+      retain = 1;
     else if (!strcmp(argv[i], "--daemon") && i + 1 < argc)
       sock = argv[++i];
     else {
       fprintf(stderr, "usage: bench_gpu [--shapes a,b] [--iters n] [--torch CMD] [--verify]\n"
                       "                 [--daemon SOCK] [--ceiling CMD] [--csv FILE] [--fp32-accum]\n"
+                      "                 [--trace] [--retain]\n"
                       "  shapes: dsv3 mid qwen3_4k qwen3_32k mok (DESIGN §6)\n"
                       "  --iters N    timed iterations after 2 warm-ups; medians (default 20)\n"
                       "  --torch CMD  run 'CMD --shapes NAME --iters N' for the baseline\n"
@@ -684,7 +693,10 @@ int main(int argc, char **argv)
                       "               fp32 buffers (the daemon path and torch stay bf16)\n"
                       "  --trace      after the timed steps, one more forward and backward\n"
                       "               with every kernel's start, duration and the idle time\n"
-                      "               before it (CUPTI; lines 'trace SHAPE fwd|bwd:')\n");
+                      "               before it (CUPTI; lines 'trace SHAPE fwd|bwd:')\n"
+                      "  --retain     backwards that keep their forward's saved state (by\n"
+                      "               default each is its forward's last, as autograd's\n"
+                      "               without retain_graph, which the torch baseline runs)\n");
       return 2;
     }
   }
@@ -750,7 +762,8 @@ int main(int argc, char **argv)
         return 1;
       }
       CUDA_OK(cudaEventRecord(e1, st));
-      if (mokk_backward(gpu, ctx, fp32_accum ? MOKK_GRAD_FP32_ACCUM : MOKK_GRAD_BF16, &p.br,
+      if (mokk_backward_flags(gpu, ctx, fp32_accum ? MOKK_GRAD_FP32_ACCUM : MOKK_GRAD_BF16,
+                              retain ? 0 : MOKK_BWD_LAST, &p.br,
                         err)) {
         fprintf(stderr, "bench_gpu: %s: backward: %s\n", d->name, err);
         return 1;

@@ -40,6 +40,8 @@
 #include "ref.h"
 
 static mokk_backend *gpu, *cpu;
+/* the flags of gpu_run_ranks_on's backward (last_invariance) */
+static unsigned bwd_flags;
 
 
 static void *dev_copy(const void *h, size_t n)
@@ -682,6 +684,58 @@ START_TEST(epilogue_invariance)
 }
 END_TEST
 
+/* A context's last backward (MOKK_BWD_LAST) writes dy over y and d_x's
+ * rows over g, u, h and y: the same bits as a backward that keeps them, in
+ * whole rows (H <= 5 I) and in slices (H > 5 I), on virtual ranks, on the
+ * spread layout (which keeps its buffers), in both gradient modes; and a
+ * second backward of the context fails (gpu_run_ranks_on). */
+START_TEST(last_invariance)
+{
+  static const struct {
+    mokk_shape s;
+    int64_t T;
+    int P, spread;
+    mokk_grad_mode mode;
+    uint64_t seed;
+  } cases[] = {
+      {{.H = 256, .I = 128, .E = 16, .K = 4, .I_s = 192, .swiglu_limit = 0.6f, .P = 1}, 333, 1,
+       0, MOKK_GRAD_BF16, 41},
+      {{.H = 512, .I = 64, .E = 8, .K = 2, .I_s = 64, .P = 1}, 290, 1, 0, MOKK_GRAD_BF16, 42},
+      {{.H = 640, .I = 64, .E = 4, .K = 2, .I_s = 0, .P = 1}, 1000, 1, 0, MOKK_GRAD_FP32_ACCUM,
+       43},
+      {{.H = 256, .I = 128, .E = 8, .K = 2, .I_s = 64, .P = 1}, 300, 2, 0, MOKK_GRAD_BF16, 44},
+      {{.H = 256, .I = 128, .E = 8, .K = 2, .I_s = 64, .P = 1}, 300, 2, 1, MOKK_GRAD_BF16, 45},
+  };
+  char err[2 * MOK_ERRLEN] = "";
+
+  for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+    for (int halves = 0; halves < 2; halves++) {
+      moe_case c;
+      moe_out keep, last;
+      case_make(&c, &cases[k].s, cases[k].T, cases[k].seed, ROUTE_RANDOM);
+      mokk_cuda_set_spread(gpu, cases[k].spread);
+      mokk_cuda_set_dx_halves(gpu, halves);
+      bwd_flags = 0;
+      ck_assert_msg(gpu_run_ranks(&c, cases[k].P, cases[k].mode, 0.5f, &keep, err) == 0, "%s",
+                    err);
+      bwd_flags = MOKK_BWD_LAST;
+      int rc = gpu_run_ranks(&c, cases[k].P, cases[k].mode, 0.5f, &last, err);
+      bwd_flags = 0;
+      ck_assert_msg(rc == 0, "%s", err);
+      expect_same(&last, &keep, &c, "the context's last backward");
+      for (int w = 0; w < MOKK_NWEIGHTS; w++)
+        if (keep.g_f32[w] != NULL)
+          ck_assert_msg(memcmp(last.g_f32[w], keep.g_f32[w],
+                               (size_t)case_weight_elems(&c, w) * 4) == 0,
+                        "the context's last backward: fp32 %s differs", wname[w]);
+      out_free(&keep), out_free(&last), case_free(&c);
+    }
+  }
+  mokk_cuda_set_spread(gpu, 0);
+  mokk_cuda_set_dx_halves(gpu, 1);
+}
+END_TEST
+
 START_TEST(batch_invariance)
 {
   mokk_shape s = {.H = 128, .I = 64, .E = 8, .K = 2, .I_s = 64, .P = 1};
@@ -878,6 +932,28 @@ static void daemon_layer(mok_client *c, const moe_case *cs, int device, moe_out 
     og->g_bf16[i] = xcalloc(case_weight_elems(cs, i), 2);
     ck_assert(mok_tensor_read(c, &br.grads[i], og->g_bf16[i]) == 0);
   }
+
+  /* the context's last backward writes over its saved state: the same
+   * bits, and no backward after it */
+  mok_backward_result bl;
+  ck_assert_msg(mok_backward_flags(c, fr.context, &dout, NULL, 0, NULL, MOK_BACKWARD_LAST,
+                                   &bl) == 0,
+                "%s", mok_last_error(c));
+  uint16_t *again = xcalloc(T * H, 2);
+  ck_assert(mok_tensor_read(c, &bl.d_x, again) == 0);
+  ck_assert_msg(memcmp(again, og->d_x, T * H * 2) == 0, "last backward: d_x differs");
+  for (int i = 0; i < MOK_NWEIGHTS; i++) {
+    int64_t n = case_weight_elems(cs, i);
+    uint16_t *g = xcalloc(n, 2);
+    ck_assert(mok_tensor_read(c, &bl.grads[i], g) == 0);
+    ck_assert_msg(memcmp(g, og->g_bf16[i], n * 2) == 0, "last backward: weight %d differs",
+                  i);
+    free(g);
+  }
+  free(again);
+  ck_assert_msg(mok_release(c, &bl.result, 1) == 0, "%s", mok_last_error(c));
+  ck_assert_int_eq(mok_backward(c, fr.context, &dout, NULL, 0, &bl), MOK_ECONTEXT);
+  ck_assert_msg(strstr(mok_last_error(c), "used up") != NULL, "%s", mok_last_error(c));
   *st = (daemon_step){layer, x, ids, tw};
 }
 
@@ -1623,7 +1699,12 @@ static int gpu_run_ranks_on(const moe_case *c, int P, mokk_grad_mode mode, float
   if (held != NULL)
     *held = ctx != NULL ? mokk_ctx_bytes(gpu, ctx) : 0;
   if (rc == 0)
-    rc = mokk_backward(gpu, ctx, mode, br, err);
+    rc = mokk_backward_flags(gpu, ctx, mode, bwd_flags, br, err);
+  if (rc == 0 && (bwd_flags & MOKK_BWD_LAST)) { /* its saved state is gone */
+    char e2[MOK_ERRLEN] = "";
+    ck_assert_int_eq(mokk_backward(gpu, ctx, mode, br, e2), MOK_ECONTEXT);
+    ck_assert_msg(strstr(e2, "used up") != NULL, "%s", e2);
+  }
   mokk_ctx_free(gpu, ctx);
   if (rc == 0)
     rc = mokk_cuda_sync(gpu, err);
@@ -2168,6 +2249,7 @@ static Suite *gpu_suite(void)
   tcase_add_test(tc, gather_invariance);
   tcase_add_test(tc, gather_ahead_invariance);
   tcase_add_test(tc, epilogue_invariance);
+  tcase_add_test(tc, last_invariance);
   tcase_add_test(tc, batch_invariance);
   suite_add_tcase(su, tc);
   tc = tcase_create("errors");

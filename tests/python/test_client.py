@@ -129,6 +129,26 @@ class ClientTest(unittest.TestCase):
             assert_close(self, ref_g[i], mokd.from_bf16(g[name]), name)
         self.c.release(ctx.id, g["result"])
 
+    def test_last_backward_uses_up_the_context(self):
+        """last=True: the same gradients as a backward that keeps the state;
+        then no other backward of the context, from the client (ValueError)
+        or the daemon (a Context naming the same id: MOK_ECONTEXT)."""
+        layer, (x, ids, tw, w, d_out), out, ctx, ref = self.run_layer(Is=8, limit=0.0, seed=5)
+        keep = layer.backward(ctx, d_out)
+        last = layer.backward(ctx, d_out, last=True)
+        for name in ("d_x", "d_topk_weights", "w_gate", "w_up", "w_down", "s_gate", "s_up",
+                     "s_down"):
+            np.testing.assert_array_equal(keep[name], last[name], name)
+        with self.assertRaises(ValueError) as cm:
+            layer.backward(ctx, d_out)
+        self.assertIn("used up its saved state", str(cm.exception))
+        twin = mokd.Context(ctx._owner, ctx.out, ctx.T, False)  # the daemon's own check
+        with self.assertRaises(mokd.MokError) as cm:
+            layer.backward(twin, d_out, last=True)
+        self.assertEqual(cm.exception.name, "MOK_ECONTEXT")
+        self.assertIn("used up by an earlier Backward with last set", str(cm.exception))
+        np.testing.assert_array_equal(mokd.from_bf16(ctx.out), mokd.from_bf16(out))
+
     def test_fp32_accumulate_into_arena_buffers(self):
         layer, (x, ids, tw, w, d_out), out, ctx, ref = self.run_layer(
             Is=0, limit=0.0, grad_mode="fp32_accum", seed=1)

@@ -189,6 +189,34 @@ class TorchLayerTest(unittest.TestCase):
             for a, b in zip(runs[0], r):
                 self.assertTrue(torch.equal(a, b))
 
+    def test_retain_graph_needs_retain_context(self):
+        """Each forward's daemon state serves one backward, which writes over
+        it, as autograd frees saved tensors: a second backward through the
+        graph (retain_graph=True) raises naming retain_context; with
+        retain_context=True it runs, and adds the same gradients again."""
+        T, H, E, K = 200, 256, 16, 4
+        x, ids, tw, d_out = self.inputs(T, H, E, K, 9)
+        m = self.layer(Is=64)
+        out = m(x, ids, tw)
+        out.backward(d_out, retain_graph=True)
+        once = [x.grad.clone(), tw.grad.clone()] + [w.grad.clone() for w in m.weights()]
+        with self.assertRaises(RuntimeError) as cm:
+            out.backward(d_out)
+        self.assertIn("retain_context=True", str(cm.exception))
+        keep = self.layer(Is=64, retain_context=True)
+        with torch.no_grad():
+            for a, b in zip(keep.weights(), m.weights()):
+                a.copy_(b)
+        for p in [x, tw] + keep.weights():
+            p.grad = None
+        out = keep(x, ids, tw)
+        out.backward(d_out, retain_graph=True)
+        first = [x.grad.clone(), tw.grad.clone()] + [w.grad.clone() for w in keep.weights()]
+        for a, b in zip(first, once):  # the same bits as the layer that used it up
+            self.assertTrue(torch.equal(a, b))
+        out.backward(d_out)
+        self.assertTrue(torch.equal(x.grad, first[0] + first[0]))
+
     def test_results_released_when_dropped(self):
         T, H, E, K = 128, 256, 16, 4
         m = self.layer()

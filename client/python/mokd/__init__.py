@@ -154,6 +154,10 @@ _lib.mok_backward.argtypes = [ctypes.c_void_p, ctypes.c_uint64, _P(_Tensor), _P(
                               ctypes.c_int, _P(_BwdResult)]
 _lib.mok_backward_weights.argtypes = [ctypes.c_void_p, ctypes.c_uint64, _P(_Tensor),
                                       _P(_Tensor), ctypes.c_int, _P(_Tensor), _P(_BwdResult)]
+_lib.mok_backward_flags.argtypes = [ctypes.c_void_p, ctypes.c_uint64, _P(_Tensor),
+                                    _P(_Tensor), ctypes.c_int, _P(_Tensor), ctypes.c_uint,
+                                    _P(_BwdResult)]
+BACKWARD_LAST = 1  # MOK_BACKWARD_LAST
 _lib.mok_release.argtypes = [ctypes.c_void_p, _P(ctypes.c_uint64), ctypes.c_int]
 _lib.mok_arena_import_cuda.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
                                        _P(ctypes.c_uint64), _P(ctypes.c_uint64)]
@@ -161,7 +165,7 @@ _lib.mok_set_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
 _lib.mok_step_status.argtypes = [ctypes.c_void_p, _P(_Tensor)]
 
 
-EPROTO, ENOTSUP, EEXPERT, EDEVICE = -errno.EPROTO, -errno.ENOTSUP, -4003, -4007
+EPROTO, ENOTSUP, EEXPERT, EDEVICE, ECONTEXT = -errno.EPROTO, -errno.ENOTSUP, -4003, -4007, -4008
 
 
 class MokError(RuntimeError):
@@ -432,6 +436,7 @@ class Context:
     def __init__(self, owner, out, T, inference):
         self.id, self._owner, self.out, self.T, self.inference = owner.id, owner, out, T, \
             inference
+        self.used = False  # a backward with last=True ran on it
 
     @property
     def released(self):
@@ -586,13 +591,16 @@ class Layer:
             gt[i] = t
         return gt
 
-    def backward(self, ctx, d_out, grads=None):
+    def backward(self, ctx, d_out, grads=None, last=False):
         """ctx: the Context of a training forward; d_out: bf16 [T, H]. grads:
         the buffers to add into (fp32 arena arrays, fp32_accum layers) or to
-        write to (bf16 arena arrays, optional for bf16 layers). Returns a dict
-        of zero-copy views: d_x, d_topk_weights and, for bf16 layers without
-        grads, the weight gradients; plus `result`, the daemon id behind them,
-        kept while any of them is alive."""
+        write to (bf16 arena arrays, optional for bf16 layers). last: this is
+        ctx's last backward (as autograd's without retain_graph): the daemon
+        may write over the forward's saved state and needs less GPU memory,
+        and a later backward of ctx raises. Returns a dict of zero-copy views:
+        d_x, d_topk_weights and, for bf16 layers without grads, the weight
+        gradients; plus `result`, the daemon id behind them, kept while any of
+        them is alive."""
         if not isinstance(ctx, Context):
             raise TypeError("ctx: expected the Context that forward returned, got %s"
                             % type(ctx).__name__)
@@ -601,6 +609,9 @@ class Layer:
                              "backward")
         if ctx.released:
             raise ValueError("ctx: was released")
+        if ctx.used:
+            raise ValueError("ctx: an earlier backward with last=True used up its saved state; "
+                             "run the forward again")
         if ctx._owner.client is not self.client:
             raise ValueError("ctx: belongs to another Client")
         d_out = _bf16("d_out", d_out)
@@ -609,9 +620,12 @@ class Layer:
         self.client._release_dead()
         (td,) = self._stage_inputs([np.ascontiguousarray(d_out)])
         res = _BwdResult()
-        self.client._check(_lib.mok_backward(self.client._h, ctx.id, ctypes.byref(td), gt,
-                                             0 if gt is None else len(grads),
-                                             ctypes.byref(res)))
+        if last:
+            ctx.used = True  # whether or not the daemon's step succeeds
+        self.client._check(_lib.mok_backward_flags(self.client._h, ctx.id, ctypes.byref(td), gt,
+                                                   0 if gt is None else len(grads), None,
+                                                   BACKWARD_LAST if last else 0,
+                                                   ctypes.byref(res)))
         owner = _Owner(self.client, res.result)
         out = {"result": res.result, "d_x": _out_view(owner, res.d_x),
                "d_topk_weights": _out_view(owner, res.d_topk_weights)}

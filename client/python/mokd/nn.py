@@ -91,7 +91,8 @@ from typing import List, Tuple
 import numpy as np
 import torch
 
-from . import (BF16, EPROTO, ENOTSUP, F32, I32, GRAD_BF16, GRAD_FP32_ACCUM, _BwdResult,
+from . import (BACKWARD_LAST, BF16, ECONTEXT, EPROTO, ENOTSUP, F32, I32, GRAD_BF16,
+               GRAD_FP32_ACCUM, _BwdResult,
                _FwdResult, _LayerDesc,
                _NW, _Tensor, _lib, Client, MokError)
 
@@ -338,26 +339,30 @@ def _saved_of(context):
 
 
 @torch.library.custom_op("mokd::moe_backward", mutates_args=())
-def moe_backward(layer: int, context: torch.Tensor, d_out: torch.Tensor) -> List[torch.Tensor]:
+def moe_backward(layer: int, context: torch.Tensor, d_out: torch.Tensor,
+                 last: bool = False) -> List[torch.Tensor]:
     """The backward of a moe_forward: context is its context tensor, d_out
     bf16 [T, H]. Returns [d_x bf16 [T, H], d_topk_weights float32 [T, K],
-    then the weight gradients, bf16, in the order of the weights]."""
+    then the weight gradients, bf16, in the order of the weights]. last:
+    the context's last backward, which may write over its daemon state (less
+    GPU memory); another backward of it then raises. The autograd formula
+    passes it unless the layer has retain_context=True."""
     m = _layer_of(layer)
     if m.grad_mode != GRAD_BF16:
         raise RuntimeError("mokd::moe_backward: layer %d adds its gradients into main_grad "
                            "(grad_mode='fp32_accum'): use mokd::moe_backward_accum" % layer)
     saved = _saved_of(context)
-    d_x, d_tw, grads = m._run_backward(saved.owner, d_out, saved.weights.now())
+    d_x, d_tw, grads = m._run_backward(saved.owner, d_out, saved.weights.now(), last=last)
     return [d_x, d_tw] + grads
 
 
 @torch.library.custom_op("mokd::moe_backward_accum", mutates_args=("main_grads",))
 def moe_backward_accum(layer: int, context: torch.Tensor, d_out: torch.Tensor,
-                       main_grads: List[torch.Tensor]) -> List[torch.Tensor]:
+                       main_grads: List[torch.Tensor], last: bool = False) -> List[torch.Tensor]:
     """The backward of a moe_forward of a grad_mode="fp32_accum" layer: adds
     the weight gradients into main_grads (fp32, the weights' shapes and
     order) in place, and returns [d_x bf16 [T, H], d_topk_weights float32
-    [T, K]]."""
+    [T, K]]. last: as in mokd::moe_backward."""
     m = _layer_of(layer)
     if m.grad_mode != GRAD_FP32_ACCUM:
         raise RuntimeError("mokd::moe_backward_accum: layer %d writes bf16 gradients "
@@ -372,12 +377,13 @@ def moe_backward_accum(layer: int, context: torch.Tensor, d_out: torch.Tensor,
                              "on %s, got %s %s on %s" % (name, shp, m.session.device, g.dtype,
                                                          tuple(g.shape), g.device))
     saved = _saved_of(context)
-    d_x, d_tw, _ = m._run_backward(saved.owner, d_out, saved.weights.now(), main_grads)
+    d_x, d_tw, _ = m._run_backward(saved.owner, d_out, saved.weights.now(), main_grads,
+                                   last=last)
     return [d_x, d_tw]
 
 
 @moe_backward_accum.register_fake
-def _moe_backward_accum_fake(layer, context, d_out, main_grads):
+def _moe_backward_accum_fake(layer, context, d_out, main_grads, last=False):
     m = _layer_of(layer)
     T = d_out.shape[0]
     return [d_out.new_empty((T, m.hidden), dtype=torch.bfloat16),
@@ -385,7 +391,7 @@ def _moe_backward_accum_fake(layer, context, d_out, main_grads):
 
 
 @moe_backward.register_fake
-def _moe_backward_fake(layer, context, d_out):
+def _moe_backward_fake(layer, context, d_out, last=False):
     m = _layer_of(layer)
     T = d_out.shape[0]
     return [d_out.new_empty((T, m.hidden), dtype=torch.bfloat16),
@@ -402,11 +408,13 @@ def _moe_backward_formula(ctx, d_out, d_context):
     (context,) = ctx.saved_tensors
     d_out = d_out.to(torch.bfloat16).contiguous()
     m = _layer_of(ctx.layer)
+    last = not m.retain_context  # autograd's backward, once unless retain_graph
     if m.grad_mode == GRAD_BF16:
-        g = torch.ops.mokd.moe_backward(ctx.layer, context, d_out)
+        g = torch.ops.mokd.moe_backward(ctx.layer, context, d_out, last)
         return None, g[0], None, g[1], list(g[2:]), None
     weights = m.weights()
-    g = torch.ops.mokd.moe_backward_accum(ctx.layer, context, d_out, m._main_grads(weights))
+    g = torch.ops.mokd.moe_backward_accum(ctx.layer, context, d_out, m._main_grads(weights),
+                                          last)
     return None, g[0], None, g[1], _added_to_main_grad(weights), None
 
 
@@ -483,13 +491,21 @@ class MoELayer(torch.nn.Module):
     the mokd::moe_forward / moe_backward ops. ep_group (a torch.distributed
     process group) makes it one rank of an EP group, and grad_mode
     "fp32_accum" adds the weight gradients into each parameter's main_grad:
-    see the module's text.
+    see the module's text. Each forward's daemon state serves one backward,
+    as autograd frees saved tensors without retain_graph, and the daemon
+    writes over it (less GPU memory at the backward's peak; the same bits);
+    a second backward through the same graph raises RuntimeError unless
+    retain_context=True.
     """
 
     def __init__(self, hidden, intermediate, experts, top_k, shared_intermediate=0,
                  swiglu_limit=0.0, socket=None, device=None, check=False, session=None,
-                 ep_group=None, grad_mode="bf16"):
+                 ep_group=None, grad_mode="bf16", retain_context=False):
         super().__init__()
+        # False: each forward's daemon state serves one backward, which may
+        # write over it (less GPU memory at the backward's peak), as autograd
+        # frees saved tensors without retain_graph; True: several backwards
+        self.retain_context = bool(retain_context)
         modes = {"bf16": GRAD_BF16, "fp32_accum": GRAD_FP32_ACCUM}
         if grad_mode not in modes:
             raise ValueError("grad_mode: expected 'bf16' or 'fp32_accum', got %r" % (grad_mode,))
@@ -664,10 +680,11 @@ class MoELayer(torch.nn.Module):
             out.append(g)
         return out
 
-    def _run_backward(self, owner, d_out, weights=None, main_grads=None):
+    def _run_backward(self, owner, d_out, weights=None, main_grads=None, last=False):
         """weights: where the weights are now, when they moved since the
         forward; None: where the forward read them. main_grads (fp32_accum):
-        the fp32 tensors the weight gradients are added into."""
+        the fp32 tensors the weight gradients are added into. last: the
+        context's last backward (MOK_BACKWARD_LAST)."""
         s = self.session
         if d_out.dim() != 2 or d_out.shape[1] != self.hidden:
             raise ValueError("d_out: expected shape [T, H] = [T, %d], got %s"
@@ -686,9 +703,16 @@ class MoELayer(torch.nn.Module):
                 tg = (_Tensor * _NW)()
                 for i, g in enumerate(main_grads):
                     tg[i] = s.tensor(g)
-            s._check(_lib.mok_backward_weights(s._h(), owner.id, ctypes.byref(td), tg,
-                                               len(main_grads) if tg is not None else 0, tw,
-                                               ctypes.byref(res)))
+            rc = _lib.mok_backward_flags(s._h(), owner.id, ctypes.byref(td), tg,
+                                         len(main_grads) if tg is not None else 0, tw,
+                                         BACKWARD_LAST if last else 0, ctypes.byref(res))
+            if rc == ECONTEXT and not self.retain_context:
+                raise RuntimeError(
+                    "mokd: this forward's saved state was used up by an earlier backward "
+                    "(%s); a layer whose graph is backwarded more than once (retain_graph="
+                    "True) needs MoELayer(..., retain_context=True)"
+                    % _lib.mok_last_error(s._h()).decode(errors="replace"))
+            s._check(rc)
             result = _Owner(s, res.result, res.status)
             d_x = s.view(res.d_x, result)
             d_tw = s.view(res.d_topk_weights, result)
