@@ -70,6 +70,30 @@ static void engine_free(engine_out *o)
     free(o->g16[w]), free(o->g32[w]);
 }
 
+/* A bf16 step through the daemon has the engine's bits, every output. */
+static void expect_engine_bits(const mok_testbed *tb, const mok_forward_result *f,
+                               const mok_backward_result *b, const engine_out *e)
+{
+  size_t TH = (size_t)(tb->T * tb->d.hidden) * 2, TK = (size_t)(tb->T * tb->d.top_k) * 4;
+  ck_assert(memcmp(f->out_ptr, e->out, TH) == 0);
+  ck_assert(memcmp(b->d_x_ptr, e->d_x, TH) == 0);
+  ck_assert(memcmp(b->d_topk_weights_ptr, e->d_tw, TK) == 0);
+  ck_assert_int_eq(b->ngrads, tb->nweights);
+  for (int w = 0; w < tb->nweights; w++)
+    ck_assert_msg(memcmp(b->grad_ptrs[w], e->g16[w], mok_tensor_bytes(&tb->w[w])) == 0,
+                  "gradient %d", w);
+}
+
+/* A testbed of T tokens, the engine's bf16 step on it, and a training
+ * forward of it through the daemon. */
+static void engine_and_forward(mok_client *c, const mok_layer_desc *d, int64_t T, uint64_t seed,
+                               mok_testbed *tb, engine_out *e, mok_forward_result *f)
+{
+  ck_assert_int_eq(mok_testbed_setup(c, d, T, seed, tb), 0);
+  engine_run(c, tb, 1, MOKK_GRAD_BF16, e);
+  ck_assert_int_eq(mok_forward(c, tb->layer, &tb->x, &tb->ids, &tb->tw, 0, f), 0);
+}
+
 START_TEST(forward_backward_equal_engine)
 {
   mok_client *c = connect_ok();
@@ -80,17 +104,9 @@ START_TEST(forward_backward_equal_engine)
   mok_backward_result b;
   engine_out e;
 
-  ck_assert_int_eq(mok_testbed_setup(c, &d, 100, 3, &tb), 0);
-  engine_run(c, &tb, 1, MOKK_GRAD_BF16, &e);
-  ck_assert_int_eq(mok_forward(c, tb.layer, &tb.x, &tb.ids, &tb.tw, 0, &f), 0);
+  engine_and_forward(c, &d, 100, 3, &tb, &e, &f);
   ck_assert_int_eq(mok_backward(c, f.context, &tb.d_out, NULL, 0, &b), 0);
-  ck_assert(memcmp(f.out_ptr, e.out, (size_t)(100 * 96) * 2) == 0);
-  ck_assert(memcmp(b.d_x_ptr, e.d_x, (size_t)(100 * 96) * 2) == 0);
-  ck_assert(memcmp(b.d_topk_weights_ptr, e.d_tw, (size_t)(100 * 2) * 4) == 0);
-  ck_assert_int_eq(b.ngrads, 6);
-  for (int w = 0; w < 6; w++)
-    ck_assert_msg(memcmp(b.grad_ptrs[w], e.g16[w], mok_tensor_bytes(&tb.w[w])) == 0,
-                  "gradient %d", w);
+  expect_engine_bits(&tb, &f, &b, &e);
   engine_free(&e);
 
   /* fp32 accumulation into client buffers: twice from zero gives 2 * once */
@@ -123,14 +139,12 @@ START_TEST(last_backward_uses_up_the_context)
   mok_layer_desc d = {.hidden = 64, .intermediate = 64, .experts = 4, .top_k = 2,
                       .shared_intermediate = 64};
   mok_testbed tb;
+  engine_out e;
   mok_forward_result f;
   mok_backward_result b;
-  engine_out e;
   mok_stats st;
 
-  ck_assert_int_eq(mok_testbed_setup(c, &d, 50, 7, &tb), 0);
-  engine_run(c, &tb, 1, MOKK_GRAD_BF16, &e);
-  ck_assert_int_eq(mok_forward(c, tb.layer, &tb.x, &tb.ids, &tb.tw, 0, &f), 0);
+  engine_and_forward(c, &d, 50, 7, &tb, &e, &f);
   ck_assert_int_eq(mok_backward_flags(c, f.context, &tb.d_out, NULL, 0, NULL, 4, &b),
                    MOK_EINVAL);
   ck_assert_msg(strstr(mok_last_error(c), "unknown backward flags 0x4") != NULL, "%s",
@@ -138,12 +152,7 @@ START_TEST(last_backward_uses_up_the_context)
   ck_assert_msg(mok_backward_flags(c, f.context, &tb.d_out, NULL, 0, NULL, MOK_BACKWARD_LAST,
                                    &b) == 0,
                 "%s", mok_last_error(c));
-  ck_assert(memcmp(b.d_x_ptr, e.d_x, (size_t)(50 * 64) * 2) == 0);
-  ck_assert(memcmp(b.d_topk_weights_ptr, e.d_tw, (size_t)(50 * 2) * 4) == 0);
-  for (int w = 0; w < 6; w++)
-    ck_assert_msg(memcmp(b.grad_ptrs[w], e.g16[w], mok_tensor_bytes(&tb.w[w])) == 0,
-                  "gradient %d", w);
-  ck_assert(memcmp(f.out_ptr, e.out, (size_t)(50 * 64) * 2) == 0);
+  expect_engine_bits(&tb, &f, &b, &e);
   ck_assert_int_eq(mok_backward(c, f.context, &tb.d_out, NULL, 0, &b), MOK_ECONTEXT);
   ck_assert_msg(strstr(mok_last_error(c), "used up by an earlier Backward with last set") !=
                     NULL,
