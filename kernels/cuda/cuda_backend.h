@@ -52,8 +52,9 @@ enum { MOKK_RIDE_OFF = 0, MOKK_RIDE_AUTO = 1, MOKK_RIDE_SPLIT = 2, MOKK_RIDE_WHO
 void mokk_cuda_set_ride(mokk_backend *b, int mode);
 /* The gate/up GEMMs (forward and weight gradient) pick each pair's row out
  * of x (on != 0, MOKD_GEMM_GATHER=1; Hopper), or a gather pass copies the
- * rows first and the context keeps them (0, the default: the faster, so
- * far; PERF.md v12). Same bits. */
+ * rows first (0, the default: the faster, so far; PERF.md v12): the
+ * forward's into y's place, the backward's again before the gate/up weight
+ * gradient. Same bits, and contexts of the same size. */
 void mokk_cuda_set_gather(mokk_backend *b, int on);
 /* The forward's dispatch (the gathered rows of x) runs on `blocks` blocks
  * beside the gate/up GEMM, which starts on the other SMs and waits for an

@@ -68,8 +68,8 @@ static int device_arch(cuda_backend *cb, char *err, const char *what)
  * each pair's row out of x themselves (gemm_args.gather) rather than read
  * the rows a gather pass copied (xr): with MOKD_GEMM_GATHER=1, on the
  * Hopper core's tiles of the auto or wide choice. Off by default: so far
- * slower than the gather pass (PERF.md v12), though the context is then
- * smaller by the gathered rows (dsv3 0.94 GB). */
+ * slower than the gather pass (PERF.md v12), which the forward runs into
+ * y's place and the backward again before the gate/up weight gradient. */
 static int gathers(cuda_backend *cb, char *err, int *on)
 {
   int rc = device_arch(cb, err, "device query");
@@ -280,7 +280,7 @@ static mlp mlp_routed(const cuda_ctx *c, int64_t TK, int r)
   const mokk_shape *s = &c->hdr.shape;
   mlp m = {routed(c, TK, r), TK, c->w[r][MOKK_W_GATE], c->w[r][MOKK_W_UP],
            c->w[r][MOKK_W_DOWN], s->I, s->I * s->H, c->g, c->u, c->h,
-           c->xr == NULL ? c->src : NULL, (int)s->K, NULL};
+           c->gather ? c->src : NULL, (int)s->K, NULL};
   return m;
 }
 
@@ -377,8 +377,8 @@ static int check_shape(const mokk_shape *s, int64_t T, char *err)
   return 0;
 }
 
-/* The rows of every pair (y, and xr where the spread layout gathers them),
- * and before them the schedule's scratch: at least one int an expert, which
+/* The rows of every pair (y and, in its place or beside it, xr), and before
+ * them the schedule's scratch: at least one int an expert, which
  * ctx_bytes_bound's per-expert bytes cover. */
 static size_t xr_bytes(int64_t TK, int64_t H, int64_t E)
 {
@@ -469,8 +469,8 @@ static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
   int64_t H = s->H, I = s->I, E = s->E, K = s->K, Is = s->I_s, TG = P * T, TK = TG * K;
   int train = out_ctx != NULL, gather, rc;
   int *ready = NULL;
-  size_t off = 0, o_ids, o_count, o_rs, o_to, o_slot, o_src, o_rw, o_xr = 0, o_g = 0, o_u = 0, o_h,
-         o_y, o_gs = 0, o_us = 0, o_hs = 0, o_ys = 0, o_in = 0, in_x = 0;
+  size_t off = 0, o_ids, o_count, o_rs, o_to, o_slot, o_src, o_rw, o_g = 0, o_u = 0, o_h, o_y,
+         o_gs = 0, o_us = 0, o_hs = 0, o_ys = 0, o_in = 0, in_x = 0;
   const void *px[ROUTE_MAX_RANKS];
   const mokk_backend *rd[MOKK_DEVICE_MAX_RANKS] = {NULL};
   int dev[MOKK_DEVICE_MAX_RANKS] = {0}, multi;
@@ -516,15 +516,18 @@ static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
   o_slot = carve(&off, TK * sizeof(int));
   o_src = carve(&off, TK * sizeof(int));
   o_rw = carve(&off, TK * sizeof(float));
-  /* the gathered rows, unless the GEMMs pick them out of x */
-  if (!gather)
-    o_xr = carve(&off, TK * H * 2);
+  /* y, each pair's expert output, in one place with what comes before it:
+   * the schedule's scratch, then the gathered rows (xr, unless the GEMMs
+   * pick them out of x), which gate/up has read to the last before down
+   * writes the first row of y. The backward gathers them again (the
+   * context keeps x). y, g, u and h lie one after another: the span a
+   * context's last backward reuses. */
+  o_y = carve(&off, xr_bytes(TK, H, E));
   if (train) {
     o_g = carve(&off, TK * I * 4);
     o_u = carve(&off, TK * I * 4);
   }
   o_h = carve(&off, TK * I * 2);
-  o_y = carve(&off, xr_bytes(TK, H, E)); /* first, the schedule's scratch */
   if (Is) {
     if (train) {
       o_gs = carve(&off, TG * Is * 4);
@@ -535,10 +538,11 @@ static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
   }
   if (P > 1) {
     /* the ranks' ids and router weights back to back, then (for the GEMMs
-     * that gather rows, and the shared weight gradient) their x: one carve,
+     * that gather rows, and the backward's gathers and shared weight
+     * gradient) their x: one carve,
      * which keeps the context inside mokk_ctx_bytes_bound's alignment slop */
     in_x = (TK * (sizeof(int32_t) + sizeof(float)) + 15) & ~(size_t)15;
-    o_in = carve(&off, in_x + (gather || (train && Is) ? TG * H * 2 : 0));
+    o_in = carve(&off, in_x + (gather || train ? TG * H * 2 : 0));
   }
   cudaError_t e = cudaMallocAsync(&c->block, off, cb->stream);
   if (e != cudaSuccess) {
@@ -554,7 +558,8 @@ static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
   c->slot = (int *)(base + o_slot);
   c->src = (int *)(base + o_src);
   c->row_w = (float *)(base + o_rw);
-  c->xr = gather ? NULL : (bf16 *)(base + o_xr);
+  c->gather = gather;
+  bf16 *xr = gather ? NULL : (bf16 *)(base + o_y);
   c->g = train ? (float *)(base + o_g) : NULL;
   c->u = train ? (float *)(base + o_u) : NULL;
   c->h = (bf16 *)(base + o_h);
@@ -576,7 +581,7 @@ static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
     if ((rc = concat(cb, (void *)ids, pi, P, T * K * sizeof(int32_t), err)) ||
         (rc = concat(cb, (void *)tw, pw, P, T * K * sizeof(float), err)))
       goto fail;
-    if (gather || (train && Is)) {
+    if (gather || train) {
       c->x = (const bf16 *)(base + o_in + in_x);
       if ((rc = concat(cb, (void *)c->x, px, P, T * H * 2, err)))
         goto fail;
@@ -602,21 +607,21 @@ static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
     cudaError_t e = cudaMemsetAsync(ready, 0, E * sizeof(int), cb->stream);
     if (e == cudaSuccess)
       e = route_gather_ahead(cb->stream, grid_for(cb, cb->gather_ahead, 1), rows_of(px, P, T),
-                             c->src, c->row_start, (int)E, (int)K, H, c->xr, ready);
+                             c->src, c->row_start, (int)E, (int)K, H, xr, ready);
     if (e != cudaSuccess) {
       rc = cuda_fail(err, e, "dispatch");
       goto fail;
     }
   } else if (!gather) {
     route_gather(cb->stream, grid_for(cb, TK, 16), rows_of(px, P, T), c->src, NULL,
-                 c->row_start + E, (int)K, H, c->xr);
+                 c->row_start + E, (int)K, H, xr);
     if ((rc = launched(err, "dispatch")))
       goto fail;
   }
   for (int r = 0; r < P; r++) {
     mlp routed_mlp = mlp_routed(c, TK, r);
     routed_mlp.ready = ready;
-    if ((rc = mlp_forward(cb, &routed_mlp, gather ? c->x : c->xr, H, c->y, err)))
+    if ((rc = mlp_forward(cb, &routed_mlp, gather ? c->x : xr, H, c->y, err)))
       goto fail;
   }
   for (int r = 0; r < P; r++) {
@@ -662,10 +667,12 @@ enum { WG_GATE_UP = 1, WG_DOWN = 2, WG_SHARED = 4 };
 /* The weight gradients of rank r (the parts named): its experts' over its
  * slice of the schedule, and the shared expert's over every rank's tokens in
  * global order (the same GEMM for every rank, so every rank gets the same
- * bits). dy, dgu: per row; d_out, dgus: per token, [P T, ...]. */
+ * bits). dy, dgu, xr: per row (xr NULL: the GEMM picks rows out of x);
+ * d_out, dgus: per token, [P T, ...]. */
 static int weight_grads(cuda_backend *cb, const cuda_ctx *c, const mokk_bwd_rank *br, int r,
                         int parts, int accum, const bf16 *dy, const bf16 *dgu,
-                        const bf16 *d_out, const bf16 *dgus, void *maps, char *err)
+                        const bf16 *xr, const bf16 *d_out, const bf16 *dgus, void *maps,
+                        char *err)
 {
   const mokk_shape *s = &c->hdr.shape;
   int64_t H = s->H, I = s->I, Is = s->I_s, TG = s->P * c->hdr.T, TK = TG * s->K;
@@ -699,9 +706,9 @@ static int weight_grads(cuda_backend *cb, const cuda_ctx *c, const mokk_bwd_rank
     } else {    /* d_W_gate | d_W_up [Ie, H] = (d_g | d_u)^T xr */
       a.A = shared ? dgus : dgu;
       a.lda = 2 * Ie;
-      a.B = shared || c->xr == NULL ? c->x : c->xr;
+      a.B = shared || xr == NULL ? c->x : xr;
       a.ldb = H;
-      if (!shared && c->xr == NULL) /* xr's rows picked out of x */
+      if (!shared && xr == NULL) /* xr's rows picked out of x */
         a.gather = c->src, a.gather_div = (int)s->K;
       a.M = (int)(2 * Ie);
       a.N = (int)H;
@@ -760,23 +767,27 @@ static int cuda_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode, in
 
   /* One region holds, in turn: dy (bf16, TK x H, read by the d_h GEMMs and
    * the down weight gradients), then dxr (fp32, written by the d_x GEMMs,
-   * which run after every rank's d_h and down weight gradient). d_x comes
+   * which run after every rank's d_h and down weight gradient), then xr
+   * (bf16, TK x H: the rows of x gathered again, once d_x's combine has
+   * read dxr, for the gate/up weight gradient; the forward kept them only
+   * until down wrote y in their place). d_x comes
    * in column slices of Hs (halves unless MOKD_DX_HALVES=0), and so dxr
    * takes TK x Hs fp32, no more than dy: TK x H x 2 bytes less at the peak
    * than whole rows (mid: 1.07 GB), for a second read of d_g | d_u and a
    * second combine. Every element is the same sum either way.
    * The context's last backward needs no region: dy takes y's place (the
    * dispatch reads each row of y, for d_topk_weights, before it writes the
-   * row of dy there), and dxr the span of g, u, h and y, carved one after
-   * another and read by nothing once d_h and the down weight gradient have
-   * run: whole rows where they fit (H <= 5 I), else the widest slices. */
+   * row of dy there), and dxr, then xr, the span of y, g, u and h, carved
+   * one after another and read by nothing once d_h and the down weight
+   * gradient have run: whole rows of dxr where they fit (H <= 5 I), else
+   * the widest slices. */
   int64_t Hs = cb->dx_halves ? (H / 2 + 63) / 64 * 64 : H;
   /* the last backward: the shared expert's d_g | d_u and d_x (written after
    * the down weight gradient too) at the span's end, where whole rows of
    * dxr leave room for them (dsv3: 0.30 GB of 0.40) */
   size_t span = 0, tail = 0;
   if (last) {
-    span = (size_t)((char *)c->y - (char *)c->g) + xr_bytes(TK, H, E);
+    span = (size_t)((char *)c->h - (char *)c->y) + TK * I * 2;
     if (Is)
       tail = ((TG * 2 * Is * 2 + 255) & ~(int64_t)255) + ((TG * H * 4 + 255) & ~(int64_t)255);
     if ((size_t)(TK * H * 4) + tail > span)
@@ -803,11 +814,12 @@ static int cuda_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode, in
   char *base = (char *)block;
   bf16 *dy = last ? c->y : (bf16 *)(base + o_dy);
   bf16 *dgu = (bf16 *)(base + o_dgu);
-  float *dxr = last ? c->g : (float *)(base + o_dxr);
+  float *dxr = last ? (float *)c->y : (float *)(base + o_dxr);
+  bf16 *xr = c->gather ? NULL : (bf16 *)dxr; /* once dxr is read; a tail lies past it */
   bf16 *dgus = Is ? (bf16 *)(base + o_dgus) : NULL;
   float *dxs = Is ? (float *)(base + o_dxs) : NULL;
-  if (tail != 0) { /* 128-byte aligned: c->g is, span is TK H 2 past a multiple of 256 */
-    char *at = (char *)c->g + (span - tail);
+  if (tail != 0) { /* 128-byte aligned: c->y is, span is TK I 2 past a multiple of 256 */
+    char *at = (char *)c->y + (span - tail);
     dgus = (bf16 *)at;
     dxs = (float *)(at + ((TG * 2 * Is * 2 + 255) & ~(int64_t)255));
   }
@@ -842,7 +854,7 @@ static int cuda_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode, in
       goto out;
   }
   for (int r = 0; r < P; r++) /* the last reader of dy */
-    if ((rc = weight_grads(cb, c, &ranks[r], r, WG_DOWN, accum, dy, dgu, d_out, dgus,
+    if ((rc = weight_grads(cb, c, &ranks[r], r, WG_DOWN, accum, dy, dgu, NULL, d_out, dgus,
                            base + o_maps, err)))
       goto out;
   for (int r = 0; r < P && Is; r++) { /* the shared expert's d_x, whole rows */
@@ -853,7 +865,7 @@ static int cuda_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode, in
                            dgus + r * T * 2 * Is, dxs + r * T * H, err)))
       goto out;
   }
-  for (int64_t n0 = 0; n0 < H; n0 += Hs) { /* dxr overwrites dy (last: g, u, h, y) */
+  for (int64_t n0 = 0; n0 < H; n0 += Hs) { /* dxr overwrites dy (last: y, g, u, h) */
     const int64_t w = H - n0 < Hs ? H - n0 : Hs;
     for (int r = 0; r < P; r++) {
       mlp routed_mlp = mlp_routed(c, TK, r);
@@ -870,9 +882,16 @@ static int cuda_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode, in
     }
   }
 
+  if (xr != NULL) { /* the rows of x again */
+    const void *px = c->x;
+    route_gather(cb->stream, grid_for(cb, TK, 16), rows_of(&px, 1, TG), c->src, NULL,
+                 c->row_start + E, (int)K, H, xr);
+    if ((rc = launched(err, "backward's gather of x")))
+      goto out;
+  }
   /* weight gradients: sums over rows, in row order, one block per tile */
   for (int r = 0; r < P; r++)
-    if ((rc = weight_grads(cb, c, &ranks[r], r, WG_GATE_UP | WG_SHARED, accum, NULL, dgu,
+    if ((rc = weight_grads(cb, c, &ranks[r], r, WG_GATE_UP | WG_SHARED, accum, NULL, dgu, xr,
                            d_out, dgus, base + o_maps, err)))
       goto out;
 out:
@@ -1348,7 +1367,7 @@ static int spread_backward(cuda_backend *cb, cuda_ctx *c, mokk_grad_mode mode,
       }
     }
     if ((rc = weight_grads(&on, &v, br, r, WG_GATE_UP | WG_DOWN | WG_SHARED, accum, dy[r],
-                           dgu[r], dout[r], dgus[r], maps[r], err)))
+                           dgu[r], v.xr, dout[r], dgus[r], maps[r], err)))
       goto out;
   }
 out: {

@@ -87,13 +87,18 @@ typedef struct cuda_part {
 
 typedef struct cuda_ctx {
   mokk_ctx hdr;               /* T: tokens per rank; shape.P ranks (virtual, one device) */
-  /* x of every rank's tokens, [P T, H], rank 0's first, for the shared
-   * expert's weight gradient: the client's for P = 1, a copy otherwise */
+  /* x of every rank's tokens, [P T, H], rank 0's first, for the backward's
+   * gather of xr and the shared expert's weight gradient: the client's for
+   * P = 1, a copy otherwise */
   const __nv_bfloat16 *x;
   const __nv_bfloat16 *w[MOKK_DEVICE_MAX_RANKS][MOKK_NWEIGHTS]; /* each rank's */
   int *count, *row_start, *tile_off, *slot, *src; /* over all ranks' pairs, TK = P T K */
   float *row_w;              /* [TK] router weight of each row */
-  __nv_bfloat16 *xr;         /* [TK, H] dispatched rows */
+  /* [TK, H] dispatched rows: NULL here, where the forward keeps them in y's
+   * place until down writes y, and the backward gathers them again; a
+   * spread rank's own (rank_view) */
+  __nv_bfloat16 *xr;
+  int gather;                /* the GEMMs pick rows out of x (MOKD_GEMM_GATHER) */
   float *g, *u;              /* [TK, I] gate and up before the clamp */
   __nv_bfloat16 *h;          /* [TK, I] */
   __nv_bfloat16 *y;          /* [TK, H] expert output per row */

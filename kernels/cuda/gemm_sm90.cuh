@@ -447,8 +447,8 @@ __device__ __forceinline__ void load_stage(const params &p, const tile &x, int k
  * The forward's gate/up GEMM reads each pair's row of x, and the gate/up
  * weight gradient reads it again; with gemm_args.gather both pick the rows
  * out of x themselves instead of reading a gathered copy, which a pass of
- * its own had written (dsv3: 0.94 GB, 0.46 ms of the forward, and a
- * buffer of that size in the forward's context). A tensor map copies
+ * its own writes (dsv3: 0.94 GB, 0.46 ms of the forward, and again in the
+ * backward). A tensor map copies
  * strided boxes, not rows at scattered addresses, so the producer warp's 32
  * lanes copy them, 16 bytes at a time (cp16), into the layout the copy
  * engine writes (the 128-byte swizzle: 16-byte unit c of a 128-byte row j

@@ -539,7 +539,12 @@ END_TEST
  * forward and backward, in both gradient modes, on a full grid and on three
  * blocks: with riding tails (experts of 129-160 rows), weight gradients on
  * ping-pong tiles (experts of a few rows, and of more than 1024) and on
- * cooperative ones, and over two virtual ranks (x of both, copied into one). */
+ * cooperative ones, and over two virtual ranks (x of both, copied into one).
+ * The rows a gather pass copies cost the forward's context nothing: they
+ * lie where y is written after them, so it holds as many bytes as the one
+ * whose GEMMs pick rows out of x. */
+static int gpu_run_ranks_on(const moe_case *c, int P, mokk_grad_mode mode, float seed_grad,
+                            mokk_backend *const *on, moe_out *o, uint64_t *held, char *err);
 static int gpu_run_ranks(const moe_case *c, int P, mokk_grad_mode mode, float seed_grad,
                          moe_out *o, char *err);
 
@@ -566,12 +571,20 @@ START_TEST(gather_invariance)
     for (size_t i = 0; i < sizeof blocks / sizeof blocks[0]; i++)
       for (size_t m = 0; m < 2; m++) {
         moe_out on, off;
+        uint64_t held_on = 0, held_off = 0;
         mokk_cuda_set_max_blocks(gpu, blocks[i]);
         mokk_cuda_set_gather(gpu, 1);
-        ck_assert_msg(gpu_run_ranks(&c, cases[k].P, modes[m], 0.5f, &on, err) == 0, "%s", err);
+        ck_assert_msg(gpu_run_ranks_on(&c, cases[k].P, modes[m], 0.5f, NULL, &on, &held_on,
+                                       err) == 0,
+                      "%s", err);
         mokk_cuda_set_gather(gpu, 0);
-        ck_assert_msg(gpu_run_ranks(&c, cases[k].P, modes[m], 0.5f, &off, err) == 0, "%s", err);
+        ck_assert_msg(gpu_run_ranks_on(&c, cases[k].P, modes[m], 0.5f, NULL, &off, &held_off,
+                                       err) == 0,
+                      "%s", err);
         expect_same(&on, &off, &c, "rows from a gather pass");
+        ck_assert_msg(held_on > 0 && held_off == held_on,
+                      "case %zu: the context holds %llu bytes with a gather pass, %llu "
+                      "without", k, (unsigned long long)held_off, (unsigned long long)held_on);
         if (modes[m] == MOKK_GRAD_FP32_ACCUM)
           for (int w = 0; w < MOKK_NWEIGHTS; w++)
             if (on.g_f32[w] != NULL)
