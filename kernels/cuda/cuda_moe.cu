@@ -1091,7 +1091,7 @@ static cuda_ctx rank_view(const cuda_ctx *c, int r)
   v.x = p->x != NULL ? p->x : c->x;
   v.count = p->count, v.row_start = p->row_start, v.tile_off = p->tile_off;
   v.slot = p->slot, v.src = p->src, v.row_w = p->row_w;
-  v.xr = p->xr, v.g = p->g, v.u = p->u, v.h = p->h, v.y = p->y;
+  v.g = p->g, v.u = p->u, v.h = p->h, v.y = p->y;
   v.gs = p->gs, v.us = p->us, v.hs = p->hs;
   return v;
 }
@@ -1367,7 +1367,7 @@ static int spread_backward(cuda_backend *cb, cuda_ctx *c, mokk_grad_mode mode,
       }
     }
     if ((rc = weight_grads(&on, &v, br, r, WG_GATE_UP | WG_DOWN | WG_SHARED, accum, dy[r],
-                           dgu[r], v.xr, dout[r], dgus[r], maps[r], err)))
+                           dgu[r], p->xr, dout[r], dgus[r], maps[r], err)))
       goto out;
   }
 out: {

@@ -94,10 +94,8 @@ typedef struct cuda_ctx {
   const __nv_bfloat16 *w[MOKK_DEVICE_MAX_RANKS][MOKK_NWEIGHTS]; /* each rank's */
   int *count, *row_start, *tile_off, *slot, *src; /* over all ranks' pairs, TK = P T K */
   float *row_w;              /* [TK] router weight of each row */
-  /* [TK, H] dispatched rows: NULL here, where the forward keeps them in y's
-   * place until down writes y, and the backward gathers them again; a
-   * spread rank's own (rank_view) */
-  __nv_bfloat16 *xr;
+  /* no gathered rows (xr): the forward writes them in y's place and the
+   * backward gathers them again (a spread rank keeps its own, cuda_part) */
   int gather;                /* the GEMMs pick rows out of x (MOKD_GEMM_GATHER) */
   float *g, *u;              /* [TK, I] gate and up before the clamp */
   __nv_bfloat16 *h;          /* [TK, I] */
