@@ -132,8 +132,10 @@ void mokd_executor_queue_for(mokd_executor *ex, mokd_work *w, const char *tenant
              "queue", tenant);
     mokd_wfq_push(&ex->todo, &w->item, NULL, 1);
   }
-  pthread_cond_signal(&ex->cv);
   pthread_mutex_unlock(&ex->mu);
+  /* after the unlock: a worker woken while the loop still held the mutex
+   * would sleep on it once more before it could take the step */
+  pthread_cond_signal(&ex->cv);
 }
 
 void mokd_executor_queue(mokd_executor *ex, mokd_work *w, mokd_work_cb work,
