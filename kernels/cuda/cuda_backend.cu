@@ -551,6 +551,11 @@ extern "C" void mokk_cuda_set_ride(mokk_backend *b, int mode)
                                                                                  : MOKK_RIDE_OFF;
 }
 
+extern "C" void mokk_cuda_last_backward(const mokk_backend *b, mokk_cuda_bwd_info *info)
+{
+  *info = ((const cuda_backend *)b)->last_bwd;
+}
+
 extern "C" void mokk_cuda_set_gather_ahead(mokk_backend *b, int blocks)
 {
   ((cuda_backend *)b)->gather_ahead = blocks > 0 ? blocks : 0;

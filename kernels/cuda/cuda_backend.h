@@ -63,6 +63,14 @@ void mokk_cuda_set_gather(mokk_backend *b, int on);
  * before it (0). Same bits. */
 #define MOKK_GATHER_AHEAD_DEFAULT 16
 void mokk_cuda_set_gather_ahead(mokk_backend *b, int blocks);
+/* What the last backward on the shared layout did, for tests and tuning:
+ * whether d_h wrote d_g | d_u over the context's g (a last backward, Hopper,
+ * H <= 3 I); the bytes it allocated. */
+typedef struct mokk_cuda_bwd_info {
+  int dgu_in_place;
+  size_t bytes;
+} mokk_cuda_bwd_info;
+void mokk_cuda_last_backward(const mokk_backend *b, mokk_cuda_bwd_info *info);
 /* The forward's epilogues store from registers (on != 0,
  * MOKD_GEMM_STORES=regs) rather than through shared memory and the copy
  * engine (0, the default; Hopper). Same bits. */

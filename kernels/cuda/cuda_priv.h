@@ -46,6 +46,11 @@ typedef struct cuda_backend {
                          * dispatch runs before it on the whole GPU (MOKD_GATHER_AHEAD) */
   int store_regs;       /* the forward's epilogues store from registers (MOKD_GEMM_STORES=regs) */
   int dx_halves;        /* the backward's d_x in two column halves (MOKD_DX_HALVES; 1 default) */
+  int gu_chunks;        /* d_g | d_u in pairs of 64-column blocks (gemm_args.gu_chunks):
+                         * set by cuda_backward for one call whose d_h writes them over the
+                         * g it reads (Hopper, a last backward, H <= 3 I); 0 elsewhere and
+                         * on every rank of a spread step */
+  mokk_cuda_bwd_info last_bwd; /* mokk_cuda_last_backward */
   cudaStream_t stream;
   int *status;          /* device: bit 0 = an expert id out of range */
   /* device: the tile counter of the GEMMs on `stream` (dynamic order; each

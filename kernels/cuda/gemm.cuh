@@ -99,6 +99,14 @@ typedef struct gemm_args {
                          * runs beside the GEMM (route_gather_ahead); group g's rows are in
                          * memory once ready[g] reaches count[g], and the kernel does not
                          * wait for the kernel ahead to finish; NULL: A is complete */
+  int gu_chunks;        /* the Hopper core: d_g | d_u (2 split columns a row) in pairs of
+                         * 64-column blocks, each block of d_g's columns followed by the
+                         * same block of d_u's (a row is as long as in the plain layout).
+                         * E_DH writes C that way (its A is dy, as it lies), so that a
+                         * tile's d_g and d_u land in the bytes of the fp32 g it has just
+                         * read (C may be g: d_h in place); the other NN epilogues read
+                         * A's k, TN A's m, as laid out that way. Same values, same sums:
+                         * only the addresses move */
 } gemm_args;
 
 /* The Hopper core's grouped weight gradients read each group through two

@@ -379,6 +379,14 @@ __device__ __forceinline__ int a_boxes(const tile &x)
   return min(BM / 64, (x.rows - x.mt * BM + 63) / 64);
 }
 
+/* Where column c (a multiple of 64) of d_g | d_u lies in the layout of
+ * gemm_args.gu_chunks: d_g's block at 2 c, d_u's (c >= split) 64 past the
+ * same block of d_g's. */
+__device__ __forceinline__ int gu_col(int c, int64_t split)
+{
+  return c < split ? 2 * c : 2 * (c - (int)split) + 64;
+}
+
 /* The copy engine's part of k-block kb of tile x into stage (sa, sb); in a
  * cluster, block `rank` loads its half of the operand it shares (x.share).
  * TN reads A and B through ma and mb, the maps of x's group. GA: the
@@ -395,23 +403,27 @@ __device__ __forceinline__ void load_stage(const params &p, const tile &x, int k
   if constexpr (LAYOUT == L_TN) { /* A [rows, M] and B [rows, N], both MN-major */
     int r = (int)x.rb + k;
 #pragma unroll
-    for (int c = 0; c < BM / 64; c++)
-      tma_load(sa + c * CHUNK, ma, x.mt * BM + c * 64, r, 0, bar);
+    for (int c = 0; c < BM / 64; c++) {
+      int m = x.mt * BM + c * 64;
+      tma_load(sa + c * CHUNK, ma, a.gu_chunks ? gu_col(m, a.split) : m, r, 0, bar);
+    }
 #pragma unroll
     for (int c = 0; c < BN / 64 && !GA; c++)
       tma_load(sb + c * CHUNK, mb, x.nt * BN + c * 64, r, 0, bar);
   } else {
     const bool mc_a = CL == 2 && x.share == SHARE_A, mc_b = CL == 2 && x.share == SHARE_B;
+    /* d_x reads d_g | d_u in the pairs d_h (E_DH, whose A is dy) writes */
+    const int ka = LAYOUT == L_NN && EPI != E_DH && a.gu_chunks ? gu_col(k, a.split) : k;
     /* A [rows, K], K-major, in 64-row boxes: none past the group's rows */
     for (int c = 0; c < (GA ? 0 : a_boxes<LAYOUT, BM>(x)); c++) {
       int r = (int)x.rb + x.mt * BM + c * 64;
       if (!mc_a)
-        tma_load(sa + c * CHUNK, &p.a, k, r, 0, bar);
+        tma_load(sa + c * CHUNK, &p.a, ka, r, 0, bar);
       else if ((c & 1) == rank)
-        tma_load_mc(sa + c * CHUNK, &p.a, k, r, 0, bar, 3);
+        tma_load_mc(sa + c * CHUNK, &p.a, ka, r, 0, bar, 3);
     }
     if (RIDE && !GA && x.tail > 0) /* each block its own: a pair's other tile may have none */
-      tma_load(sa + BM * 128, &p.at, k, (int)x.rb + x.ride0, 0, bar);
+      tma_load(sa + BM * 128, &p.at, ka, (int)x.rb + x.ride0, 0, bar);
     if (LAYOUT == L_NT) { /* B [groups, N, K], K-major */
       if (EPI == E_GATEUP || CL == 2) { /* two boxes of BN / 2 rows */
 #pragma unroll
@@ -729,18 +741,28 @@ __device__ __forceinline__ void swiglu_grads_sfu(float g, float u, float dh, flo
 }
 
 /* E_DH, row half r of one 64-row block: d_h (times the row's router weight)
- * -> d_g | d_u (bf16, [rows, 2 lds]), from the saved fp32 g and u. */
+ * -> d_g | d_u (bf16, [rows, 2 lds]), from the saved fp32 g and u. A batch
+ * is one 64-column block of the row, which the row's four lanes load whole
+ * before any stores: in the layout of gemm_args.gu_chunks its d_g and d_u
+ * take the bytes of its g, which C may be (d_h in place; __syncwarp orders
+ * the other lanes' loads before this lane's stores). */
 template <int BN>
 __device__ __forceinline__ void epilogue_dh(const gemm_args &a, const tile &x,
                                             const float (&acc)[BN / 2], int r, bool ok,
                                             int64_t row, int lane)
 {
+  static_assert(2 * LOAD_BATCH * 8 == 64, "a batch of the d_h epilogue is 64 columns");
   const int c0 = x.nt * BN + pair_col(lane);
   const float sc = ok && a.scale != NULL ? a.scale[row] : 1.0f;
   const float *sg = a.sg + row * a.lds + c0, *su = a.su + row * a.lds + c0;
   bf16 *d = (bf16 *)a.C + row * a.ldc + c0;
 #pragma unroll
   for (int j0 = 0; j0 < BN / 8; j0 += 2 * LOAD_BATCH) {
+    /* in pairs (gu_chunks) this block's d_g starts at column 2 blk of the
+     * row and its d_u 64 further; as they lie, d_g at column blk, d_u lds
+     * further */
+    const int blk = x.nt * BN + 8 * j0;
+    bf16 *dg_at = a.gu_chunks ? d + blk : d, *du_at = a.gu_chunks ? d + blk + 64 : d + a.lds;
     float4 v[LOAD_BATCH], g[LOAD_BATCH], u[LOAD_BATCH];
 #pragma unroll
     for (int b = 0; b < LOAD_BATCH; b++) {
@@ -751,6 +773,8 @@ __device__ __forceinline__ void epilogue_dh(const gemm_args &a, const tile &x,
         u[b] = *(const float4 *)(su + 8 * j);
       }
     }
+    if (a.gu_chunks)
+      __syncwarp();
 #pragma unroll
     for (int b = 0; b < LOAD_BATCH; b++) {
       int j = j0 + 2 * b;
@@ -763,8 +787,8 @@ __device__ __forceinline__ void epilogue_dh(const gemm_args &a, const tile &x,
         float dd = a.scale != NULL ? sc * dh[e] : dh[e];
         swiglu_grads_sfu(g4[e], u4[e], dd, a.limit, &dg[e], &du[e]);
       }
-      *(uint2 *)(d + 8 * j) = make_uint2(bf16x2(dg[0], dg[1]), bf16x2(dg[2], dg[3]));
-      *(uint2 *)(d + a.lds + 8 * j) = make_uint2(bf16x2(du[0], du[1]), bf16x2(du[2], du[3]));
+      *(uint2 *)(dg_at + 8 * j) = make_uint2(bf16x2(dg[0], dg[1]), bf16x2(dg[2], dg[3]));
+      *(uint2 *)(du_at + 8 * j) = make_uint2(bf16x2(du[0], du[1]), bf16x2(du[2], du[3]));
     }
   }
 }

@@ -67,6 +67,18 @@ static void *xcalloc(int64_t n, size_t size)
   return p;
 }
 
+/* Whether the test's GPU takes the Hopper core (compute capability 9.0). */
+static int hopper(void)
+{
+  int dev = 0, major = 0, minor = 0;
+  ck_assert_int_eq(cudaGetDevice(&dev), cudaSuccess);
+  ck_assert_int_eq(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev),
+                   cudaSuccess);
+  ck_assert_int_eq(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev),
+                   cudaSuccess);
+  return major == 9 && minor == 0;
+}
+
 /* The case on the GPU (P = 1); outputs come back into o like case_run's.
  * move != 0: between the forward and the backward the weights are copied
  * elsewhere and their old memory is set to NaN, as FSDP frees and gathers
@@ -700,7 +712,9 @@ END_TEST
 /* A context's last backward (MOKK_BWD_LAST) writes dy over y and d_x's
  * rows over g, u, h and y: the same bits as a backward that keeps them, in
  * whole rows (H <= 5 I) and in slices (H > 5 I), on virtual ranks, on the
- * spread layout (which keeps its buffers), in both gradient modes; and a
+ * spread layout (which keeps its buffers), in both gradient modes; on
+ * Hopper where H <= 3 I with d_g | d_u written over g in pairs of 64-column
+ * blocks (routed and shared, d_h tiles past its first n-tile too); and a
  * second backward of the context fails (gpu_run_ranks_on). */
 START_TEST(last_invariance)
 {
@@ -718,6 +732,9 @@ START_TEST(last_invariance)
        43},
       {{.H = 256, .I = 128, .E = 8, .K = 2, .I_s = 64, .P = 1}, 300, 2, 0, MOKK_GRAD_BF16, 44},
       {{.H = 256, .I = 128, .E = 8, .K = 2, .I_s = 64, .P = 1}, 300, 2, 1, MOKK_GRAD_BF16, 45},
+      /* in place with d_h tiles past the first 256 columns (I > BN) */
+      {{.H = 512, .I = 384, .E = 4, .K = 2, .I_s = 320, .P = 1}, 200, 1, 0, MOKK_GRAD_FP32_ACCUM,
+       46},
   };
   char err[2 * MOK_ERRLEN] = "";
 
@@ -735,6 +752,13 @@ START_TEST(last_invariance)
       int rc = gpu_run_ranks(&c, cases[k].P, cases[k].mode, 0.5f, &last, err);
       bwd_flags = 0;
       ck_assert_msg(rc == 0, "%s", err);
+      /* on the Hopper core, where d_x's whole rows fit in y, u and h (H <= 3
+       * I, the shared layout), d_h writes d_g | d_u over g */
+      mokk_cuda_bwd_info bi;
+      mokk_cuda_last_backward(gpu, &bi);
+      int in_place = hopper() && !cases[k].spread && cases[k].s.H <= 3 * cases[k].s.I;
+      ck_assert_msg(bi.dgu_in_place == in_place, "case %zu: d_g | d_u %s g", k,
+                    bi.dgu_in_place ? "written over" : "not over");
       expect_same(&last, &keep, &c, "the context's last backward");
       for (int w = 0; w < MOKK_NWEIGHTS; w++)
         if (keep.g_f32[w] != NULL)

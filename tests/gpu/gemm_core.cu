@@ -42,6 +42,19 @@ static __global__ void k_hash_fill(bf16 *p, int64_t n, uint64_t seed)
   }
 }
 
+/* out = d_g | d_u ([rows, 2 split], plain) in pairs of 64-column blocks
+ * (gemm_args.gu_chunks): block b of d_g at 128 b, of d_u at 128 b + 64 */
+static __global__ void k_gu_chunks(const bf16 *in, bf16 *out, int64_t rows, int split)
+{
+  int64_t n = rows * 2 * split;
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+       i += (int64_t)gridDim.x * blockDim.x) {
+    int64_t r = i / (2 * split);
+    int c = (int)(i % (2 * split)), h = c >= split, k = h ? c - split : c;
+    out[r * 2 * split + 128 * (k / 64) + 64 * h + k % 64] = in[i];
+  }
+}
+
 /* C[i, j] (+)= sum_k A[i sai + k sak] B[j sbj + k sbk], fp32, k ascending */
 static __global__ void k_ref(const bf16 *A, int64_t sai, int64_t sak, const bf16 *B, int64_t sbj,
                              int64_t sbk, int rows, int cols, int klen, float *C, int64_t ldc,
@@ -267,6 +280,8 @@ static int run_cases(int grid, bool dynamic, bool whole, char *msg, size_t msgle
   void *C = zeros((int64_t)R * 2 * IE * 4 * NG), *C2 = zeros((int64_t)R * 2 * IE * 4 * NG);
   float *sg = (float *)zeros((int64_t)R * IE * 4), *su = (float *)zeros((int64_t)R * IE * 4);
   float *sg2 = (float *)zeros((int64_t)R * IE * 4), *su2 = (float *)zeros((int64_t)R * IE * 4);
+  bf16 *Ac = (bf16 *)zeros((int64_t)R * 2 * IE * 2);
+  void *Cc = zeros((int64_t)NG * IE * N * 2), *Cc2 = zeros((int64_t)NG * IE * N * 2);
   constexpr bool ASYNC = sm90::async_out<L_NT, E_BF16, BN, BM, CL, false>() && !PP;
 
   /* NT bf16, grouped: C[r, n] = A[r, :K] . B[g][n, :K] */
@@ -357,6 +372,12 @@ static int run_cases(int grid, bool dynamic, bool whole, char *msg, size_t msgle
     }
     CORE_OK(cudaDeviceSynchronize());
     REPORT("nn_split", compare(C, 0, refc, (int64_t)R * N, TOL_F32));
+    /* A as d_h writes d_g | d_u in pairs of 64-column blocks: the same bits */
+    k_gu_chunks<<<256, 256>>>(A, Ac, R, IE);
+    a.A = Ac, a.gu_chunks = 1, a.C = C2;
+    RUN((sm90::gemm<L_NN, E_F32, BN, PP, BM, CL, RIDE>(&a, R, grid, 0, err)));
+    CORE_OK(cudaDeviceSynchronize());
+    SAME("nn_split_gu_chunks", C, C2, (int64_t)R * N * 4);
   }
   /* NN fp32 without split: C[r, n] = A[r, :K] . B[g][:, n] */
   {
@@ -396,6 +417,13 @@ static int run_cases(int grid, bool dynamic, bool whole, char *msg, size_t msgle
            compare(C, !accum, refc, gp.groups * per, accum ? TOL_F32 : TOL_BF16));
     REPORT(accum ? "tn_accum_up" : "tn_up",
            compare(C2, !accum, ref2, gp.groups * per, accum ? TOL_F32 : TOL_BF16));
+    if (!accum) { /* A's columns in pairs of 64-column blocks: the same bits */
+      a.A = Ac, a.gu_chunks = 1, a.C = Cc, a.C2 = Cc2;
+      RUN((sm90::gemm<L_TN, E_WGRAD, BN, PP, TN_BM>(&a, R, grid, 0, err)));
+      CORE_OK(cudaDeviceSynchronize());
+      SAME("tn_gate_gu_chunks", C, Cc, gp.groups * per * 2);
+      SAME("tn_up_gu_chunks", C2, Cc2, gp.groups * per * 2);
+    }
   }
   /* TN once more through the same room for tensor maps, now over other
    * operands (Bt's columns as M and as N): the maps are rewritten at the
@@ -453,6 +481,7 @@ static int run_cases(int grid, bool dynamic, bool whole, char *msg, size_t msgle
 #undef SAME
   cudaFree(A), cudaFree(B), cudaFree(B2), cudaFree(Bt), cudaFree(refc), cudaFree(ref2);
   cudaFree(C), cudaFree(C2), cudaFree(sg), cudaFree(su), cudaFree(sg2), cudaFree(su2);
+  cudaFree(Ac), cudaFree(Cc), cudaFree(Cc2);
   grouping_free(&gp);
   CORE_OK(cudaGetLastError());
   *worst_out = worst_all;
