@@ -67,18 +67,6 @@ static void *xcalloc(int64_t n, size_t size)
   return p;
 }
 
-/* Whether the test's GPU takes the Hopper core (compute capability 9.0). */
-static int hopper(void)
-{
-  int dev = 0, major = 0, minor = 0;
-  ck_assert_int_eq(cudaGetDevice(&dev), cudaSuccess);
-  ck_assert_int_eq(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev),
-                   cudaSuccess);
-  ck_assert_int_eq(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev),
-                   cudaSuccess);
-  return major == 9 && minor == 0;
-}
-
 /* The case on the GPU (P = 1); outputs come back into o like case_run's.
  * move != 0: between the forward and the backward the weights are copied
  * elsewhere and their old memory is set to NaN, as FSDP frees and gathers
@@ -756,7 +744,7 @@ START_TEST(last_invariance)
        * I, the shared layout), d_h writes d_g | d_u over g */
       mokk_cuda_bwd_info bi;
       mokk_cuda_last_backward(gpu, &bi);
-      int in_place = hopper() && !cases[k].spread && cases[k].s.H <= 3 * cases[k].s.I;
+      int in_place = gemm_core_available() && !cases[k].spread && cases[k].s.H <= 3 * cases[k].s.I;
       ck_assert_msg(bi.dgu_in_place == in_place, "case %zu: d_g | d_u %s g", k,
                     bi.dgu_in_place ? "written over" : "not over");
       expect_same(&last, &keep, &c, "the context's last backward");
