@@ -57,7 +57,7 @@ DAEMON_SRC := daemon/main.c daemon/config.c daemon/log.c daemon/server.c daemon/
               daemon/steps.c daemon/results.c daemon/groups.c daemon/registry.c daemon/executor.c \
               daemon/notify.c daemon/idmap.c daemon/admin.c daemon/metrics.c daemon/http.c \
               daemon/httpreq.c daemon/progress.c daemon/wfq.c daemon/placement.c kernels/devices.c
-CLIENT_SRC := client/mok.c client/cudamap.c client/impcache.c
+CLIENT_SRC := client/mok.c client/cudamap.c client/impcache.c client/tuning.c
 UNIT_SRC   := tests/check_main.c tests/ref.c tests/check_bf16.c \
               tests/check_schedule.c tests/check_forward.c tests/check_backward.c \
               tests/check_determinism.c tests/check_ep.c tests/check_errors.c \
@@ -85,7 +85,7 @@ KERNEL_OBJ := $(call obj,$(KERNEL_SRC))
 DAEMON_OBJ := $(call obj,$(DAEMON_SRC))
 CLIENT_OBJ := $(call obj,$(CLIENT_SRC))
 UNIT_OBJ   := $(call obj,$(UNIT_SRC)) $(call obj,$(UNIT_DAEMON))
-UNIT_OBJ   += $(call obj,client/mokctl_opts.c client/impcache.c)
+UNIT_OBJ   += $(call obj,client/mokctl_opts.c client/impcache.c client/tuning.c)
 INTEG_OBJ  := $(call obj,$(INTEG_SRC))
 BENCH_OBJ  := $(call obj,$(BENCH_SRC))
 TOOL_OBJ   := $(call obj,client/testbed.c client/mokctl.c client/examples/mok_demo.c)
@@ -220,8 +220,7 @@ else
 $(MOKD_BIN): $(DAEMON_OBJ) $(LIBMOKK) $(LIBCOMMON)
 	$(CC) $(LDSAN) -o $@ $^ $(DAEMON_LIBS) $(LDLIBS)
 endif
-$(MOKCTL_BIN): $(call obj,client/mokctl_opts.c)
-$(MOKCTL_BIN): $(call obj,client/mokctl.c client/testbed.c) $(LIBMOK_A)
+$(MOKCTL_BIN): $(call obj,client/mokctl.c client/mokctl_opts.c client/testbed.c) $(LIBMOK_A)
 	$(CC) $(LDSAN) -o $@ $^ $(PROTOBUF_LIBS) $(LDLIBS)
 $(DEMO_BIN): $(call obj,client/examples/mok_demo.c client/testbed.c) $(LIBMOK_A) $(LIBMOKK)
 	$(CC) $(LDSAN) -o $@ $^ $(PROTOBUF_LIBS) $(LDLIBS)

@@ -1250,9 +1250,17 @@ static void from_wire(const Mokd__TensorRef *r, mok_tensor *t)
 
 int mok_layer_create(mok_client *c, const mok_layer_desc *d, uint64_t *layer)
 {
+  return mok_layer_create_tuned(c, d, NULL, layer);
+}
+
+int mok_layer_create_tuned(mok_client *c, const mok_layer_desc *d, const mok_layer_tuning *t,
+                           uint64_t *layer)
+{
   Mokd__Request req = MOKD__REQUEST__INIT;
   Mokd__CreateLayer cl = MOKD__CREATE_LAYER__INIT;
   Mokd__EpGroup ep = MOKD__EP_GROUP__INIT;
+  Mokd__Tuning tw = MOKD__TUNING__INIT;
+  static const mok_layer_tuning none;
   Mokd__Response *r;
   int rc;
 
@@ -1269,6 +1277,14 @@ int mok_layer_create(mok_client *c, const mok_layer_desc *d, uint64_t *layer)
   if (d->ep_size > 1) {
     ep.id = d->ep_group, ep.size = d->ep_size, ep.rank = d->ep_rank;
     cl.ep = &ep;
+  }
+  /* the daemon checks the values (mokk_tuning_check) and says what is wrong */
+  if (t != NULL && memcmp(t, &none, sizeof none) != 0) {
+    tw.tiles = (int32_t)t->tiles, tw.wgrad_tiles = (int32_t)t->wgrad_tiles;
+    tw.clusters = (int32_t)t->clusters, tw.order = (int32_t)t->order;
+    tw.tails = (int32_t)t->tails, tw.dx = (int32_t)t->dx;
+    tw.dispatch_blocks = t->dispatch_blocks;
+    cl.tuning = &tw;
   }
   req.body_case = MOKD__REQUEST__BODY_CREATE_LAYER;
   req.create_layer = &cl;

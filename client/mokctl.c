@@ -83,13 +83,14 @@ static void print_times(uint64_t *fw, uint64_t *bw, int iters, double fl)
          pct(bw, iters, .9), pct(bw, iters, .99), 2 * fl / (pct(bw, iters, .5) * 1e6));
 }
 
-static int bench(mok_client *c, const mok_layer_desc *d, int64_t T, int iters)
+static int bench(mok_client *c, const mok_layer_desc *d, const mok_layer_tuning *tune, int64_t T,
+                 int iters)
 {
   const char *what = "";
   int rc;
   mok_testbed tb;
 
-  if ((rc = mok_testbed_setup(c, d, T, 1, &tb)) != 0) {
+  if ((rc = mok_testbed_setup_tuned(c, d, tune, T, 1, &tb)) != 0) {
     fprintf(stderr, "mokctl: bench: %s (%s)\n", tb.err, mok_strerror(rc));
     mok_close(c);
     return 1;
@@ -164,7 +165,8 @@ static int run_rank(const mokctl_opts *o, uint64_t group, int rank, int out)
   } else if ((rep.rc = mok_connect(o->socket, "mokctl bench", &c)) != 0 ||
              (rep.rc = mok_layer_desc_ep(&d, group, (uint32_t)o->ep, (uint32_t)rank)) != 0) {
     snprintf(rep.err, sizeof rep.err, "%s", c != NULL ? mok_last_error(c) : "connect");
-  } else if ((rep.rc = mok_testbed_setup(c, &d, o->T, 1 + (uint64_t)rank, &tb)) != 0) {
+  } else if ((rep.rc = mok_testbed_setup_tuned(c, &d, &o->tune, o->T, 1 + (uint64_t)rank,
+                                               &tb)) != 0) {
     snprintf(rep.err, sizeof rep.err, "%s", tb.err);
   }
   const char *what = "";
@@ -446,7 +448,7 @@ int main(int argc, char **argv)
            (unsigned long long)u->forwards, (unsigned long long)u->backwards,
            (unsigned long long)u->errors);
   } else {
-    return bench(c, &o.layer, o.T, o.iters);
+    return bench(c, &o.layer, &o.tune, o.T, o.iters);
   }
   mok_close(c);
   return 0;

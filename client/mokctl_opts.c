@@ -11,7 +11,7 @@
 #include "layer.h"
 
 enum { OPT_T = 256, OPT_H, OPT_I, OPT_E, OPT_K, OPT_SHARED, OPT_ITERS, OPT_TIMEOUT, OPT_JOB,
-       OPT_SESSION, OPT_EP };
+       OPT_SESSION, OPT_EP, OPT_TUNING };
 
 static const struct option global_opts[] = {
   {"socket", required_argument, NULL, 's'},
@@ -30,6 +30,7 @@ static const struct option bench_opts[] = {
   {"shared", required_argument, NULL, OPT_SHARED},
   {"iters", required_argument, NULL, OPT_ITERS},
   {"ep", required_argument, NULL, OPT_EP},
+  {"tuning", required_argument, NULL, OPT_TUNING},
   {NULL, 0, NULL, 0},
 };
 
@@ -159,6 +160,12 @@ static int parse_bench(int argc, char **argv, mokctl_opts *o, char *err, size_t 
         return MOK_EINVAL;
       o->ep = (int)v;
       break;
+    case OPT_TUNING: {
+      char why[MOK_ERRLEN];
+      if (mok_layer_tuning_parse(&o->tune, optarg, why))
+        return fail(err, errlen, "--tuning: %s", why);
+      break;
+    }
     default:
       return bad_option(c, bench_opts, argv, "bench: ", err, errlen);
     }
@@ -295,6 +302,11 @@ static const char bench_help[] =
   "  --ep P       an EP group of P ranks, one client  default    1, in [1, 256];\n"
   "               process each, T tokens and E/P experts a rank: the times are\n"
   "               of the group's steps (the slowest rank's round trip)\n"
+  "  --tuning S   the layer's kernel options, as key=value,... (speed and\n"
+  "               memory, never results): tiles=auto|wide|tall|pingpong,\n"
+  "               wgrad_tiles=auto|wide|pingpong, clusters=auto|none|dgrad|all,\n"
+  "               order=auto|dynamic|static, tails=auto|own|ride|split|whole,\n"
+  "               dx=auto|halves|whole, dispatch=auto|before|N\n"
   "\n"
   "The daemon holds one arena with the weights (bf16), the inputs and fp32\n"
   "gradient buffers: about (3 E H I + 3 H I_s) x 6 + T H x 4 + T K x 8 bytes;\n"

@@ -28,6 +28,7 @@ typedef struct mokctl_opts {
   int64_t T;
   int iters;
   int ep;              /* bench --ep: ranks of the EP group, 1 = none */
+  mok_layer_tuning tune; /* bench --tuning */
   int timeout_s;       /* health: no answer in this long is not ready; evict: wait this
                         * long for the sessions to be gone */
   const char *job;     /* evict --job */

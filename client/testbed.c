@@ -140,6 +140,12 @@ static int fill_failed(mok_client *c, mok_testbed *tb, const char *doing, int rc
 int mok_testbed_setup(mok_client *c, const mok_layer_desc *d, int64_t T, uint64_t seed,
                       mok_testbed *tb)
 {
+  return mok_testbed_setup_tuned(c, d, NULL, T, seed, tb);
+}
+
+int mok_testbed_setup_tuned(mok_client *c, const mok_layer_desc *d, const mok_layer_tuning *tune,
+                            int64_t T, uint64_t seed, mok_testbed *tb)
+{
   int64_t H = d->hidden, I = d->intermediate, K = d->top_k, E = d->experts;
   int64_t Is = d->shared_intermediate;
   size_t bytes;
@@ -151,7 +157,7 @@ int mok_testbed_setup(mok_client *c, const mok_layer_desc *d, int64_t T, uint64_
   tb->nweights = Is > 0 ? MOK_NWEIGHTS : MOK_S_GATE;
   if ((rc = mok_testbed_check(d, T, &bytes, tb->err, sizeof tb->err)) != 0)
     return rc;
-  if ((rc = mok_layer_create(c, d, &tb->layer)) != 0)
+  if ((rc = mok_layer_create_tuned(c, d, tune, &tb->layer)) != 0)
     return call_failed(c, tb, "creating the layer", rc);
   if ((rc = mok_arena_create(c, bytes, &tb->arena)) != 0)
     return call_failed(c, tb, "creating its arena", rc);

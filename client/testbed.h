@@ -27,6 +27,9 @@ int mok_testbed_check(const mok_layer_desc *d, int64_t T, size_t *bytes, char *e
  * why. */
 int mok_testbed_setup(mok_client *c, const mok_layer_desc *d, int64_t T, uint64_t seed,
                       mok_testbed *tb);
+/* The same, the layer created with kernel options (NULL: the defaults). */
+int mok_testbed_setup_tuned(mok_client *c, const mok_layer_desc *d, const mok_layer_tuning *tune,
+                            int64_t T, uint64_t seed, mok_testbed *tb);
 /* FLOPs of one forward as DESIGN counts them: 6 (T K + T[shared]) H I. */
 double mok_testbed_flops(const mok_testbed *tb);
 

@@ -98,8 +98,19 @@ static int same_layer(const mokd_group *g, const mokd_layer *l, char *err)
 
   if (a->H == b->H && a->I == b->I && a->E == b->E && a->K == b->K && a->I_s == b->I_s &&
       a->swiglu_limit == b->swiglu_limit &&
-      g->mode == l->mode)
-    return 0;
+      g->mode == l->mode) {
+    if (memcmp(&a->tune, &b->tune, sizeof a->tune) == 0)
+      return 0;
+    return mokk_fail(err, MOK_ESHAPE, "EP group %llu's layers chose kernel options other "
+                     "than this rank's (mok_layer_tuning: tiles %d/%d, wgrad_tiles %d/%d, "
+                     "clusters %d/%d, order %d/%d, tails %d/%d, dx %d/%d, dispatch_blocks "
+                     "%d/%d); it was not joined (the others wait on)",
+                     (unsigned long long)g->id, a->tune.tiles, b->tune.tiles,
+                     a->tune.wgrad_tiles, b->tune.wgrad_tiles, a->tune.clusters,
+                     b->tune.clusters, a->tune.order, b->tune.order, a->tune.tails,
+                     b->tune.tails, a->tune.dx, b->tune.dx, a->tune.dispatch_blocks,
+                     b->tune.dispatch_blocks);
+  }
   return mokk_fail(err, MOK_ESHAPE, "EP group %llu has H=%lld I=%lld E=%lld K=%lld I_s=%lld "
                    "swiglu_limit=%g grad_mode=%d; this rank asks H=%lld I=%lld E=%lld K=%lld "
                    "I_s=%lld swiglu_limit=%g grad_mode=%d; it was not joined (the others "

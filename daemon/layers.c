@@ -130,6 +130,12 @@ int mokd_h_create_layer(mokd_session *s, const Mokd__Request *q, const int *fds,
   sh.H = (int64_t)c->hidden, sh.I = (int64_t)c->intermediate, sh.E = (int64_t)c->experts;
   sh.K = (int64_t)c->top_k, sh.I_s = (int64_t)c->shared_intermediate, sh.P = P;
   sh.swiglu_limit = c->swiglu_limit;
+  if (c->tuning != NULL) {
+    const Mokd__Tuning *t = c->tuning;
+    sh.tune = (mokk_tuning){.tiles = t->tiles, .wgrad_tiles = t->wgrad_tiles,
+                            .clusters = t->clusters, .order = t->order, .tails = t->tails,
+                            .dx = t->dx, .dispatch_blocks = t->dispatch_blocks};
+  }
   if ((rc = mokk_shape_check(&sh, err)))
     return rc;
   l = calloc(1, sizeof *l);

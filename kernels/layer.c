@@ -20,6 +20,18 @@ _Static_assert(MOK_W_GATE == (int)MOKK_W_GATE && MOK_W_UP == (int)MOKK_W_UP &&
 _Static_assert(MOK_GRAD_BF16 == (int)MOKK_GRAD_BF16 &&
                    MOK_GRAD_FP32_ACCUM == (int)MOKK_GRAD_FP32_ACCUM,
                "mok.h and layer.h number the gradient modes differently");
+_Static_assert(MOK_TILES_COUNT == (int)MOKK_TILES_COUNT && MOK_TILES_TALL == (int)MOKK_TILES_TALL &&
+                   MOK_TILES_PINGPONG == (int)MOKK_TILES_PINGPONG &&
+                   MOK_CLUSTERS_COUNT == (int)MOKK_CLUSTERS_COUNT &&
+                   MOK_CLUSTERS_ALL == (int)MOKK_CLUSTERS_ALL &&
+                   MOK_ORDER_COUNT == (int)MOKK_ORDER_COUNT &&
+                   MOK_ORDER_STATIC == (int)MOKK_ORDER_STATIC &&
+                   MOK_TAILS_COUNT == (int)MOKK_TAILS_COUNT &&
+                   MOK_TAILS_WHOLE == (int)MOKK_TAILS_WHOLE && MOK_DX_COUNT == (int)MOKK_DX_COUNT &&
+                   MOK_DX_WHOLE == (int)MOKK_DX_WHOLE &&
+                   MOK_DISPATCH_BEFORE == MOKK_DISPATCH_BEFORE &&
+                   MOK_DISPATCH_BLOCKS_MAX == MOKK_DISPATCH_BLOCKS_MAX,
+               "mok.h and layer.h number the kernel options differently");
 
 int mokk_fail(char *err, int code, const char *fmt, ...)
 {
@@ -55,6 +67,36 @@ static int check_dim(const char *name, int64_t v, int64_t min, char *err)
   return 0;
 }
 
+static int check_choice(const char *name, int v, int count, char *err)
+{
+  if (v < 0 || v >= count)
+    return mokk_fail(err, MOK_EINVAL, "tuning: %s is %d; it must be 0 (the default) to %d",
+                     name, v, count - 1);
+  return 0;
+}
+
+int mokk_tuning_check(const mokk_tuning *t, char *err)
+{
+  int rc;
+  if (t == NULL)
+    return mokk_fail(err, MOK_ENULL, "tuning is NULL");
+  if ((rc = check_choice("tiles", t->tiles, MOKK_TILES_COUNT, err)) ||
+      (rc = check_choice("wgrad_tiles", t->wgrad_tiles, MOKK_TILES_COUNT, err)) ||
+      (rc = check_choice("clusters", t->clusters, MOKK_CLUSTERS_COUNT, err)) ||
+      (rc = check_choice("order", t->order, MOKK_ORDER_COUNT, err)) ||
+      (rc = check_choice("tails", t->tails, MOKK_TAILS_COUNT, err)) ||
+      (rc = check_choice("dx", t->dx, MOKK_DX_COUNT, err)))
+    return rc;
+  if (t->wgrad_tiles == MOKK_TILES_TALL)
+    return mokk_fail(err, MOK_EINVAL, "tuning: wgrad_tiles cannot be tall (%d): weight "
+                     "gradients take wide or ping-pong tiles", MOKK_TILES_TALL);
+  if (t->dispatch_blocks < MOKK_DISPATCH_BEFORE || t->dispatch_blocks > MOKK_DISPATCH_BLOCKS_MAX)
+    return mokk_fail(err, MOK_EINVAL, "tuning: dispatch_blocks is %d; it must be 0 (the "
+                     "default), %d (before gate/up) or 1 to %d blocks beside it",
+                     t->dispatch_blocks, MOKK_DISPATCH_BEFORE, MOKK_DISPATCH_BLOCKS_MAX);
+  return 0;
+}
+
 int mokk_shape_check(const mokk_shape *s, char *err)
 {
   int rc;
@@ -82,7 +124,7 @@ int mokk_shape_check(const mokk_shape *s, char *err)
       mul3(s->I_s, s->H, 8, &n))
     return mokk_fail(err, MOK_EOVERFLOW,
                      "weight size E/P * I * H overflows the supported range");
-  return 0;
+  return mokk_tuning_check(&s->tune, err);
 }
 
 int64_t mokk_weight_elems(const mokk_shape *s, int which)

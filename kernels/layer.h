@@ -20,6 +20,28 @@ extern "C" {
  * pair is absent. It adds nothing to out and its d_topk_weights is 0. */
 #define MOKK_NO_ROUTE (-1)
 
+/* How a layer's kernels run (mok_layer_tuning, by value): speed and memory,
+ * never the bits. 0 in a field: the backend's default. */
+enum { MOKK_TILES_AUTO, MOKK_TILES_WIDE, MOKK_TILES_TALL, MOKK_TILES_PINGPONG, MOKK_TILES_COUNT };
+enum { MOKK_CLUSTERS_AUTO, MOKK_CLUSTERS_NONE, MOKK_CLUSTERS_DGRAD, MOKK_CLUSTERS_ALL,
+       MOKK_CLUSTERS_COUNT };
+enum { MOKK_ORDER_AUTO, MOKK_ORDER_DYNAMIC, MOKK_ORDER_STATIC, MOKK_ORDER_COUNT };
+enum { MOKK_TAILS_AUTO, MOKK_TAILS_OWN, MOKK_TAILS_RIDE, MOKK_TAILS_SPLIT, MOKK_TAILS_WHOLE,
+       MOKK_TAILS_COUNT };
+enum { MOKK_DX_AUTO, MOKK_DX_HALVES, MOKK_DX_WHOLE, MOKK_DX_COUNT };
+#define MOKK_DISPATCH_BEFORE (-1)
+#define MOKK_DISPATCH_BLOCKS_MAX 1024
+
+typedef struct mokk_tuning {
+  int tiles;       /* MOKK_TILES_*: the forward's and data gradients' grouped GEMMs */
+  int wgrad_tiles; /* MOKK_TILES_* but TALL: the weight gradients' */
+  int clusters;    /* MOKK_CLUSTERS_* */
+  int order;       /* MOKK_ORDER_* */
+  int tails;       /* MOKK_TAILS_* */
+  int dx;          /* MOKK_DX_* */
+  int dispatch_blocks; /* 0, MOKK_DISPATCH_BEFORE or 1..MOKK_DISPATCH_BLOCKS_MAX */
+} mokk_tuning;
+
 typedef struct mokk_shape {
   int64_t H;          /* hidden size */
   int64_t I;          /* routed expert intermediate size */
@@ -28,6 +50,7 @@ typedef struct mokk_shape {
   int64_t I_s;        /* shared expert intermediate size, 0 = none */
   int64_t P;          /* EP ranks; experts e live on rank e / (E / P) */
   float swiglu_limit; /* 0 = off; applies to routed and shared experts */
+  mokk_tuning tune;   /* the layer's kernel options; all 0: the backend's defaults */
 } mokk_shape;
 
 /* Weight tensors of one rank, nn.Linear layout (out x in), bf16. */
@@ -95,6 +118,8 @@ typedef struct mokk_plan {
 } mokk_plan;
 
 int mokk_shape_check(const mokk_shape *s, char *err);
+/* Checks every field of t is in range (mokk_shape_check does it too). */
+int mokk_tuning_check(const mokk_tuning *t, char *err);
 int64_t mokk_weight_elems(const mokk_shape *s, int which);
 
 /* At least the bytes any backend's forward context holds for a step of T

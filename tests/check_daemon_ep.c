@@ -603,6 +603,15 @@ START_TEST(ep_join_mismatches)
   bad.swiglu_limit = 0.5f;
   mok_layer_desc_ep(&bad, 12, 2, 1);
   ck_assert_int_eq(mok_layer_create(c, &bad, &layer), MOK_ESHAPE);
+  /* kernel options too: the group's step runs with one set */
+  mok_layer_tuning tall = {.tiles = MOK_TILES_TALL};
+  bad = d;
+  mok_layer_desc_ep(&bad, 12, 2, 1);
+  ck_assert_int_eq(mok_layer_create_tuned(c, &bad, &tall, &layer), MOK_ESHAPE);
+  ck_assert_msg(strstr(mok_last_error(c), "EP group 12's layers chose kernel options other "
+                                          "than this rank's") != NULL &&
+                    strstr(mok_last_error(c), "tiles 0/2") != NULL,
+                "%s", mok_last_error(c));
   bad = d;
   mok_layer_desc_ep(&bad, 12, 2, 0);
   ck_assert_int_eq(mok_layer_create(c, &bad, &layer), MOK_EEXIST);

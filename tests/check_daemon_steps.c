@@ -129,6 +129,61 @@ START_TEST(forward_backward_equal_engine)
 }
 END_TEST
 
+/* A layer's kernel options travel to the daemon and change no bit: a layer
+ * choosing every option gives the engine's results; values out of range
+ * are refused with the daemon's message naming the field, and a refused
+ * layer is not created. */
+START_TEST(tuned_layer_equals_engine)
+{
+  mok_client *c = connect_ok();
+  mok_layer_desc d = {.hidden = 64, .intermediate = 64, .experts = 8, .top_k = 2,
+                      .shared_intermediate = 64};
+  mok_layer_tuning t;
+  mok_testbed tb;
+  mok_forward_result f;
+  mok_backward_result b;
+  mok_stats st;
+  engine_out e;
+  uint64_t layer;
+  char err[MOK_ERRLEN];
+
+  ck_assert_int_eq(mok_layer_tuning_parse(&t, "tiles=tall,wgrad_tiles=pingpong,clusters=none,"
+                                          "order=static,tails=own,dx=whole,dispatch=before",
+                                          err),
+                   0);
+  ck_assert_int_eq(mok_testbed_setup_tuned(c, &d, &t, 40, 11, &tb), 0);
+  engine_run(c, &tb, 1, MOKK_GRAD_BF16, &e);
+  ck_assert_int_eq(mok_forward(c, tb.layer, &tb.x, &tb.ids, &tb.tw, 0, &f), 0);
+  ck_assert_int_eq(mok_backward(c, f.context, &tb.d_out, NULL, 0, &b), 0);
+  expect_engine_bits(&tb, &f, &b, &e);
+  engine_free(&e);
+
+  ck_assert_int_eq(mok_stats_get(c, &st), 0);
+  uint64_t layers = st.session.layers;
+  static const struct {
+    mok_layer_tuning t;
+    const char *msg;
+  } bad[] = {
+      {{.tiles = (mok_tiles)7}, "tuning: tiles is 7; it must be 0 (the default) to 3"},
+      {{.wgrad_tiles = MOK_TILES_TALL}, "tuning: wgrad_tiles cannot be tall"},
+      {{.tails = (mok_tails)-3}, "tuning: tails is -3"},
+      {{.dispatch_blocks = 5000}, "tuning: dispatch_blocks is 5000"},
+  };
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    ck_assert_int_eq(mok_layer_create_tuned(c, &d, &bad[i].t, &layer), MOK_EINVAL);
+    ck_assert_msg(strstr(mok_last_error(c), bad[i].msg) != NULL, "%s", mok_last_error(c));
+  }
+  ck_assert_int_eq(mok_stats_get(c, &st), 0);
+  ck_assert_uint_eq(st.session.layers, layers);
+  /* NULL and all-default options are a plain layer */
+  memset(&t, 0, sizeof t);
+  ck_assert_int_eq(mok_layer_create_tuned(c, &d, &t, &layer), 0);
+  ck_assert_int_eq(mok_layer_create_tuned(c, &d, NULL, &layer), 0);
+  ck_assert_int_eq(mok_layer_create_tuned(c, &d, &t, NULL), MOK_ENULL);
+  mok_close(c);
+}
+END_TEST
+
 /* A context's last Backward (MOK_BACKWARD_LAST) gives the engine's bits;
  * the daemon then refuses any other Backward of the context, at once and
  * naming why; the context still owns out until released; unknown flags
@@ -622,6 +677,7 @@ Suite *daemon_steps_suite(void)
   tcase_add_checked_fixture(tc, setup, teardown);
   tcase_set_timeout(tc, 120);
   tcase_add_test(tc, forward_backward_equal_engine);
+  tcase_add_test(tc, tuned_layer_equals_engine);
   tcase_add_test(tc, last_backward_uses_up_the_context);
   tcase_add_test(tc, context_keeps_its_gradient_mode);
   tcase_add_test(tc, backward_reads_weights_where_they_are_now);

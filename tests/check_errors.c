@@ -134,6 +134,44 @@ START_TEST(negative_and_bad_options)
 }
 END_TEST
 
+/* Kernel options out of range are refused by name, on every backend (the
+ * CPU backend runs every choice alike, but must not take a value a GPU
+ * would refuse). */
+START_TEST(bad_tuning)
+{
+  static const struct {
+    mokk_tuning t;
+    const char *msg;
+  } bad[] = {
+      {{.tiles = -1}, "tuning: tiles is -1; it must be 0 (the default) to 3"},
+      {{.tiles = MOKK_TILES_COUNT}, "tuning: tiles is 4; it must be 0 (the default) to 3"},
+      {{.wgrad_tiles = MOKK_TILES_TALL}, "tuning: wgrad_tiles cannot be tall (2)"},
+      {{.clusters = 4}, "tuning: clusters is 4; it must be 0 (the default) to 3"},
+      {{.order = 3}, "tuning: order is 3; it must be 0 (the default) to 2"},
+      {{.tails = 5}, "tuning: tails is 5; it must be 0 (the default) to 4"},
+      {{.dx = 3}, "tuning: dx is 3; it must be 0 (the default) to 2"},
+      {{.dispatch_blocks = -2}, "tuning: dispatch_blocks is -2; it must be 0 (the default), "
+                                "-1 (before gate/up) or 1 to 1024 blocks beside it"},
+      {{.dispatch_blocks = 1025}, "tuning: dispatch_blocks is 1025"},
+  };
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    mokk_shape s = good;
+    s.tune = bad[i].t;
+    expect_fwd(s, 4, MOK_EINVAL, bad[i].msg);
+    ck_assert_int_eq(mokk_tuning_check(&bad[i].t, err), MOK_EINVAL);
+  }
+  ck_assert_int_eq(mokk_tuning_check(NULL, err), MOK_ENULL);
+  /* the ends of each range pass */
+  mokk_tuning ok = {.tiles = MOKK_TILES_PINGPONG, .wgrad_tiles = MOKK_TILES_PINGPONG,
+                    .clusters = MOKK_CLUSTERS_ALL, .order = MOKK_ORDER_STATIC,
+                    .tails = MOKK_TAILS_WHOLE, .dx = MOKK_DX_WHOLE,
+                    .dispatch_blocks = MOKK_DISPATCH_BLOCKS_MAX};
+  ck_assert_int_eq(mokk_tuning_check(&ok, err), 0);
+  ok.dispatch_blocks = MOKK_DISPATCH_BEFORE;
+  ck_assert_int_eq(mokk_tuning_check(&ok, err), 0);
+}
+END_TEST
+
 START_TEST(size_overflow)
 {
   mokk_shape s = good;
@@ -253,6 +291,7 @@ Suite *errors_suite(void)
   tcase_add_test(tc, experts_do_not_divide_over_ranks);
   tcase_add_test(tc, zero_sizes);
   tcase_add_test(tc, negative_and_bad_options);
+  tcase_add_test(tc, bad_tuning);
   tcase_add_test(tc, size_overflow);
   tcase_add_test(tc, null_pointers);
   tcase_add_test(tc, last_backward_uses_up_the_context);

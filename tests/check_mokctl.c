@@ -97,7 +97,7 @@ START_TEST(help_names_every_bench_flag)
   mokctl_usage(f, MOKCTL_NONE);
   fclose(f);
   const char *want[] = {"ping", "status", "stats", "bench", "--socket", "--help", "--T n",
-                        "--H n", "--I n", "--E n", "--K n", "--shared n", "--iters n", "--ep P",
+                        "--H n", "--I n", "--E n", "--K n", "--shared n", "--iters n", "--ep P", "--tuning S",
                         "at most E", "max_arena_bytes", "Exit status"};
   for (size_t i = 0; i < sizeof want / sizeof want[0]; i++)
     ck_assert_msg(strstr(text, want[i]) != NULL, "help lacks \"%s\"", want[i]);
@@ -176,6 +176,118 @@ START_TEST(bench_numbers)
 }
 END_TEST
 
+/* --tuning: the layer's kernel options through mok_layer_tuning_parse */
+START_TEST(tuning_flag)
+{
+  mokctl_opts o;
+  char err[MOK_ERRLEN];
+
+  ck_assert_int_eq(parse(&o, err, "bench", (char *)NULL), 0);
+  mok_layer_tuning none;
+  memset(&none, 0, sizeof none);
+  ck_assert_mem_eq(&o.tune, &none, sizeof none);
+  ck_assert_int_eq(parse(&o, err, "bench", "--tuning", "tiles=tall,dispatch=before",
+                         (char *)NULL), 0);
+  ck_assert_int_eq(o.tune.tiles, MOK_TILES_TALL);
+  ck_assert_int_eq(o.tune.dispatch_blocks, MOK_DISPATCH_BEFORE);
+  ck_assert_int_eq(o.tune.order, MOK_ORDER_AUTO);
+  REFUSED("--tuning: tuning: tiles=huge is not one of auto|wide|tall|pingpong", "bench",
+          "--tuning", "tiles=huge");
+  REFUSED("bench: --tuning needs a value", "bench", "--tuning");
+}
+END_TEST
+
+/* Every option, every name, both ways; and the messages of each kind of
+ * bad item. */
+START_TEST(tuning_text)
+{
+  mok_layer_tuning t, back;
+  char err[MOK_ERRLEN], buf[256];
+
+  ck_assert_int_eq(mok_layer_tuning_parse(&t, NULL, err), 0);
+  ck_assert_int_eq(mok_layer_tuning_format(&t, buf, sizeof buf), 0);
+  ck_assert_str_eq(buf, "");
+  ck_assert_int_eq(mok_layer_tuning_parse(&t, " ,, ", err), 0);
+  ck_assert_int_eq(t.tiles + t.wgrad_tiles + t.clusters + t.order + t.tails + t.dx +
+                       t.dispatch_blocks, 0);
+
+  const char *all = "tiles=pingpong,wgrad_tiles=wide,clusters=all,order=static,"
+                    "tails=split,dx=whole,dispatch=24";
+  ck_assert_int_eq(mok_layer_tuning_parse(&t, all, err), 0);
+  ck_assert(t.tiles == MOK_TILES_PINGPONG && t.wgrad_tiles == MOK_TILES_WIDE &&
+            t.clusters == MOK_CLUSTERS_ALL && t.order == MOK_ORDER_STATIC &&
+            t.tails == MOK_TAILS_SPLIT && t.dx == MOK_DX_WHOLE && t.dispatch_blocks == 24);
+  ck_assert_int_eq(mok_layer_tuning_format(&t, buf, sizeof buf), (int)strlen(all));
+  ck_assert_str_eq(buf, all);
+  /* measuring first, and a short buffer stays terminated */
+  ck_assert_int_eq(mok_layer_tuning_format(&t, NULL, 0), (int)strlen(all));
+  ck_assert_int_eq(mok_layer_tuning_format(&t, buf, 6), (int)strlen(all));
+  ck_assert_str_eq(buf, "tiles");
+
+  /* every value of every field survives format then parse */
+  static const char *words[] = {
+      "tiles=auto", "tiles=wide", "tiles=tall", "tiles=pingpong", "wgrad_tiles=auto",
+      "wgrad_tiles=wide", "wgrad_tiles=pingpong", "clusters=auto", "clusters=none",
+      "clusters=dgrad", "clusters=all", "order=auto", "order=dynamic", "order=static",
+      "tails=auto", "tails=own", "tails=ride", "tails=split", "tails=whole", "dx=auto",
+      "dx=halves", "dx=whole", "dispatch=auto", "dispatch=before", "dispatch=1",
+      "dispatch=1024"};
+  for (size_t i = 0; i < sizeof words / sizeof words[0]; i++) {
+    ck_assert_msg(mok_layer_tuning_parse(&t, words[i], err) == 0, "%s: %s", words[i], err);
+    ck_assert_int_ge(mok_layer_tuning_format(&t, buf, sizeof buf), 0);
+    ck_assert_int_eq(mok_layer_tuning_parse(&back, buf, err), 0);
+    ck_assert_mem_eq(&t, &back, sizeof t);
+    if (strstr(words[i], "=auto") == NULL) /* a choice is written out; a default is not */
+      ck_assert_str_eq(buf, words[i]);
+    else
+      ck_assert_str_eq(buf, "");
+  }
+  /* the last word wins, separated by spaces too */
+  ck_assert_int_eq(mok_layer_tuning_parse(&t, "order=static order=dynamic\ttiles=wide", err), 0);
+  ck_assert(t.order == MOK_ORDER_DYNAMIC && t.tiles == MOK_TILES_WIDE);
+
+  static const struct {
+    const char *text, *msg;
+  } bad[] = {
+      {"tiles=huge", "tuning: tiles=huge is not one of auto|wide|tall|pingpong"},
+      {"wgrad_tiles=tall", "tuning: wgrad_tiles=tall is not one of auto|wide|pingpong"},
+      {"order=static,colour=red", "tuning: \"colour\" is not an option (tiles, wgrad_tiles, "
+                                  "clusters, order, tails, dx, dispatch)"},
+      {"tiles", "tuning: \"tiles\" is not key=value"},
+      {"=wide", "tuning: \"=wide\" is not key=value"},
+      {"tiles=", "tuning: \"tiles=\" has no value"},
+      {"dispatch=0", "tuning: dispatch=0 is not auto, before or a number of blocks from 1 to "
+                     "1024"},
+      {"dispatch=1025", "tuning: dispatch=1025 is not auto, before or a number of blocks from "
+                        "1 to 1024"},
+      {"dispatch=-1", "tuning: dispatch=-1 is not auto, before or a number of blocks from 1 "
+                      "to 1024"},
+      {"dispatch=8x", "tuning: dispatch=8x is not auto, before or a number of blocks from 1 "
+                      "to 1024"},
+      {"dx=wholeandsomemorewordsthanfitinthere", "tuning: \"dx=wholeandsomemorewordsthanfitin"
+                                                 "there\" has too long a value"},
+  };
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    memset(&t, 0x55, sizeof t);
+    ck_assert_int_eq(mok_layer_tuning_parse(&t, bad[i].text, err), MOK_EINVAL);
+    ck_assert_str_eq(err, bad[i].msg);
+    ck_assert_int_eq(t.tiles + t.order + t.dispatch_blocks, 0); /* nothing half-read */
+  }
+  ck_assert_int_eq(mok_layer_tuning_parse(&t, "tiles=what", NULL), MOK_EINVAL);
+  ck_assert_int_eq(mok_layer_tuning_parse(NULL, "", err), MOK_ENULL);
+
+  /* values no parse gives are refused in writing */
+  memset(&t, 0, sizeof t);
+  t.wgrad_tiles = MOK_TILES_TALL;
+  ck_assert_int_eq(mok_layer_tuning_format(&t, buf, sizeof buf), MOK_EINVAL);
+  t.wgrad_tiles = 0, t.tails = MOK_TAILS_COUNT;
+  ck_assert_int_eq(mok_layer_tuning_format(&t, buf, sizeof buf), MOK_EINVAL);
+  t.tails = 0, t.dispatch_blocks = -2;
+  ck_assert_int_eq(mok_layer_tuning_format(&t, buf, sizeof buf), MOK_EINVAL);
+  ck_assert_int_eq(mok_layer_tuning_format(NULL, buf, sizeof buf), MOK_ENULL);
+}
+END_TEST
+
 Suite *mokctl_suite(void)
 {
   Suite *s = suite_create("mokctl");
@@ -186,6 +298,8 @@ Suite *mokctl_suite(void)
   tcase_add_test(tc, commands_and_arguments);
   tcase_add_test(tc, socket_flag);
   tcase_add_test(tc, bench_numbers);
+  tcase_add_test(tc, tuning_flag);
+  tcase_add_test(tc, tuning_text);
   suite_add_tcase(s, tc);
   return s;
 }

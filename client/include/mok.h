@@ -28,7 +28,7 @@ extern "C" {
 #define MOK_PROTOCOL_MIN 1
 /* libmok's own version (libmok.so.0.MINOR.PATCH; the soname changes with MAJOR) */
 #define MOK_VERSION_MAJOR 0
-#define MOK_VERSION_MINOR 4
+#define MOK_VERSION_MINOR 5
 #define MOK_VERSION_PATCH 0
 #define MOK_MAX_DIMS 4
 /* A GPU UUID as nvidia-smi -L prints it, with its NUL */
@@ -71,6 +71,64 @@ typedef struct mok_layer_desc {
   uint32_t ep_rank;
   mok_grad_mode grad_mode;
 } mok_layer_desc;
+
+/* How a layer's kernels run: speed and memory, never results. Every choice
+ * gives the same bits (DESIGN §2), so a job can tune a layer without
+ * checking it again. 0 in a field leaves it to the daemon: its defaults,
+ * tuned on an H200, pick per GEMM from the rows an expert gets (the
+ * daemon's MOKD_GEMM_* environment may change them). The CPU backend runs
+ * every choice the same way. Stage counts follow from the tiles (as many as
+ * fit in shared memory) and are not chosen apart from them. */
+typedef enum {
+  MOK_TILES_AUTO = 0,
+  MOK_TILES_WIDE,     /* 128 rows x 256 columns, two warpgroups on one tile */
+  MOK_TILES_TALL,     /* 256 x 128 (not for weight gradients) */
+  MOK_TILES_PINGPONG, /* 128 x 128, each warpgroup its own: one stores while the other computes */
+  MOK_TILES_COUNT
+} mok_tiles;
+typedef enum {
+  MOK_CLUSTERS_AUTO = 0,
+  MOK_CLUSTERS_NONE,  /* single blocks everywhere */
+  MOK_CLUSTERS_DGRAD, /* pairs of blocks sharing an expert's weight tile: the data gradients */
+  MOK_CLUSTERS_ALL,   /* and the forward's GEMMs */
+  MOK_CLUSTERS_COUNT
+} mok_clusters;
+typedef enum {
+  MOK_ORDER_AUTO = 0,
+  MOK_ORDER_DYNAMIC, /* blocks take grouped tiles in order from a counter */
+  MOK_ORDER_STATIC,  /* every grid-th tile each */
+  MOK_ORDER_COUNT
+} mok_order;
+typedef enum {
+  MOK_TAILS_AUTO = 0,
+  MOK_TAILS_OWN,   /* an expert's last rows take an m-tile of their own */
+  MOK_TAILS_RIDE,  /* ride on its full m-tiles: split where two run side by side */
+  MOK_TAILS_SPLIT, /* ride, split over its last two m-tiles everywhere */
+  MOK_TAILS_WHOLE, /* ride, whole on its last m-tile everywhere */
+  MOK_TAILS_COUNT
+} mok_tails;
+typedef enum {
+  MOK_DX_AUTO = 0,
+  MOK_DX_HALVES, /* the backward's d_x in two column halves: half its fp32 memory */
+  MOK_DX_WHOLE,  /* whole rows */
+  MOK_DX_COUNT
+} mok_dx;
+/* dispatch_blocks: where the forward's dispatch (its gathered rows of x)
+ * runs. 0: the default; n in 1..MOK_DISPATCH_BLOCKS_MAX: on n blocks beside
+ * the gate/up GEMM, which waits for an expert's rows only as it reaches
+ * them; MOK_DISPATCH_BEFORE: on the whole GPU before it. */
+#define MOK_DISPATCH_BEFORE (-1)
+#define MOK_DISPATCH_BLOCKS_MAX 1024
+typedef struct mok_layer_tuning {
+  mok_tiles tiles;       /* the forward's and the data gradients' grouped GEMMs */
+  mok_tiles wgrad_tiles; /* the weight gradients' (auto: ping-pong where an expert has at
+                          * most 64 rows or at least 1024, wide between) */
+  mok_clusters clusters;
+  mok_order order;
+  mok_tails tails;
+  mok_dx dx;
+  int32_t dispatch_blocks;
+} mok_layer_tuning;
 
 typedef struct mok_timing {
   uint64_t queued_ns;  /* waiting in the daemon before compute started (an EP rank:
@@ -236,6 +294,24 @@ size_t mok_tensor_bytes(const mok_tensor *t);
  * rank is taken, is refused (MOK_ESHAPE, MOK_EGROUP, MOK_EEXIST) and the
  * others wait on. See mok_layer_desc_ep. */
 int mok_layer_create(mok_client *c, const mok_layer_desc *d, uint64_t *layer);
+/* mok_layer_create with kernel options (t NULL: all defaults). A choice
+ * out of range is refused (MOK_EINVAL) with the daemon's message; ranks of
+ * one EP group must choose alike. */
+int mok_layer_create_tuned(mok_client *c, const mok_layer_desc *d, const mok_layer_tuning *t,
+                           uint64_t *layer);
+/* Reads options from text as "key=value" items separated by commas or
+ * spaces, into t (zeroed first): tiles=auto|wide|tall|pingpong,
+ * wgrad_tiles=auto|wide|pingpong,
+ * clusters=auto|none|dgrad|all, order=auto|dynamic|static,
+ * tails=auto|own|ride|split|whole, dx=auto|halves|whole,
+ * dispatch=auto|before|N (N blocks beside gate/up, 1..1024). NULL or ""
+ * gives the defaults. MOK_EINVAL with a message in err (MOK_ERRLEN bytes,
+ * may be NULL) naming the bad item. */
+int mok_layer_tuning_parse(mok_layer_tuning *t, const char *text, char *err);
+/* Writes t as mok_layer_tuning_parse reads it, only the fields not left to
+ * the daemon ("" when none is set). Returns the length it needed, as
+ * snprintf does, or MOK_EINVAL when t holds a value out of range. */
+int mok_layer_tuning_format(const mok_layer_tuning *t, char *buf, size_t n);
 /* Makes d (its sizes already set) the layer of rank `rank` of EP group
  * `group` of `size` ranks; group ids are chosen by the job and are per user.
  * Rank r's weights are then experts [r * E/size, (r + 1) * E/size):

@@ -429,7 +429,9 @@ extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
     return n;
   if (device < 0 || device >= n)
     return mokk_fail(err, MOK_EDEVICE, "CUDA device %d does not exist (%d visible)", device, n);
-  /* a tuning knob for measuring the tile shapes against each other */
+  /* The backend's defaults of the kernel choices a layer may make
+   * (mokk_tuning), for measuring them against each other; the layer's own
+   * choices win. First the tile shapes. */
   const char *tiles = getenv("MOKD_GEMM_TILES");
   int tile_choice = MOKK_TILES_AUTO;
   if (tiles != NULL && strcmp(tiles, "wide") == 0)
@@ -441,6 +443,15 @@ extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
   else if (tiles != NULL && strcmp(tiles, "auto") != 0)
     return mokk_fail(err, MOK_EINVAL,
                      "MOKD_GEMM_TILES: \"%s\" is not auto, wide, tall or pingpong", tiles);
+  const char *wtiles = getenv("MOKD_GEMM_WGRAD_TILES");
+  int wgrad_choice = MOKK_TILES_AUTO;
+  if (wtiles != NULL && strcmp(wtiles, "wide") == 0)
+    wgrad_choice = MOKK_TILES_WIDE;
+  else if (wtiles != NULL && strcmp(wtiles, "pingpong") == 0)
+    wgrad_choice = MOKK_TILES_PINGPONG;
+  else if (wtiles != NULL && strcmp(wtiles, "auto") != 0)
+    return mokk_fail(err, MOK_EINVAL,
+                     "MOKD_GEMM_WGRAD_TILES: \"%s\" is not auto, wide or pingpong", wtiles);
   /* and for measuring clusters of two blocks against single blocks */
   const char *clusters = getenv("MOKD_GEMM_CLUSTERS");
   if (clusters != NULL && strcmp(clusters, "0") != 0 && strcmp(clusters, "1") != 0 &&
@@ -491,20 +502,23 @@ extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
     return mokk_fail(err, MOK_EINVAL, "MOKD_EP_SPREAD: \"%s\" is not 0 or 1", spread);
   if ((cb = (cuda_backend *)calloc(1, sizeof *cb)) == NULL)
     return mokk_fail(err, MOK_ENOMEM, "out of memory");
-  cb->tiles = tile_choice;
-  cb->clusters = clusters == NULL || strcmp(clusters, "1") == 0 ? 1
-                 : strcmp(clusters, "all") == 0                 ? 2
-                                                                : 0;
+  cuda_knobs *d = &cb->dflt;
+  d->tiles = tile_choice;
+  d->wgrad_tiles = wgrad_choice;
+  d->clusters = clusters == NULL || strcmp(clusters, "1") == 0 ? 1
+                : strcmp(clusters, "all") == 0                 ? 2
+                                                               : 0;
   cb->spread = spread != NULL && strcmp(spread, "1") == 0;
-  cb->dynamic = order == NULL || strcmp(order, "dynamic") == 0;
-  cb->ride = ride == NULL || strcmp(ride, "1") == 0 ? MOKK_RIDE_AUTO
-             : strcmp(ride, "split") == 0        ? MOKK_RIDE_SPLIT
-             : strcmp(ride, "whole") == 0        ? MOKK_RIDE_WHOLE
-                                                 : MOKK_RIDE_OFF;
-  cb->gather = gather != NULL && strcmp(gather, "1") == 0;
-  cb->gather_ahead = (int)ahead_blocks;
-  cb->store_regs = stores != NULL && strcmp(stores, "regs") == 0;
-  cb->dx_halves = halves == NULL || strcmp(halves, "1") == 0;
+  d->dynamic = order == NULL || strcmp(order, "dynamic") == 0;
+  d->ride = ride == NULL || strcmp(ride, "1") == 0 ? MOKK_RIDE_AUTO
+            : strcmp(ride, "split") == 0        ? MOKK_RIDE_SPLIT
+            : strcmp(ride, "whole") == 0        ? MOKK_RIDE_WHOLE
+                                                : MOKK_RIDE_OFF;
+  d->gather = gather != NULL && strcmp(gather, "1") == 0;
+  d->gather_ahead = (int)ahead_blocks;
+  d->store_regs = stores != NULL && strcmp(stores, "regs") == 0;
+  d->dx_halves = halves == NULL || strcmp(halves, "1") == 0;
+  cb->k = *d;
   cb->base.iface = &cuda_iface;
   cb->base.device = device;
   cb->device = device;
@@ -541,12 +555,12 @@ extern "C" void mokk_cuda_set_spread(mokk_backend *b, int on)
 
 extern "C" void mokk_cuda_set_dynamic_tiles(mokk_backend *b, int on)
 {
-  ((cuda_backend *)b)->dynamic = on != 0;
+  ((cuda_backend *)b)->dflt.dynamic = on != 0;
 }
 
 extern "C" void mokk_cuda_set_ride(mokk_backend *b, int mode)
 {
-  ((cuda_backend *)b)->ride = mode == MOKK_RIDE_SPLIT || mode == MOKK_RIDE_WHOLE ? mode
+  ((cuda_backend *)b)->dflt.ride = mode == MOKK_RIDE_SPLIT || mode == MOKK_RIDE_WHOLE ? mode
                               : mode != 0                                        ? MOKK_RIDE_AUTO
                                                                                  : MOKK_RIDE_OFF;
 }
@@ -556,29 +570,44 @@ extern "C" void mokk_cuda_last_backward(const mokk_backend *b, mokk_cuda_bwd_inf
   *info = ((const cuda_backend *)b)->last_bwd;
 }
 
+extern "C" void mokk_cuda_step_tuning(const mokk_backend *b, mokk_tuning *t)
+{
+  const cuda_knobs *k = &((const cuda_backend *)b)->k;
+  static_assert(MOKK_RIDE_OFF == 0 && MOKK_RIDE_AUTO == 1 && MOKK_RIDE_SPLIT == 2 &&
+                    MOKK_RIDE_WHOLE == 3, "tails[] follows MOKK_RIDE_*");
+  static const int tails[] = {MOKK_TAILS_OWN, MOKK_TAILS_RIDE, MOKK_TAILS_SPLIT, MOKK_TAILS_WHOLE};
+  t->tiles = k->tiles;
+  t->wgrad_tiles = k->wgrad_tiles;
+  t->clusters = MOKK_CLUSTERS_NONE + k->clusters;
+  t->order = k->dynamic ? MOKK_ORDER_DYNAMIC : MOKK_ORDER_STATIC;
+  t->tails = tails[k->ride];
+  t->dx = k->dx_halves ? MOKK_DX_HALVES : MOKK_DX_WHOLE;
+  t->dispatch_blocks = k->gather_ahead > 0 ? k->gather_ahead : MOKK_DISPATCH_BEFORE;
+}
+
 extern "C" void mokk_cuda_set_gather_ahead(mokk_backend *b, int blocks)
 {
-  ((cuda_backend *)b)->gather_ahead = blocks > 0 ? blocks : 0;
+  ((cuda_backend *)b)->dflt.gather_ahead = blocks > 0 ? blocks : 0;
 }
 
 extern "C" void mokk_cuda_set_gather(mokk_backend *b, int on)
 {
-  ((cuda_backend *)b)->gather = on != 0;
+  ((cuda_backend *)b)->dflt.gather = on != 0;
 }
 
 extern "C" void mokk_cuda_set_store_regs(mokk_backend *b, int on)
 {
-  ((cuda_backend *)b)->store_regs = on != 0;
+  ((cuda_backend *)b)->dflt.store_regs = on != 0;
 }
 
 extern "C" void mokk_cuda_set_dx_halves(mokk_backend *b, int on)
 {
-  ((cuda_backend *)b)->dx_halves = on != 0;
+  ((cuda_backend *)b)->dflt.dx_halves = on != 0;
 }
 
 extern "C" void mokk_cuda_set_clusters(mokk_backend *b, int mode)
 {
-  ((cuda_backend *)b)->clusters = mode >= 2 ? 2 : mode > 0;
+  ((cuda_backend *)b)->dflt.clusters = mode >= 2 ? 2 : mode > 0;
 }
 
 extern "C" int mokk_cuda_device(const mokk_backend *b)

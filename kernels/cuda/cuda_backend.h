@@ -71,6 +71,10 @@ typedef struct mokk_cuda_bwd_info {
   size_t bytes;
 } mokk_cuda_bwd_info;
 void mokk_cuda_last_backward(const mokk_backend *b, mokk_cuda_bwd_info *info);
+/* The kernel choices the last step ran with, for tests: its layer's tuning
+ * over the backend's defaults, each field an explicit choice (tiles and
+ * wgrad_tiles stay MOKK_TILES_AUTO where they pick per GEMM). */
+void mokk_cuda_step_tuning(const mokk_backend *b, mokk_tuning *t);
 /* The forward's epilogues store from registers (on != 0,
  * MOKD_GEMM_STORES=regs) rather than through shared memory and the copy
  * engine (0, the default; Hopper). Same bits. */

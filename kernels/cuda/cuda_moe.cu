@@ -73,9 +73,20 @@ static int device_arch(cuda_backend *cb, char *err, const char *what)
 static int gathers(cuda_backend *cb, char *err, int *on)
 {
   int rc = device_arch(cb, err, "device query");
-  *on = rc == 0 && cb->arch == 90 && cb->gather &&
-        (cb->tiles == MOKK_TILES_AUTO || cb->tiles == MOKK_TILES_WIDE);
+  *on = rc == 0 && cb->arch == 90 && cb->k.gather &&
+        (cb->k.tiles == MOKK_TILES_AUTO || cb->k.tiles == MOKK_TILES_WIDE);
   return rc;
+}
+
+/* Whether a weight gradient (k = an expert's rows) runs on ping-pong tiles,
+ * which hide one warpgroup's stores behind the other's MMAs: where a tile is
+ * one k-block long or from 1024 rows an expert on (gemm() says why), unless
+ * the step's tuning picks. */
+static bool wgrad_pingpong(const cuda_backend *cb, int64_t rows_per_group)
+{
+  if (cb->k.wgrad_tiles != MOKK_TILES_AUTO)
+    return cb->k.wgrad_tiles == MOKK_TILES_PINGPONG;
+  return rows_per_group <= sm90::BK || rows_per_group >= 1024;
 }
 
 /* The Hopper GEMMs that gather their rows: gate/up (A, 128 x 256 tiles,
@@ -85,13 +96,13 @@ static int gemm_gathered(cuda_backend *cb, const gemm_args *a, int64_t a_rows, i
                          int64_t rows_per_group, char *err, const char *what)
 {
   if constexpr (LAYOUT == L_TN && EPI == E_WGRAD) {
-    if (rows_per_group <= sm90::BK || rows_per_group >= 1024 || cb->tiles == MOKK_TILES_WIDE)
+    if (wgrad_pingpong(cb, rows_per_group))
       return sm90::gemm<LAYOUT, EPI, 128, true, 128, 1, false, true>(a, a_rows, grid,
                                                                       cb->stream, err);
     return sm90::gemm<LAYOUT, EPI, 256, false, 128, 1, false, true>(a, a_rows, grid, cb->stream,
                                                                      err);
   } else if constexpr (LAYOUT == L_NT && EPI == E_GATEUP) {
-    if (cb->clusters && cb->ride && a->tile_off_ride != NULL && rows_per_group > 128 &&
+    if (cb->k.clusters && cb->k.ride && a->tile_off_ride != NULL && rows_per_group > 128 &&
         rows_per_group <= 512)
       return sm90::gemm<LAYOUT, EPI, 256, false, 128, 1, true, true>(a, a_rows, grid,
                                                                       cb->stream, err);
@@ -126,17 +137,18 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
    * tiles, which hide one warpgroup's stores behind the other's MMAs, where
    * a tile is one k-block long (bench-gemm, 256 groups, M 4096, N 7168: 64
    * rows 4.489 ms against 5.086, 128 rows 5.413 against 5.020) and from 1024
-   * rows per expert on. MOKD_GEMM_TILES=wide or tall and
-   * MOKD_GEMM_CLUSTERS=0 force a choice, to measure them against each other. */
+   * rows per expert on. A layer's tuning (mokk_tuning) or the backend's
+   * defaults (MOKD_GEMM_TILES, MOKD_GEMM_WGRAD_TILES, MOKD_GEMM_CLUSTERS)
+   * force a choice, to measure them against each other. */
   if (cb->arch == 90) {
     gemm_args order = *a; /* the tile order: the stream's counter, or static */
-    order.sched = cb->dynamic ? cb->tile_ctr : NULL;
-    order.store_regs = cb->store_regs;
+    order.sched = cb->k.dynamic ? cb->tile_ctr : NULL;
+    order.store_regs = cb->k.store_regs;
     /* tails split where the two m-tiles run side by side: gate/up, and
      * the forward on pairs (gemm_sm90.cuh, paired) */
     order.ride_whole =
-        cb->ride == MOKK_RIDE_WHOLE ||
-        (cb->ride == MOKK_RIDE_AUTO && (LAYOUT != L_NT || (EPI != E_GATEUP && cb->clusters != 2)));
+        cb->k.ride == MOKK_RIDE_WHOLE ||
+        (cb->k.ride == MOKK_RIDE_AUTO && (LAYOUT != L_NT || (EPI != E_GATEUP && cb->k.clusters != 2)));
     a = &order;
     int grid = grid_for(cb, gemm_tiles(a, LAYOUT), 1);
     /* over the whole schedule, so that a rank's slice of the experts takes
@@ -145,7 +157,7 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
     if (a->gather != NULL)
       return gemm_gathered<LAYOUT, EPI>(cb, a, a_rows, grid, rows_per_group, err, what);
     if constexpr (LAYOUT == L_TN) {
-      if (rows_per_group <= sm90::BK || rows_per_group >= 1024 || cb->tiles == MOKK_TILES_WIDE)
+      if (wgrad_pingpong(cb, rows_per_group))
         return sm90::gemm<LAYOUT, EPI, 128, true>(a, a_rows, grid, cb->stream, err);
       return sm90::gemm<LAYOUT, EPI, 256>(a, a_rows, grid, cb->stream, err);
     } else {
@@ -158,10 +170,10 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
        * cooperative: mid 3.130 / 2.859, qwen3_32k 2.025 / 1.789; bench_gpu,
        * mok's backward (32 rows an expert), two rounds: 27.702, 27.494 /
        * 27.184, 27.140. */
-      if (a->count != NULL && cb->tiles == MOKK_TILES_PINGPONG)
+      if (a->count != NULL && cb->k.tiles == MOKK_TILES_PINGPONG)
         return sm90::gemm<LAYOUT, EPI, 128, true>(a, a_rows, grid, cb->stream, err);
-      bool tall = a->count != NULL && cb->tiles == MOKK_TILES_TALL;
-      bool cl = a->count != NULL && cb->clusters && rows_per_group > 128 && EPI != E_DH;
+      bool tall = a->count != NULL && cb->k.tiles == MOKK_TILES_TALL;
+      bool cl = a->count != NULL && cb->k.clusters && rows_per_group > 128 && EPI != E_DH;
       if (tall && cl)
         return sm90::gemm<LAYOUT, EPI, 128, false, 256, 2>(a, a_rows, grid, cb->stream, err);
       if (tall)
@@ -185,9 +197,9 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
        * 1.018, 1.028, 1.032. d_x keeps clusters: without them (static
        * order) dsv3's backward took 33.8-34.3 ms against 30.1-30.3. */
       if constexpr (EPI != E_DH) {
-        if (cl && cb->ride && a->tile_off_ride != NULL && rows_per_group <= 512) {
+        if (cl && cb->k.ride && a->tile_off_ride != NULL && rows_per_group <= 512) {
           if constexpr (LAYOUT == L_NT) {
-            if (cb->clusters == 2)
+            if (cb->k.clusters == 2)
               return sm90::gemm<LAYOUT, EPI, 256, false, 128, 2, true>(a, a_rows, grid,
                                                                        cb->stream, err);
             return sm90::gemm<LAYOUT, EPI, 256, false, 128, 1, true>(a, a_rows, grid,
@@ -201,7 +213,7 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
        * run on single blocks too. Nsight Compute, ms on clusters / single
        * blocks: qwen3_32k gate/up 3.005 / 2.842, down 1.493 / 1.445; mid
        * gate/up 5.138 / 4.977, down 2.500 / 2.493. */
-      if (cl && (LAYOUT == L_NN || cb->clusters == 2))
+      if (cl && (LAYOUT == L_NN || cb->k.clusters == 2))
         return sm90::gemm<LAYOUT, EPI, 256, false, 128, 2>(a, a_rows, grid, cb->stream, err);
       return sm90::gemm<LAYOUT, EPI, 256>(a, a_rows, grid, cb->stream, err);
     }
@@ -605,14 +617,14 @@ static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
    * still be moving while the first one runs, must not start before the
    * kernel ahead of them has finished (the tile counter), so they could
    * not wait for the rows the way the first one does. */
-  ready = !gather && cb->gather_ahead > 0 && P == 1 && cb->arch == 90 &&
-                  cb->tiles != MOKK_TILES_TALL && route_gather_ahead_fits((int)E, H)
+  ready = !gather && cb->k.gather_ahead > 0 && P == 1 && cb->arch == 90 &&
+                  cb->k.tiles != MOKK_TILES_TALL && route_gather_ahead_fits((int)E, H)
               ? c->tile_off + 3 * (E + 1)
               : NULL;
   if (ready != NULL) {
     cudaError_t e = cudaMemsetAsync(ready, 0, E * sizeof(int), cb->stream);
     if (e == cudaSuccess)
-      e = route_gather_ahead(cb->stream, grid_for(cb, cb->gather_ahead, 1), rows_of(px, P, T),
+      e = route_gather_ahead(cb->stream, grid_for(cb, cb->k.gather_ahead, 1), rows_of(px, P, T),
                              c->src, c->row_start, (int)E, (int)K, H, xr, ready);
     if (e != cudaSuccess) {
       rc = cuda_fail(err, e, "dispatch");
@@ -794,7 +806,7 @@ static int cuda_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode, in
    * d_h writes d_g | d_u over g, in pairs of 64-column blocks (cb->gu_chunks),
    * each tile over the bytes of g it has read, and the backward allocates
    * none of its rows (qwen3_4k: 0.10 GB, mid 0.81). */
-  int64_t Hs = cb->dx_halves ? (H / 2 + 63) / 64 * 64 : H;
+  int64_t Hs = cb->k.dx_halves ? (H / 2 + 63) / 64 * 64 : H;
   /* the last backward: the shared expert's d_g | d_u and d_x (written after
    * the down weight gradient too) at the span's end, where whole rows of
    * dxr leave room for them (dsv3: 0.30 GB of 0.40) */
@@ -1410,14 +1422,41 @@ out: {
 
 /* ---- entries for the backend's table (cuda_backend.cu) ------------------ */
 
+/* The step's kernel choices: the layer's tuning where it chooses, the
+ * backend's defaults where it leaves them (0). A step runs on one thread
+ * from entry to return, and every launcher reads cb->k (rank views copy it). */
+static void step_knobs(cuda_backend *cb, const mokk_tuning *t)
+{
+  static const int ride[MOKK_TAILS_COUNT] = {0, MOKK_RIDE_OFF, MOKK_RIDE_AUTO, MOKK_RIDE_SPLIT,
+                                             MOKK_RIDE_WHOLE};
+  cuda_knobs k = cb->dflt;
+  if (t->tiles != MOKK_TILES_AUTO)
+    k.tiles = t->tiles;
+  if (t->wgrad_tiles != MOKK_TILES_AUTO)
+    k.wgrad_tiles = t->wgrad_tiles;
+  if (t->clusters != MOKK_CLUSTERS_AUTO)
+    k.clusters = t->clusters - MOKK_CLUSTERS_NONE; /* none 0, dgrad 1, all 2 */
+  if (t->order != MOKK_ORDER_AUTO)
+    k.dynamic = t->order == MOKK_ORDER_DYNAMIC;
+  if (t->tails != MOKK_TAILS_AUTO)
+    k.ride = ride[t->tails];
+  if (t->dx != MOKK_DX_AUTO)
+    k.dx_halves = t->dx == MOKK_DX_HALVES;
+  if (t->dispatch_blocks != 0)
+    k.gather_ahead = t->dispatch_blocks == MOKK_DISPATCH_BEFORE ? 0 : t->dispatch_blocks;
+  cb->k = k;
+}
+
 int cuda_forward_entry(mokk_backend *b, const mokk_shape *s, int64_t T,
                        const mokk_fwd_rank *ranks, mokk_ctx **out_ctx, char *err)
 {
+  step_knobs((cuda_backend *)b, &s->tune);
   return cuda_forward(b, s, T, ranks, out_ctx, err);
 }
 
 int cuda_backward_entry(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode, unsigned flags,
                         const mokk_bwd_rank *ranks, char *err)
 {
+  step_knobs((cuda_backend *)b, &ctx->shape.tune);
   return cuda_backward(b, ctx, mode, (flags & MOKK_BWD_LAST) != 0, ranks, err);
 }

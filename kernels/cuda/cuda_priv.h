@@ -14,7 +14,23 @@
 
 typedef struct cuda_buffer cuda_buffer;
 
-enum { MOKK_TILES_AUTO, MOKK_TILES_WIDE, MOKK_TILES_TALL, MOKK_TILES_PINGPONG };
+/* The kernel choices of a step: the backend's defaults (MOKD_GEMM_* and
+ * mokk_cuda_set_*, cuda_backend.dflt) with the layer's tuning over them
+ * (cuda_backend.k, set as each step enters). None changes the bits. */
+typedef struct cuda_knobs {
+  int tiles;        /* MOKK_TILES_* of the grouped NT/NN GEMMs; auto = wide (MOKD_GEMM_TILES) */
+  int wgrad_tiles;  /* MOKK_TILES_AUTO, _WIDE or _PINGPONG (MOKD_GEMM_WGRAD_TILES) */
+  int clusters;     /* grouped NT/NN GEMMs on clusters of two (MOKD_GEMM_CLUSTERS): 0 none,
+                     * 1 the data gradients, 2 the forward's too, as pairs (gemm_sm90.cuh,
+                     * paired) */
+  int dynamic;      /* grouped NT GEMMs take tiles from a counter (MOKD_GEMM_ORDER) */
+  int ride;         /* experts' short tails ride on full m-tiles: MOKK_RIDE_* (MOKD_GEMM_RIDE) */
+  int gather;       /* gate/up GEMMs pick rows out of x (MOKD_GEMM_GATHER) */
+  int gather_ahead; /* blocks of the forward's dispatch beside its gate/up GEMM; 0: the
+                     * dispatch runs before it on the whole GPU (MOKD_GATHER_AHEAD) */
+  int store_regs;   /* the forward's epilogues store from registers (MOKD_GEMM_STORES=regs) */
+  int dx_halves;    /* the backward's d_x in two column halves (MOKD_DX_HALVES; 1 default) */
+} cuda_knobs;
 
 /* What a backend keeps on a linked GPU for the ranks of its steps that run
  * there (made on first use): the backend owns them, so that the executors of
@@ -36,16 +52,8 @@ typedef struct cuda_backend {
   mokk_backend base;
   int device, sms, max_blocks;
   int arch;             /* compute capability as 10 major + minor; 0 until asked */
-  int tiles;            /* MOKK_TILES_*: MOKD_GEMM_TILES, auto unless measuring */
-  int clusters;         /* grouped NT/NN GEMMs on clusters of two (MOKD_GEMM_CLUSTERS); 2:
-                         * the forward's too, as pairs (gemm_sm90.cuh, paired) */
-  int dynamic;          /* grouped NT GEMMs take tiles from a counter (MOKD_GEMM_ORDER) */
-  int ride;             /* experts' short tails ride on full m-tiles: MOKK_RIDE_* (MOKD_GEMM_RIDE) */
-  int gather;           /* gate/up GEMMs pick rows out of x (MOKD_GEMM_GATHER) */
-  int gather_ahead;     /* blocks of the forward's dispatch beside its gate/up GEMM; 0: the
-                         * dispatch runs before it on the whole GPU (MOKD_GATHER_AHEAD) */
-  int store_regs;       /* the forward's epilogues store from registers (MOKD_GEMM_STORES=regs) */
-  int dx_halves;        /* the backward's d_x in two column halves (MOKD_DX_HALVES; 1 default) */
+  cuda_knobs dflt;      /* the defaults: the environment's, or mokk_cuda_set_*'s */
+  cuda_knobs k;         /* the step's: dflt with its layer's tuning over them */
   int gu_chunks;        /* d_g | d_u in pairs of 64-column blocks (gemm_args.gu_chunks):
                          * set by cuda_backward for one call whose d_h writes them over the
                          * g it reads (Hopper, a last backward, H <= 3 I); 0 elsewhere and

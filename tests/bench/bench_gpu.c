@@ -90,6 +90,9 @@ typedef struct problem {
   double bytes;     /* device memory of the tensors above */
 } problem;
 
+/* --tuning: the layer's kernel options, in process and through the daemon */
+static mok_layer_tuning tuning;
+
 /* Shape and routing (on the host): K distinct experts per token. */
 static void problem_route(problem *p, const shape_def *d)
 {
@@ -99,6 +102,10 @@ static void problem_route(problem *p, const shape_def *d)
 
   memset(p, 0, sizeof *p);
   p->s = (mokk_shape){.H = d->H, .I = d->I, .E = E, .K = K, .I_s = d->Is, .P = 1};
+  p->s.tune = (mokk_tuning){.tiles = tuning.tiles, .wgrad_tiles = tuning.wgrad_tiles,
+                            .clusters = tuning.clusters, .order = tuning.order,
+                            .tails = tuning.tails, .dx = tuning.dx,
+                            .dispatch_blocks = tuning.dispatch_blocks};
   p->T = T;
   p->ids = xmalloc(T * K * 4);
   p->tw = xmalloc(T * K * 4);
@@ -145,6 +152,7 @@ static int fp32_accum;
 /* Each step's backward is its forward's last (MOKK_BWD_LAST, as autograd's
  * without retain_graph, which the torch baseline runs), unless --retain. */
 static int retain;
+
 
 /* Device memory of a shape's tensors: x, out, d_out, d_x; ids, weights,
  * d_topk_weights; weights (bf16) and gradients (bf16, or fp32 with
@@ -458,7 +466,7 @@ static int run_daemon(const char *sock, const shape_def *d, int iters, int do_ve
 
   mok_layer_desc ld = {.hidden = H, .intermediate = I, .experts = E, .top_k = K,
                        .shared_intermediate = Is, .grad_mode = MOK_GRAD_BF16};
-  MOK_OK(c, mok_layer_create(c, &ld, &layer));
+  MOK_OK(c, mok_layer_create_tuned(c, &ld, &tuning, &layer));
   MOK_OK(c, mok_layer_set_weights(c, layer, w));
   for (int it = -2; it < iters; it++) {
     double t0 = now_ms(), t1, t2;
@@ -677,10 +685,15 @@ int main(int argc, char **argv)
       retain = 1;
     else if (!strcmp(argv[i], "--daemon") && i + 1 < argc)
       sock = argv[++i];
-    else {
+    else if (!strcmp(argv[i], "--tuning") && i + 1 < argc) {
+      if (mok_layer_tuning_parse(&tuning, argv[++i], err)) {
+        fprintf(stderr, "bench_gpu: --tuning: %s\n", err);
+        return 2;
+      }
+    } else {
       fprintf(stderr, "usage: bench_gpu [--shapes a,b] [--iters n] [--torch CMD] [--verify]\n"
                       "                 [--daemon SOCK] [--ceiling CMD] [--csv FILE] [--fp32-accum]\n"
-                      "                 [--trace] [--retain]\n"
+                      "                 [--trace] [--retain] [--tuning S]\n"
                       "  shapes: dsv3 mid qwen3_4k qwen3_32k mok (DESIGN §6)\n"
                       "  --iters N    timed iterations after 2 warm-ups; medians (default 20)\n"
                       "  --torch CMD  run 'CMD --shapes NAME --iters N' for the baseline\n"
@@ -696,7 +709,9 @@ int main(int argc, char **argv)
                       "               before it (CUPTI; lines 'trace SHAPE fwd|bwd:')\n"
                       "  --retain     backwards that keep their forward's saved state (by\n"
                       "               default each is its forward's last, as autograd's\n"
-                      "               without retain_graph, which the torch baseline runs)\n");
+                      "               without retain_graph, which the torch baseline runs)\n"
+                      "  --tuning S   the layers' kernel options, key=value,... as mokctl bench\n"
+                      "               --tuning takes them (default: the backend's)\n");
       return 2;
     }
   }

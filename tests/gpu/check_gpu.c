@@ -685,6 +685,93 @@ START_TEST(epilogue_invariance)
 }
 END_TEST
 
+/* A layer's kernel options (mokk_shape.tune) are its steps' choices over
+ * the backend's defaults and change no bit: every tile shape (forward, data
+ * and weight gradients), clusters none or everywhere, static order, tails
+ * of their own, split or whole, the dispatch before gate/up or on three
+ * blocks, d_x in whole rows. Each step runs with what its layer chose
+ * (mokk_cuda_step_tuning), and a layer that chooses nothing runs on the
+ * defaults again. Experts of 145, 750 and 1500 rows on average (the
+ * weight gradients' auto choice takes ping-pong tiles for the last). */
+START_TEST(layer_tuning_invariance)
+{
+  static const struct {
+    mokk_shape s;
+    int64_t T;
+    uint64_t seed;
+  } cases[] = {
+      {{.H = 256, .I = 192, .E = 4, .K = 2, .I_s = 64, .P = 1}, 290, 41},
+      {{.H = 384, .I = 256, .E = 8, .K = 2, .I_s = 0, .P = 1}, 3000, 42},
+      {{.H = 128, .I = 128, .E = 2, .K = 1, .I_s = 64, .P = 1}, 3000, 43},
+  };
+  static const mokk_tuning tunes[] = {
+      {.tiles = MOKK_TILES_TALL},
+      {.tiles = MOKK_TILES_TALL, .clusters = MOKK_CLUSTERS_NONE},
+      {.tiles = MOKK_TILES_PINGPONG, .wgrad_tiles = MOKK_TILES_WIDE},
+      {.tiles = MOKK_TILES_WIDE, .wgrad_tiles = MOKK_TILES_PINGPONG},
+      {.clusters = MOKK_CLUSTERS_NONE, .order = MOKK_ORDER_STATIC},
+      {.clusters = MOKK_CLUSTERS_ALL, .order = MOKK_ORDER_DYNAMIC},
+      {.tails = MOKK_TAILS_OWN},
+      {.tails = MOKK_TAILS_SPLIT},
+      {.tails = MOKK_TAILS_WHOLE, .clusters = MOKK_CLUSTERS_DGRAD},
+      {.tails = MOKK_TAILS_RIDE, .dispatch_blocks = 3},
+      {.dx = MOKK_DX_WHOLE, .dispatch_blocks = MOKK_DISPATCH_BEFORE},
+      {.dx = MOKK_DX_HALVES, .order = MOKK_ORDER_STATIC, .dispatch_blocks = 1},
+  };
+  /* the backend's defaults, as a step reports them */
+  const mokk_tuning dflt = {.tiles = MOKK_TILES_AUTO, .wgrad_tiles = MOKK_TILES_AUTO,
+                            .clusters = MOKK_CLUSTERS_DGRAD, .order = MOKK_ORDER_DYNAMIC,
+                            .tails = MOKK_TAILS_RIDE, .dx = MOKK_DX_HALVES,
+                            .dispatch_blocks = MOKK_GATHER_AHEAD_DEFAULT};
+  char err[2 * MOK_ERRLEN] = "";
+
+  for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+    moe_case c;
+    moe_out ref;
+    mokk_tuning got;
+    case_make(&c, &cases[k].s, cases[k].T, cases[k].seed, ROUTE_RANDOM);
+    ck_assert_msg(gpu_run_ranks(&c, 1, MOKK_GRAD_BF16, 0.5f, &ref, err) == 0, "%s", err);
+    mokk_cuda_step_tuning(gpu, &got);
+    ck_assert_mem_eq(&got, &dflt, sizeof got);
+    for (size_t i = 0; i < sizeof tunes / sizeof tunes[0]; i++) {
+      const mokk_tuning *t = &tunes[i];
+      moe_out on;
+      c.s.tune = *t;
+      ck_assert_msg(gpu_run_ranks(&c, 1, MOKK_GRAD_BF16, 0.5f, &on, err) == 0, "%s", err);
+      expect_same(&on, &ref, &c, "a tuned layer");
+      out_free(&on);
+      mokk_cuda_step_tuning(gpu, &got);
+      mokk_tuning want = dflt;
+      if (t->tiles)
+        want.tiles = t->tiles;
+      if (t->wgrad_tiles)
+        want.wgrad_tiles = t->wgrad_tiles;
+      if (t->clusters)
+        want.clusters = t->clusters;
+      if (t->order)
+        want.order = t->order;
+      if (t->tails)
+        want.tails = t->tails;
+      if (t->dx)
+        want.dx = t->dx;
+      if (t->dispatch_blocks)
+        want.dispatch_blocks = t->dispatch_blocks;
+      ck_assert_msg(memcmp(&got, &want, sizeof got) == 0, "tuning %zu ran as asked", i);
+    }
+    /* an untuned layer after them: the defaults, not the last layer's */
+    memset(&c.s.tune, 0, sizeof c.s.tune);
+    moe_out again;
+    ck_assert_msg(gpu_run_ranks(&c, 1, MOKK_GRAD_BF16, 0.5f, &again, err) == 0, "%s", err);
+    expect_same(&again, &ref, &c, "an untuned layer again");
+    mokk_cuda_step_tuning(gpu, &got);
+    ck_assert_mem_eq(&got, &dflt, sizeof got);
+    out_free(&again);
+    out_free(&ref);
+    case_free(&c);
+  }
+}
+END_TEST
+
 /* A context's last backward (MOKK_BWD_LAST) writes dy over y and d_x's
  * rows over g, u, h and y: the same bits as a backward that keeps them, in
  * whole rows (H <= 5 I) and in slices (H > 5 I), on virtual ranks, on the
@@ -2256,6 +2343,7 @@ static Suite *gpu_suite(void)
   tcase_add_test(tc, ride_invariance);
   tcase_add_test(tc, gather_invariance);
   tcase_add_test(tc, gather_ahead_invariance);
+  tcase_add_test(tc, layer_tuning_invariance);
   tcase_add_test(tc, epilogue_invariance);
   tcase_add_test(tc, last_invariance);
   tcase_add_test(tc, batch_invariance);

@@ -129,6 +129,36 @@ class ClientTest(unittest.TestCase):
             assert_close(self, ref_g[i], mokd.from_bf16(g[name]), name)
         self.c.release(ctx.id, g["result"])
 
+    def test_tuned_layer_same_bits(self):
+        """A layer's kernel options, as text or a dict, change no bit; a bad
+        option is refused before anything is sent, naming the item."""
+        T, H, I, E, K, Is = 24, 32, 16, 6, 2, 8
+        x, ids, tw, w, d_out = problem(np.random.default_rng(3), T, H, I, E, K, Is)
+        got = []
+        for tuning in (None, "tiles=tall, order=static dispatch=before",
+                       {"wgrad_tiles": "pingpong", "tails": "own", "dispatch": 8}):
+            layer = mokd.Layer(self.c, H, I, E, K, shared_intermediate=Is, tuning=tuning)
+            layer.set_weights(*w)
+            out, ctx = layer.forward(x, ids, tw)
+            g = layer.backward(ctx, d_out)
+            got.append([out.copy()] + [np.array(g[n]).copy() for n in
+                                       ("d_x", "d_topk_weights", "w_gate", "w_up", "w_down",
+                                        "s_gate", "s_up", "s_down")])
+            self.c.release(ctx.id, g["result"])
+        self.assertEqual(layer.tuning, "wgrad_tiles=pingpong,tails=own,dispatch=8")
+        for other in got[1:]:
+            for a, b in zip(got[0], other):
+                self.assertEqual(a.tobytes(), b.tobytes())
+        for bad, msg in (("tiles=huge", "tuning: tiles=huge is not one of "
+                                        "auto|wide|tall|pingpong"),
+                         ({"colour": "red"}, "\"colour\" is not an option"),
+                         ({"dispatch": 0}, "dispatch=0 is not auto, before or a number")):
+            with self.assertRaises(ValueError) as cm:
+                mokd.Layer(self.c, H, I, E, K, tuning=bad)
+            self.assertIn(msg, str(cm.exception))
+        with self.assertRaises(TypeError):
+            mokd.Layer(self.c, H, I, E, K, tuning=3)
+
     def test_last_backward_uses_up_the_context(self):
         """last=True: the same gradients as a backward that keeps the state;
         then no other backward of the context, from the client (ValueError)

@@ -69,6 +69,12 @@ class _LayerDesc(ctypes.Structure):
                 ("ep_rank", ctypes.c_uint32), ("grad_mode", ctypes.c_int)]
 
 
+class _LayerTuning(ctypes.Structure):
+    _fields_ = [("tiles", ctypes.c_int), ("wgrad_tiles", ctypes.c_int),
+                ("clusters", ctypes.c_int), ("order", ctypes.c_int), ("tails", ctypes.c_int),
+                ("dx", ctypes.c_int), ("dispatch_blocks", ctypes.c_int32)]
+
+
 class _Timing(ctypes.Structure):
     _fields_ = [("queued_ns", ctypes.c_uint64), ("compute_ns", ctypes.c_uint64)]
 
@@ -146,6 +152,10 @@ _lib.mok_arena_destroy.argtypes = [ctypes.c_void_p, ctypes.c_uint64]
 _lib.mok_tensor_ptr.argtypes = [ctypes.c_void_p, _P(_Tensor)]
 _lib.mok_tensor_ptr.restype = ctypes.c_void_p
 _lib.mok_layer_create.argtypes = [ctypes.c_void_p, _P(_LayerDesc), _P(ctypes.c_uint64)]
+_lib.mok_layer_create_tuned.argtypes = [ctypes.c_void_p, _P(_LayerDesc), _P(_LayerTuning),
+                                        _P(ctypes.c_uint64)]
+_lib.mok_layer_tuning_parse.argtypes = [_P(_LayerTuning), ctypes.c_char_p, ctypes.c_char_p]
+_lib.mok_layer_tuning_format.argtypes = [_P(_LayerTuning), ctypes.c_char_p, ctypes.c_size_t]
 _lib.mok_layer_destroy.argtypes = [ctypes.c_void_p, ctypes.c_uint64]
 _lib.mok_layer_set_weights.argtypes = [ctypes.c_void_p, ctypes.c_uint64, _P(_Tensor)]
 _lib.mok_forward.argtypes = [ctypes.c_void_p, ctypes.c_uint64, _P(_Tensor), _P(_Tensor),
@@ -166,6 +176,30 @@ _lib.mok_step_status.argtypes = [ctypes.c_void_p, _P(_Tensor)]
 
 
 EPROTO, ENOTSUP, EEXPERT, EDEVICE, ECONTEXT = -errno.EPROTO, -errno.ENOTSUP, -4003, -4007, -4008
+
+
+def _tuning(tuning):
+    """A layer's kernel options (speed and memory, never results): None, a
+    string "key=value,..." or a dict {key: value}, with the keys and values
+    mokctl bench --tuning takes (tiles, wgrad_tiles, clusters, order, tails,
+    dx, dispatch). Returns the C struct and its canonical text; ValueError
+    naming the bad item."""
+    t = _LayerTuning()
+    if tuning is None:
+        return t, ""
+    if isinstance(tuning, dict):
+        text = ",".join("%s=%s" % (k, v) for k, v in tuning.items())
+    elif isinstance(tuning, str):
+        text = tuning
+    else:
+        raise TypeError("tuning: expected None, a str 'key=value,...' or a dict, got %s"
+                        % type(tuning).__name__)
+    err = ctypes.create_string_buffer(256)
+    if _lib.mok_layer_tuning_parse(ctypes.byref(t), text.encode(), err) != 0:
+        raise ValueError(err.value.decode())
+    buf = ctypes.create_string_buffer(256)
+    _lib.mok_layer_tuning_format(ctypes.byref(t), buf, len(buf))
+    return t, buf.value.decode()
 
 
 class MokError(RuntimeError):
@@ -466,7 +500,7 @@ class Layer:
     a per-layer staging arena."""
 
     def __init__(self, client, hidden, intermediate, experts, top_k,
-                 shared_intermediate=0, swiglu_limit=0.0, grad_mode="bf16"):
+                 shared_intermediate=0, swiglu_limit=0.0, grad_mode="bf16", tuning=None):
         self.client = client
         self.H, self.I, self.E, self.K, self.I_s = hidden, intermediate, experts, top_k, \
             shared_intermediate
@@ -474,10 +508,12 @@ class Layer:
         if grad_mode not in modes:
             raise ValueError("grad_mode: expected 'bf16' or 'fp32_accum', got %r" % (grad_mode,))
         self.grad_mode = modes[grad_mode]
+        t, self.tuning = _tuning(tuning)
         d = _LayerDesc(hidden, intermediate, experts, top_k, shared_intermediate,
                        swiglu_limit, 0, 1, 0, self.grad_mode)
         lid = ctypes.c_uint64()
-        client._check(_lib.mok_layer_create(client._h, ctypes.byref(d), ctypes.byref(lid)))
+        client._check(_lib.mok_layer_create_tuned(client._h, ctypes.byref(d), ctypes.byref(t),
+                                                  ctypes.byref(lid)))
         self.id = lid.value
         self.weights = None
         self._stage = None

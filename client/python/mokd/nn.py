@@ -93,7 +93,7 @@ import torch
 
 from . import (BACKWARD_LAST, BF16, ECONTEXT, EPROTO, ENOTSUP, F32, I32, GRAD_BF16,
                GRAD_FP32_ACCUM, _BwdResult,
-               _FwdResult, _LayerDesc,
+               _FwdResult, _LayerDesc, _tuning,
                _NW, _Tensor, _lib, Client, MokError)
 
 __all__ = ["MoELayer", "Session", "moe", "memory_stats"]
@@ -500,7 +500,7 @@ class MoELayer(torch.nn.Module):
 
     def __init__(self, hidden, intermediate, experts, top_k, shared_intermediate=0,
                  swiglu_limit=0.0, socket=None, device=None, check=False, session=None,
-                 ep_group=None, grad_mode="bf16", retain_context=False):
+                 ep_group=None, grad_mode="bf16", retain_context=False, tuning=None):
         super().__init__()
         # False: each forward's daemon state serves one backward, which may
         # write over it (less GPU memory at the backward's peak), as autograd
@@ -510,6 +510,7 @@ class MoELayer(torch.nn.Module):
         if grad_mode not in modes:
             raise ValueError("grad_mode: expected 'bf16' or 'fp32_accum', got %r" % (grad_mode,))
         self.grad_mode = modes[grad_mode]
+        tune, self.tuning = _tuning(tuning)
         self.hidden, self.intermediate, self.experts, self.top_k = \
             hidden, intermediate, experts, top_k
         self.ep_size, self.ep_rank, ep_id = 1, 0, 0
@@ -535,8 +536,9 @@ class MoELayer(torch.nn.Module):
                        swiglu_limit, ep_id, self.ep_size, self.ep_rank, self.grad_mode)
         lid = ctypes.c_uint64()
         with self.session.lock:
-            self.session._check(_lib.mok_layer_create(self.session._h(), ctypes.byref(d),
-                                                      ctypes.byref(lid)))
+            self.session._check(_lib.mok_layer_create_tuned(self.session._h(), ctypes.byref(d),
+                                                            ctypes.byref(tune),
+                                                            ctypes.byref(lid)))
         self.layer_id = lid.value
         self._registered = None
         self._last = None
@@ -556,6 +558,8 @@ class MoELayer(torch.nn.Module):
 
     def extra_repr(self):
         ep = ", ep_size=%d, ep_rank=%d" % (self.ep_size, self.ep_rank) if self.ep_size > 1 else ""
+        if self.tuning:
+            ep += ", tuning=%r" % self.tuning
         return ("hidden=%d, intermediate=%d, experts=%d, top_k=%d, shared_intermediate=%d, "
                 "swiglu_limit=%g%s" % (self.hidden, self.intermediate, self.experts, self.top_k,
                                        self.shared_intermediate, self.swiglu_limit, ep))
