@@ -189,6 +189,31 @@ class TorchLayerTest(unittest.TestCase):
             for a, b in zip(runs[0], r):
                 self.assertTrue(torch.equal(a, b))
 
+    def test_tuned_layer_gives_the_same_bits(self):
+        """Kernel options (tuning=) change how the daemon's kernels run on
+        the GPU, never a bit of the results; a bad one raises ValueError."""
+        T, H, E, K = 300, 256, 16, 4
+        x, ids, tw, d_out = self.inputs(T, H, E, K, 5)
+        runs = []
+        for tuning in (None, "tiles=tall,clusters=none,order=static,dx=whole",
+                       {"tiles": "pingpong", "wgrad_tiles": "wide", "tails": "own",
+                        "dispatch": "before"}):
+            torch.manual_seed(11)  # the same weights each time
+            m = self.layer(Is=64, tuning=tuning)
+            for p in [x, tw]:
+                p.grad = None
+            out = m(x, ids, tw)
+            out.backward(d_out)
+            runs.append([out.clone(), x.grad.clone(), tw.grad.clone()] +
+                        [w.grad.clone() for w in m.weights()])
+        self.assertIn("tuning='tiles=pingpong,wgrad_tiles=wide,tails=own,dispatch=before'",
+                      repr(m))
+        for r in runs[1:]:
+            for a, b in zip(runs[0], r):
+                self.assertTrue(torch.equal(a, b))
+        with self.assertRaises(ValueError):
+            self.layer(tuning="order=sideways")
+
     def test_retain_graph_needs_retain_context(self):
         """Each forward's daemon state serves one backward, which writes over
         it, as autograd frees saved tensors: a second backward through the
