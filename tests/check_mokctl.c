@@ -97,7 +97,8 @@ START_TEST(help_names_every_bench_flag)
   mokctl_usage(f, MOKCTL_NONE);
   fclose(f);
   const char *want[] = {"ping", "status", "stats", "bench", "--socket", "--help", "--T n",
-                        "--H n", "--I n", "--E n", "--K n", "--shared n", "--iters n", "--ep P", "--tuning S",
+                        "--H n", "--I n", "--E n", "--K n", "--shared n", "--iters n", "--ep P",
+                        "--tuning S",
                         "at most E", "max_arena_bytes", "Exit status"};
   for (size_t i = 0; i < sizeof want / sizeof want[0]; i++)
     ck_assert_msg(strstr(text, want[i]) != NULL, "help lacks \"%s\"", want[i]);

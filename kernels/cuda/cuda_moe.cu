@@ -146,9 +146,9 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
     order.store_regs = cb->k.store_regs;
     /* tails split where the two m-tiles run side by side: gate/up, and
      * the forward on pairs (gemm_sm90.cuh, paired) */
-    order.ride_whole =
-        cb->k.ride == MOKK_RIDE_WHOLE ||
-        (cb->k.ride == MOKK_RIDE_AUTO && (LAYOUT != L_NT || (EPI != E_GATEUP && cb->k.clusters != 2)));
+    order.ride_whole = cb->k.ride == MOKK_RIDE_WHOLE ||
+                       (cb->k.ride == MOKK_RIDE_AUTO &&
+                        (LAYOUT != L_NT || (EPI != E_GATEUP && cb->k.clusters != 2)));
     a = &order;
     int grid = grid_for(cb, gemm_tiles(a, LAYOUT), 1);
     /* over the whole schedule, so that a rank's slice of the experts takes
