@@ -5,6 +5,7 @@
  * cuda_moe.cu, GPU memory in gpumem.cu, events and fences in ipc.cu. */
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -417,6 +418,36 @@ extern "C" int mokk_cuda_devices(char *err)
   return n;
 }
 
+/* The index in words (n of them, NULL ones skipped) of environment
+ * variable name's value, dflt when it is unset; MOK_EINVAL listing the
+ * words when it is none of them. */
+static int env_word(const char *name, const char *const *words, int n, int dflt, int *out,
+                    char *err)
+{
+  const char *v = getenv(name);
+  char list[128];
+  size_t len = 0;
+  int last = -1;
+
+  *out = dflt;
+  if (v == NULL)
+    return 0;
+  for (int i = 0; i < n; i++)
+    if (words[i] != NULL) {
+      if (strcmp(v, words[i]) == 0) {
+        *out = i;
+        return 0;
+      }
+      last = i;
+    }
+  list[0] = '\0';
+  for (int i = 0; i < n && len < sizeof list; i++)
+    if (words[i] != NULL)
+      len += (size_t)snprintf(list + len, sizeof list - len, "%s%s",
+                              len == 0 ? "" : i == last ? " or " : ", ", words[i]);
+  return mokk_fail(err, MOK_EINVAL, "%s: \"%s\" is not %s", name, v, list);
+}
+
 extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
 {
   cuda_backend *cb;
@@ -431,50 +462,34 @@ extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
     return mokk_fail(err, MOK_EDEVICE, "CUDA device %d does not exist (%d visible)", device, n);
   /* The backend's defaults of the kernel choices a layer may make
    * (mokk_tuning), for measuring them against each other; the layer's own
-   * choices win. First the tile shapes. */
-  const char *tiles = getenv("MOKD_GEMM_TILES");
-  int tile_choice = MOKK_TILES_AUTO;
-  if (tiles != NULL && strcmp(tiles, "wide") == 0)
-    tile_choice = MOKK_TILES_WIDE;
-  else if (tiles != NULL && strcmp(tiles, "tall") == 0)
-    tile_choice = MOKK_TILES_TALL;
-  else if (tiles != NULL && strcmp(tiles, "pingpong") == 0)
-    tile_choice = MOKK_TILES_PINGPONG;
-  else if (tiles != NULL && strcmp(tiles, "auto") != 0)
-    return mokk_fail(err, MOK_EINVAL,
-                     "MOKD_GEMM_TILES: \"%s\" is not auto, wide, tall or pingpong", tiles);
-  const char *wtiles = getenv("MOKD_GEMM_WGRAD_TILES");
-  int wgrad_choice = MOKK_TILES_AUTO;
-  if (wtiles != NULL && strcmp(wtiles, "wide") == 0)
-    wgrad_choice = MOKK_TILES_WIDE;
-  else if (wtiles != NULL && strcmp(wtiles, "pingpong") == 0)
-    wgrad_choice = MOKK_TILES_PINGPONG;
-  else if (wtiles != NULL && strcmp(wtiles, "auto") != 0)
-    return mokk_fail(err, MOK_EINVAL,
-                     "MOKD_GEMM_WGRAD_TILES: \"%s\" is not auto, wide or pingpong", wtiles);
-  /* and for measuring clusters of two blocks against single blocks */
-  const char *clusters = getenv("MOKD_GEMM_CLUSTERS");
-  if (clusters != NULL && strcmp(clusters, "0") != 0 && strcmp(clusters, "1") != 0 &&
-      strcmp(clusters, "all") != 0)
-    return mokk_fail(err, MOK_EINVAL, "MOKD_GEMM_CLUSTERS: \"%s\" is not 0, 1 or all",
-                     clusters);
-  /* and the tile order of grouped GEMMs: dynamic (the default) or static */
-  const char *order = getenv("MOKD_GEMM_ORDER");
-  if (order != NULL && strcmp(order, "dynamic") != 0 && strcmp(order, "static") != 0)
-    return mokk_fail(err, MOK_EINVAL, "MOKD_GEMM_ORDER: \"%s\" is not dynamic or static",
-                     order);
-  /* and riding tails (on by default, split where that pays) against tails
-   * split or whole everywhere, or on m-tiles of their own */
-  const char *ride = getenv("MOKD_GEMM_RIDE");
-  if (ride != NULL && strcmp(ride, "0") != 0 && strcmp(ride, "1") != 0 &&
-      strcmp(ride, "split") != 0 && strcmp(ride, "whole") != 0)
-    return mokk_fail(err, MOK_EINVAL, "MOKD_GEMM_RIDE: \"%s\" is not 0, 1, split or whole",
-                     ride);
-  /* and rows picked out of x by the gate/up GEMMs against a gather pass (the
-   * default: PERF.md v12) */
-  const char *gather = getenv("MOKD_GEMM_GATHER");
-  if (gather != NULL && strcmp(gather, "0") != 0 && strcmp(gather, "1") != 0)
-    return mokk_fail(err, MOK_EINVAL, "MOKD_GEMM_GATHER: \"%s\" is not 0 or 1", gather);
+   * choices win. Each value is the index of its word. First the tile
+   * shapes (MOKK_TILES_*). */
+  static const char *const tile_words[] = {"auto", "wide", "tall", "pingpong"};
+  static const char *const wgrad_words[] = {"auto", "wide", NULL, "pingpong"};
+  /* clusters of two blocks (1: the data gradients) against single blocks,
+   * or for the forward's GEMMs too */
+  static const char *const cluster_words[] = {"0", "1", "all"};
+  /* the tile order of grouped GEMMs: dynamic (the default) or static */
+  static const char *const order_words[] = {"dynamic", "static"};
+  /* riding tails (on by default, split where that pays) against tails
+   * split or whole everywhere, or on m-tiles of their own (MOKK_RIDE_*) */
+  static const char *const ride_words[] = {"0", "1", "split", "whole"};
+  static_assert(MOKK_RIDE_OFF == 0 && MOKK_RIDE_AUTO == 1 && MOKK_RIDE_SPLIT == 2 &&
+                    MOKK_RIDE_WHOLE == 3, "ride_words follows MOKK_RIDE_*");
+  /* the forward's epilogues through shared memory and the copy engine (the
+   * default) against stores from registers */
+  static const char *const store_words[] = {"async", "regs"};
+  static const char *const off_on[] = {"0", "1"};
+  int tiles, wgrad, clusters, order, ride, gather, stores, halves, spread;
+  if ((rc = env_word("MOKD_GEMM_TILES", tile_words, 4, MOKK_TILES_AUTO, &tiles, err)) ||
+      (rc = env_word("MOKD_GEMM_WGRAD_TILES", wgrad_words, 4, MOKK_TILES_AUTO, &wgrad, err)) ||
+      (rc = env_word("MOKD_GEMM_CLUSTERS", cluster_words, 3, 1, &clusters, err)) ||
+      (rc = env_word("MOKD_GEMM_ORDER", order_words, 2, 0, &order, err)) ||
+      (rc = env_word("MOKD_GEMM_RIDE", ride_words, 4, MOKK_RIDE_AUTO, &ride, err)) ||
+      /* rows picked out of x by the gate/up GEMMs against a gather pass
+       * (the default: PERF.md v12) */
+      (rc = env_word("MOKD_GEMM_GATHER", off_on, 2, 0, &gather, err)))
+    return rc;
   /* and the forward's dispatch on a few SMs beside gate/up against one pass
    * on all of them before it (0) */
   const char *ahead = getenv("MOKD_GATHER_AHEAD");
@@ -486,38 +501,20 @@ extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
       return mokk_fail(err, MOK_EINVAL, "MOKD_GATHER_AHEAD: \"%s\" is not a number of blocks "
                        "from 0 to 1024", ahead);
   }
-  /* and the forward's epilogues through shared memory and the copy engine
-   * (the default) against stores from registers */
-  const char *stores = getenv("MOKD_GEMM_STORES");
-  if (stores != NULL && strcmp(stores, "async") != 0 && strcmp(stores, "regs") != 0)
-    return mokk_fail(err, MOK_EINVAL, "MOKD_GEMM_STORES: \"%s\" is not async or regs", stores);
-  /* and the backward's d_x in column halves (the default: less memory)
-   * against whole rows */
-  const char *halves = getenv("MOKD_DX_HALVES");
-  if (halves != NULL && strcmp(halves, "0") != 0 && strcmp(halves, "1") != 0)
-    return mokk_fail(err, MOK_EINVAL, "MOKD_DX_HALVES: \"%s\" is not 0 or 1", halves);
-  /* EP steps over a buffer set per rank, the multi-GPU layout, on one GPU */
-  const char *spread = getenv("MOKD_EP_SPREAD");
-  if (spread != NULL && strcmp(spread, "0") != 0 && strcmp(spread, "1") != 0)
-    return mokk_fail(err, MOK_EINVAL, "MOKD_EP_SPREAD: \"%s\" is not 0 or 1", spread);
+  if ((rc = env_word("MOKD_GEMM_STORES", store_words, 2, 0, &stores, err)) ||
+      /* the backward's d_x in column halves (the default: less memory)
+       * against whole rows */
+      (rc = env_word("MOKD_DX_HALVES", off_on, 2, 1, &halves, err)) ||
+      /* EP steps over a buffer set per rank, the multi-GPU layout, on one GPU */
+      (rc = env_word("MOKD_EP_SPREAD", off_on, 2, 0, &spread, err)))
+    return rc;
   if ((cb = (cuda_backend *)calloc(1, sizeof *cb)) == NULL)
     return mokk_fail(err, MOK_ENOMEM, "out of memory");
   cuda_knobs *d = &cb->dflt;
-  d->tiles = tile_choice;
-  d->wgrad_tiles = wgrad_choice;
-  d->clusters = clusters == NULL || strcmp(clusters, "1") == 0 ? 1
-                : strcmp(clusters, "all") == 0                 ? 2
-                                                               : 0;
-  cb->spread = spread != NULL && strcmp(spread, "1") == 0;
-  d->dynamic = order == NULL || strcmp(order, "dynamic") == 0;
-  d->ride = ride == NULL || strcmp(ride, "1") == 0 ? MOKK_RIDE_AUTO
-            : strcmp(ride, "split") == 0        ? MOKK_RIDE_SPLIT
-            : strcmp(ride, "whole") == 0        ? MOKK_RIDE_WHOLE
-                                                : MOKK_RIDE_OFF;
-  d->gather = gather != NULL && strcmp(gather, "1") == 0;
-  d->gather_ahead = (int)ahead_blocks;
-  d->store_regs = stores != NULL && strcmp(stores, "regs") == 0;
-  d->dx_halves = halves == NULL || strcmp(halves, "1") == 0;
+  d->tiles = tiles, d->wgrad_tiles = wgrad, d->clusters = clusters;
+  d->dynamic = order == 0, d->ride = ride, d->gather = gather;
+  d->gather_ahead = (int)ahead_blocks, d->store_regs = stores, d->dx_halves = halves;
+  cb->spread = spread;
   cb->k = *d;
   cb->base.iface = &cuda_iface;
   cb->base.device = device;
@@ -573,14 +570,11 @@ extern "C" void mokk_cuda_last_backward(const mokk_backend *b, mokk_cuda_bwd_inf
 extern "C" void mokk_cuda_step_tuning(const mokk_backend *b, mokk_tuning *t)
 {
   const cuda_knobs *k = &((const cuda_backend *)b)->k;
-  static_assert(MOKK_RIDE_OFF == 0 && MOKK_RIDE_AUTO == 1 && MOKK_RIDE_SPLIT == 2 &&
-                    MOKK_RIDE_WHOLE == 3, "tails[] follows MOKK_RIDE_*");
-  static const int tails[] = {MOKK_TAILS_OWN, MOKK_TAILS_RIDE, MOKK_TAILS_SPLIT, MOKK_TAILS_WHOLE};
   t->tiles = k->tiles;
   t->wgrad_tiles = k->wgrad_tiles;
-  t->clusters = MOKK_CLUSTERS_NONE + k->clusters;
+  t->clusters = k->clusters + 1; /* cuda_priv.h */
   t->order = k->dynamic ? MOKK_ORDER_DYNAMIC : MOKK_ORDER_STATIC;
-  t->tails = tails[k->ride];
+  t->tails = k->ride + 1;
   t->dx = k->dx_halves ? MOKK_DX_HALVES : MOKK_DX_WHOLE;
   t->dispatch_blocks = k->gather_ahead > 0 ? k->gather_ahead : MOKK_DISPATCH_BEFORE;
 }

@@ -1427,19 +1427,17 @@ out: {
  * from entry to return, and every launcher reads cb->k (rank views copy it). */
 static void step_knobs(cuda_backend *cb, const mokk_tuning *t)
 {
-  static const int ride[MOKK_TAILS_COUNT] = {0, MOKK_RIDE_OFF, MOKK_RIDE_AUTO, MOKK_RIDE_SPLIT,
-                                             MOKK_RIDE_WHOLE};
   cuda_knobs k = cb->dflt;
   if (t->tiles != MOKK_TILES_AUTO)
     k.tiles = t->tiles;
   if (t->wgrad_tiles != MOKK_TILES_AUTO)
     k.wgrad_tiles = t->wgrad_tiles;
   if (t->clusters != MOKK_CLUSTERS_AUTO)
-    k.clusters = t->clusters - MOKK_CLUSTERS_NONE; /* none 0, dgrad 1, all 2 */
+    k.clusters = t->clusters - 1; /* none 0, dgrad 1, all 2 (cuda_priv.h) */
   if (t->order != MOKK_ORDER_AUTO)
     k.dynamic = t->order == MOKK_ORDER_DYNAMIC;
   if (t->tails != MOKK_TAILS_AUTO)
-    k.ride = ride[t->tails];
+    k.ride = t->tails - 1; /* MOKK_RIDE_* (cuda_priv.h) */
   if (t->dx != MOKK_DX_AUTO)
     k.dx_halves = t->dx == MOKK_DX_HALVES;
   if (t->dispatch_blocks != 0)

@@ -31,6 +31,13 @@ typedef struct cuda_knobs {
   int store_regs;   /* the forward's epilogues store from registers (MOKD_GEMM_STORES=regs) */
   int dx_halves;    /* the backward's d_x in two column halves (MOKD_DX_HALVES; 1 default) */
 } cuda_knobs;
+/* A tuning's clusters and tails are these knobs' values plus one (0 there is
+ * the default): step_knobs and mokk_cuda_step_tuning convert by it. */
+static_assert(MOKK_CLUSTERS_NONE == 1 && MOKK_CLUSTERS_DGRAD == 2 && MOKK_CLUSTERS_ALL == 3 &&
+                  MOKK_TAILS_OWN == MOKK_RIDE_OFF + 1 && MOKK_TAILS_RIDE == MOKK_RIDE_AUTO + 1 &&
+                  MOKK_TAILS_SPLIT == MOKK_RIDE_SPLIT + 1 &&
+                  MOKK_TAILS_WHOLE == MOKK_RIDE_WHOLE + 1,
+              "tuning and knob numbers are one apart");
 
 /* What a backend keeps on a linked GPU for the ranks of its steps that run
  * there (made on first use): the backend owns them, so that the executors of

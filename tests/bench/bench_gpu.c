@@ -153,7 +153,6 @@ static int fp32_accum;
  * without retain_graph, which the torch baseline runs), unless --retain. */
 static int retain;
 
-
 /* Device memory of a shape's tensors: x, out, d_out, d_x; ids, weights,
  * d_topk_weights; weights (bf16) and gradients (bf16, or fp32 with
  * --fp32-accum). The step's own memory comes on top. */
