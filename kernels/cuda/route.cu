@@ -509,7 +509,38 @@ __device__ __forceinline__ void load8(const float *p, float (&o)[8])
  * d_x (fp32 rows, no weights, shared part). tw and extra may be NULL. W
  * columns of rows ldv (v) and ldo (extra, out) elements apart: d_x comes
  * in slices of its columns. Each thread owns eight columns; every element
- * is summed in the same order. */
+ * is summed in the same order. The eight columns of up to COMBINE_KS of a
+ * token's rows are loaded before the first is added, so that a thread waits
+ * on memory twice for them (their slots, then their rows) rather than twice
+ * a row. */
+#define COMBINE_KS 8
+
+/* Eight elements of a row as loaded (bf16: one 16-byte word; fp32: two),
+ * converted only as they are added, so that COMBINE_KS of them in flight
+ * take half the registers for bf16 rows. */
+template <typename V> struct raw8;
+template <> struct raw8<bf16> {
+  uint4 v;
+  __device__ __forceinline__ void load(const bf16 *p) { v = *(const uint4 *)p; }
+  __device__ __forceinline__ float at(int j) const
+  {
+    const uint32_t w = j < 4 ? (j < 2 ? v.x : v.y) : (j < 6 ? v.z : v.w);
+    return __uint_as_float(j & 1 ? w & 0xffff0000u : w << 16); /* bf16 -> fp32: exact */
+  }
+};
+template <> struct raw8<float> {
+  float4 a, b;
+  __device__ __forceinline__ void load(const float *p)
+  {
+    a = *(const float4 *)p, b = *(const float4 *)(p + 4);
+  }
+  __device__ __forceinline__ float at(int j) const
+  {
+    return j < 4 ? (j < 2 ? (j ? a.y : a.x) : (j & 1 ? a.w : a.z))
+                 : (j < 6 ? (j & 1 ? b.y : b.x) : (j & 1 ? b.w : b.z));
+  }
+};
+
 template <typename V, typename X>
 __global__ void k_combine(route_owners v, const int *slot, const float *tw, const X *extra,
                           int64_t T, int K, int64_t W, int64_t ldv, int64_t ldo, bf16 *out)
@@ -517,21 +548,35 @@ __global__ void k_combine(route_owners v, const int *slot, const float *tw, cons
   pdl_enter(); /* pdl.cuh: nothing global before it */
   for (int64_t t = blockIdx.x; t < T; t += gridDim.x)
     for (int64_t c = threadIdx.x * 8; c < W; c += blockDim.x * 8) {
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, x[8];
-      for (int k = 0; k < K; k++) {
-        int r = slot[t * K + k];
-        if (r < 0)
-          continue;
-        load8(owned_row<V>(v, r, ldv) + c, x);
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int k0 = 0; k0 < K; k0 += COMBINE_KS) {
+        int r[COMBINE_KS];
+        float w[COMBINE_KS];
+        raw8<V> x[COMBINE_KS];
 #pragma unroll
-        for (int j = 0; j < 8; j++)
-          acc[j] = __fadd_rn(acc[j], tw != NULL ? __fmul_rn(tw[t * K + k], x[j]) : x[j]);
+        for (int i = 0; i < COMBINE_KS; i++) {
+          const bool in = k0 + i < K;
+          r[i] = in ? slot[t * K + k0 + i] : -1;
+          w[i] = in && tw != NULL ? tw[t * K + k0 + i] : 0.0f;
+        }
+#pragma unroll
+        for (int i = 0; i < COMBINE_KS; i++)
+          if (r[i] >= 0)
+            x[i].load(owned_row<V>(v, r[i], ldv) + c);
+#pragma unroll
+        for (int i = 0; i < COMBINE_KS; i++)
+          if (r[i] >= 0) {
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+              acc[j] = __fadd_rn(acc[j], tw != NULL ? __fmul_rn(w[i], x[i].at(j)) : x[i].at(j));
+          }
       }
       if (extra != NULL) {
-        load8(extra + t * ldo + c, x);
+        float e[8];
+        load8(extra + t * ldo + c, e);
 #pragma unroll
         for (int j = 0; j < 8; j++)
-          acc[j] = __fadd_rn(acc[j], x[j]);
+          acc[j] = __fadd_rn(acc[j], e[j]);
       }
       union { uint4 v; bf16 h[8]; } o;
 #pragma unroll

@@ -279,6 +279,19 @@ START_TEST(pairs_with_no_route)
 }
 END_TEST
 
+/* More experts a token than the combines take in one go (route.cu,
+ * COMBINE_KS): out and d_x sum a token's pairs over several rounds, some
+ * pairs without a route among them. */
+START_TEST(many_experts_a_token)
+{
+  mokk_shape s = {.H = 192, .I = 64, .E = 32, .K = 12, .I_s = 64};
+  matches_cpu(s, 200, ROUTE_RANDOM, 51, MOKK_GRAD_BF16);
+  matches_cpu(s, 200, ROUTE_DROPS, 52, MOKK_GRAD_FP32_ACCUM);
+  s.K = 17;
+  matches_cpu(s, 90, ROUTE_DROPS, 53, MOKK_GRAD_BF16);
+}
+END_TEST
+
 /* On the GPU too, out and d_x with a dropped pair are the bits of the step
  * that routes it with weight 0, and its d_topk_weights is +0, as the CPU's. */
 START_TEST(no_route_is_an_absent_pair)
@@ -2330,6 +2343,7 @@ static Suite *gpu_suite(void)
   tcase_add_test(tc, all_on_one_expert);
   tcase_add_test(tc, tokens_not_tile_multiple);
   tcase_add_test(tc, pairs_with_no_route);
+  tcase_add_test(tc, many_experts_a_token);
   tcase_add_test(tc, riding_tails);
   tcase_add_test(tc, long_experts);
   tcase_add_test(tc, no_route_is_an_absent_pair);
