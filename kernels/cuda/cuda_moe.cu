@@ -622,10 +622,10 @@ static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
               ? c->tile_off + 3 * (E + 1)
               : NULL;
   if (ready != NULL) {
-    cudaError_t e = cudaMemsetAsync(ready, 0, E * sizeof(int), cb->stream);
-    if (e == cudaSuccess)
-      e = route_gather_ahead(cb->stream, grid_for(cb, cb->k.gather_ahead, 1), rows_of(px, P, T),
-                             c->src, c->row_start, (int)E, (int)K, H, xr, ready);
+    /* ready: zeroed by the schedule */
+    cudaError_t e = route_gather_ahead(cb->stream, grid_for(cb, cb->k.gather_ahead, 1),
+                                       rows_of(px, P, T), c->src, c->row_start, (int)E,
+                                       (int)K, H, xr, ready);
     if (e != cudaSuccess) {
       rc = cuda_fail(err, e, "dispatch");
       goto fail;
@@ -1179,7 +1179,7 @@ static int spread_forward(cuda_backend *cb, const mokk_shape *s, int64_t T,
       goto fail;
     size_t off = 0, o_ids = carve(&off, 2 * TK * sizeof(int32_t)), o_tw = carve(&off, TK * 4),
            o_count = carve(&off, E * sizeof(int)), o_rs = carve(&off, (E + 1) * sizeof(int)),
-           o_to = carve(&off, 3 * (E + 1) * sizeof(int)), o_slot = carve(&off, TK * 4),
+           o_to = carve(&off, (3 * (E + 1) + E) * sizeof(int)), o_slot = carve(&off, TK * 4),
            o_src = carve(&off, TK * 4), o_rw = carve(&off, TK * 4),
            o_xr = carve(&off, xr_bytes(TK, H, E)),
            o_g = train ? carve(&off, TK * I * 4) : 0,

@@ -185,6 +185,7 @@ __global__ void __launch_bounds__(1024) k_offsets(const int *count, int E, int *
     tile_off[e] = run.y;
     tile_off[E + 1 + e] = run.z;
     tile_off[2 * (E + 1) + e] = run.w;
+    tile_off[3 * (E + 1) + e] = 0;
     run = add4(run, expert_sizes(count[e]));
   }
   if (e0 < E && e1 == E) { /* the thread with the last expert: the totals */
