@@ -55,41 +55,66 @@ __device__ __forceinline__ unsigned lanes_below(int lane)
   return (1u << lane) - 1;
 }
 
+/* k_hist and k_place keep a warp's entries (one per expert) in shared
+ * memory where E is at most SCHED_SMEM_E (16 KiB), in hist above; and a
+ * lane loads SCHED_AHEAD of its pairs before it works through them. A
+ * warp's 32 pairs at a time went through a dependent load of their entry
+ * from memory, and a load of their ids before it: Nsight Compute found
+ * both kernels stalled on those loads most of their time (qwen3_4k, H100:
+ * k_hist 8.4 us, k_place 13.1, one warp an SM; PERF.md v30). */
+#define SCHED_SMEM_E 4096
+#define SCHED_AHEAD 8
+
 /* Warp w: chunk w's pairs per expert into hist row w. The ids are the
  * client's memory, which it may still be writing: they are copied once,
  * checked, and every later pass reads the copy, so the counts and the rows
  * come from the same values. -1 (no route, as DeepEP and Megatron mark a
  * pair) drops its pair, as the CPU engine does; any other id outside [0, E)
- * becomes -1 too, and the status word says so. */
+ * becomes -1 too, and the status word says so. SM: the row counted in
+ * shared memory (E ints), then stored. */
+template <bool SM>
 __global__ void k_hist(const int32_t *ids, int64_t TK, int E, int64_t ch, int32_t *own,
                        int *slot, int *status, int *hist)
 {
   pdl_enter(); /* pdl.cuh: nothing global before it */
+  extern __shared__ int sched_row[];
   const int lane = threadIdx.x;
-  int *row = hist + (int64_t)blockIdx.x * E;
+  int *out = hist + (int64_t)blockIdx.x * E, *row = SM ? sched_row : out;
   const int64_t p0 = blockIdx.x * ch, p1 = min(TK, p0 + ch);
 
   for (int e = lane; e < E; e += 32)
     row[e] = 0;
   __syncwarp();
-  for (int64_t b = p0; b < p1; b += 32) {
-    const int64_t p = b + lane;
-    int id = -1;
-    if (p < p1) {
-      id = ids[p];
-      if (id < 0 || id >= E) {
-        if (id != MOKK_NO_ROUTE && status != NULL)
-          atomicOr(status, 1); /* an integer flag: the order does not matter */
-        id = -1;
-        slot[p] = -1;
-      }
-      own[p] = id;
+  for (int64_t b = p0; b < p1; b += 32 * SCHED_AHEAD) {
+    int raw[SCHED_AHEAD];
+#pragma unroll
+    for (int j = 0; j < SCHED_AHEAD; j++) {
+      const int64_t p = b + 32 * j + lane;
+      raw[j] = p < p1 ? ids[p] : -1;
     }
-    const unsigned same = __match_any_sync(0xffffffffu, id);
-    if (id >= 0 && lane == __ffs(same) - 1)
-      row[id] += __popc(same);
-    __syncwarp();
+#pragma unroll
+    for (int j = 0; j < SCHED_AHEAD; j++) {
+      const int64_t p = b + 32 * j + lane;
+      int id = -1;
+      if (p < p1) {
+        id = raw[j];
+        if (id < 0 || id >= E) {
+          if (id != MOKK_NO_ROUTE && status != NULL)
+            atomicOr(status, 1); /* an integer flag: the order does not matter */
+          id = -1;
+          slot[p] = -1;
+        }
+        own[p] = id;
+      }
+      const unsigned same = __match_any_sync(0xffffffffu, id);
+      if (id >= 0 && lane == __ffs(same) - 1)
+        row[id] += __popc(same);
+      __syncwarp();
+    }
   }
+  if (SM)
+    for (int e = lane; e < E; e += 32)
+      out[e] = sched_row[e];
 }
 
 /* Block b, experts 32 b ..: each column of hist becomes the pairs of the
@@ -197,33 +222,53 @@ __global__ void __launch_bounds__(1024) k_offsets(const int *count, int E, int *
 }
 
 /* Warp w: chunk w's pairs get consecutive rows of their experts, in pair
- * order (token, then k), from the rows the chunks before took. */
+ * order (token, then k), from the rows the chunks before took. SM: each
+ * expert's next row (its segment's start plus hist's entry) kept in
+ * shared memory. */
+template <bool SM>
 __global__ void k_place(const int32_t *own, const float *tw, int64_t TK, int E, int64_t ch,
                         int *hist, const int *row_start, int *slot, int *src, float *row_w)
 {
   pdl_enter(); /* pdl.cuh: nothing global before it */
+  extern __shared__ int sched_row[];
   const int lane = threadIdx.x;
   int *row = hist + (int64_t)blockIdx.x * E;
   const int64_t p0 = blockIdx.x * ch, p1 = min(TK, p0 + ch);
 
-  for (int64_t b = p0; b < p1; b += 32) {
-    const int64_t p = b + lane;
-    const int id = p < p1 ? own[p] : -1;
-    const unsigned same = __match_any_sync(0xffffffffu, id);
-    const int first = __ffs(same) - 1;
-    int at = 0;
-    if (id >= 0 && lane == first)
-      at = row_start[id] + row[id];
-    at = __shfl_sync(0xffffffffu, at, first);
-    if (id >= 0) {
-      const int r = at + __popc(same & lanes_below(lane));
-      slot[p] = r;
-      src[r] = (int)p;
-      row_w[r] = tw[p];
-      if (lane == first)
-        row[id] += __popc(same);
-    }
+  if (SM) {
+    for (int e = lane; e < E; e += 32)
+      sched_row[e] = row_start[e] + row[e];
     __syncwarp();
+  }
+  for (int64_t b = p0; b < p1; b += 32 * SCHED_AHEAD) {
+    int idv[SCHED_AHEAD];
+    float wv[SCHED_AHEAD];
+#pragma unroll
+    for (int j = 0; j < SCHED_AHEAD; j++) {
+      const int64_t p = b + 32 * j + lane;
+      idv[j] = p < p1 ? own[p] : -1;
+      wv[j] = p < p1 ? tw[p] : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < SCHED_AHEAD; j++) {
+      const int64_t p = b + 32 * j + lane;
+      const int id = idv[j];
+      const unsigned same = __match_any_sync(0xffffffffu, id);
+      const int first = __ffs(same) - 1;
+      int at = 0;
+      if (id >= 0 && lane == first)
+        at = SM ? sched_row[id] : row_start[id] + row[id];
+      at = __shfl_sync(0xffffffffu, at, first);
+      if (id >= 0) {
+        const int r = at + __popc(same & lanes_below(lane));
+        slot[p] = r;
+        src[r] = (int)p;
+        row_w[r] = wv[j];
+        if (lane == first)
+          (SM ? sched_row : row)[id] += __popc(same);
+      }
+      __syncwarp();
+    }
   }
 }
 
@@ -626,11 +671,15 @@ void route_schedule(cudaStream_t st, const int32_t *ids, const float *tw, int64_
   int64_t ch;
   int chunks;
   sched_split(TK, E, scratch_bytes, &ch, &chunks);
-  pdl_launch(k_hist, chunks, 32, 0, st, ids, TK, E, ch, own_ids, slot, status, (int *)scratch);
+  const bool sm = E <= SCHED_SMEM_E;
+  const size_t row_bytes = sm ? (size_t)E * sizeof(int) : 0;
+  pdl_launch(sm ? k_hist<true> : k_hist<false>, chunks, 32, row_bytes, st, ids, TK, E, ch,
+             own_ids, slot, status, (int *)scratch);
   pdl_launch(k_colscan, (E + 31) / 32, 1024, 0, st, (int *)scratch, chunks, E, count);
   pdl_launch(k_offsets, 1, 1024, 0, st, (const int *)count, E, row_start, tile_off);
-  pdl_launch(k_place, chunks, 32, 0, st, (const int32_t *)own_ids, tw, TK, E, ch, (int *)scratch,
-             (const int *)row_start, slot, src, row_w);
+  pdl_launch(sm ? k_place<true> : k_place<false>, chunks, 32, row_bytes, st,
+             (const int32_t *)own_ids, tw, TK, E, ch, (int *)scratch, (const int *)row_start,
+             slot, src, row_w);
 }
 
 void route_gather(cudaStream_t st, int grid, route_rows x, const int *src, const int *lo,

@@ -178,7 +178,8 @@ out:
 /* Cases: pairs fewer than a chunk, not a multiple of 32, and more than the
  * most chunks hold at 256 pairs; more experts than threads in the offsets'
  * block; scratch for one chunk only; every pair on one expert; pairs with no
- * route and ids out of range. Returns the failures; msg says the first. */
+ * route and ids out of range; experts on either side of SCHED_SMEM_E (the
+ * counts in shared memory, or in hist). Returns the failures; msg says the first. */
 extern "C" int schedule_check(char *msg, size_t len)
 {
   static const struct {
@@ -189,7 +190,8 @@ extern "C" int schedule_check(char *msg, size_t len)
       {1, 1, 0, 0},           {5, 3, 0, 0},        {250, 64, 2, 0},    {4097, 128, 0, 0},
       {65536, 256, 0, 0},     {65536, 256, 1, 0},  {77777, 384, 3, 0}, {300001, 64, 2, 0},
       {20000, 3000, 0, 0},    {20000, 3000, 0, 4}, {9999, 1, 0, 0},    {40000, 96, 4, 0},
-      {131072, 64, 0, 64 * 4 * 7},
+      {131072, 64, 0, 64 * 4 * 7}, {30000, 5000, 2, 0}, {4097, 4096, 1, 0},
+      {5000, 4097, 3, 4},
   };
   int fails = 0;
   msg[0] = '\0';
