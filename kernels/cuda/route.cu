@@ -28,8 +28,8 @@
  * ids once. With one block per expert, each reading every id, the schedule
  * took 0.27 ms of dsv3's forward and 0.58 of mid's (Nsight Compute). */
 
-/* Chunks of at least 256 pairs, at most SCHED_CHUNKS of them (so that the
- * column scan holds a column's slice in registers), and no more than the
+/* Chunks of at least 256 pairs, at most SCHED_CHUNKS of them (so that a
+ * warp of the column scan reads at most 32 entries of a column), and no more than the
  * scratch holds rows of hist (one at least). 1024 rather than 256: qwen3_32k's
  * four schedule kernels took 42 us instead of 68 (H100, bench_gpu --trace;
  * mid 41 against 37, dsv3 unchanged at 256 chunks). */
@@ -123,18 +123,18 @@ __global__ void k_hist(const int32_t *ids, int64_t TK, int E, int64_t ch, int32_
 __global__ void __launch_bounds__(1024) k_colscan(int *hist, int chunks, int E, int *count)
 {
   pdl_enter(); /* pdl.cuh: nothing global before it */
-  constexpr int PER = SCHED_CHUNKS / 32;
   __shared__ int part[32][33];
   const int lane = threadIdx.x & 31, j = threadIdx.x >> 5, e = blockIdx.x * 32 + lane;
   const int per = (chunks + 31) / 32, w0 = j * per;
-  int v[PER], sum = 0;
+  const int n = e < E ? max(0, min(per, chunks - w0)) : 0; /* this thread's entries */
+  int *col = hist + (int64_t)w0 * E + e;
+  int sum = 0;
 
-#pragma unroll
-  for (int i = 0; i < PER; i++) {
-    const int w = w0 + i;
-    v[i] = i < per && w < chunks && e < E ? hist[(int64_t)w * E + e] : 0;
-    sum += v[i];
-  }
+  /* the slice is read twice, to sum it and to scan it, rather than held:
+   * 32 values a thread under the 64 registers of 1024 threads spilled */
+#pragma unroll 8
+  for (int i = 0; i < n; i++)
+    sum += col[(int64_t)i * E];
   part[j][lane] = sum;
   __syncthreads();
   if (j == 0) {
@@ -149,13 +149,17 @@ __global__ void __launch_bounds__(1024) k_colscan(int *hist, int chunks, int E, 
   }
   __syncthreads();
   int run = part[j][lane];
+  for (int i0 = 0; i0 < n; i0 += 8) {
+    int v[8];
 #pragma unroll
-  for (int i = 0; i < PER; i++) {
-    const int w = w0 + i;
-    if (i < per && w < chunks && e < E) {
-      hist[(int64_t)w * E + e] = run;
-      run += v[i];
-    }
+    for (int k = 0; k < 8; k++)
+      v[k] = i0 + k < n ? col[(int64_t)(i0 + k) * E] : 0;
+#pragma unroll
+    for (int k = 0; k < 8; k++)
+      if (i0 + k < n) {
+        col[(int64_t)(i0 + k) * E] = run;
+        run += v[k];
+      }
   }
 }
 
