@@ -28,9 +28,9 @@
  * ids once. With one block per expert, each reading every id, the schedule
  * took 0.27 ms of dsv3's forward and 0.58 of mid's (Nsight Compute). */
 
-/* Chunks of at least 256 pairs, at most SCHED_CHUNKS of them (so that a
- * warp of the column scan reads at most 32 entries of a column), and no more than the
- * scratch holds rows of hist (one at least). 1024 rather than 256: qwen3_32k's
+/* Chunks of at least 256 pairs, at most SCHED_CHUNKS of them (a warp of
+ * the column scan reads 32 entries of a column at most), and no more than
+ * the scratch holds rows of hist (one at least). 1024 rather than 256: qwen3_32k's
  * four schedule kernels took 42 us instead of 68 (H100, bench_gpu --trace;
  * mid 41 against 37, dsv3 unchanged at 256 chunks). */
 #define SCHED_CHUNKS 1024
