@@ -254,9 +254,9 @@ static gemm_args routed(const cuda_ctx *c, int64_t TK, int r)
   a.groups_all = (int)s->E;
   a.count = c->count + e0;
   a.row_start = c->row_start + e0;
-  a.tile_off = c->tile_off + e0;
-  a.tile_off_tall = c->tile_off + s->E + 1 + e0;
-  a.tile_off_ride = c->tile_off + 2 * (s->E + 1) + e0;
+  a.tile_off = c->tile_off + route_tile_off_at((int)s->E, ROUTE_TILES_WIDE) + e0;
+  a.tile_off_tall = c->tile_off + route_tile_off_at((int)s->E, ROUTE_TILES_TALL) + e0;
+  a.tile_off_ride = c->tile_off + route_tile_off_at((int)s->E, ROUTE_TILES_RIDE) + e0;
   a.tiles_max = (int)(TK / G_BM + (TK < El ? TK : El));
   a.limit = s->swiglu_limit;
   return a;
@@ -529,7 +529,7 @@ static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
   o_rs = carve(&off, (E + 1) * sizeof(int));
   /* m-tiles of 128, 256, 128 riding; then the rows of each expert the
    * dispatch has moved, when it runs beside gate/up (route_gather_ahead) */
-  o_to = carve(&off, (3 * (E + 1) + E) * sizeof(int));
+  o_to = carve(&off, route_tile_off_len((int)E) * sizeof(int));
   o_slot = carve(&off, TK * sizeof(int));
   o_src = carve(&off, TK * sizeof(int));
   o_rw = carve(&off, TK * sizeof(float));
@@ -619,7 +619,7 @@ static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
    * not wait for the rows the way the first one does. */
   ready = !gather && cb->k.gather_ahead > 0 && P == 1 && cb->arch == 90 &&
                   cb->k.tiles != MOKK_TILES_TALL && route_gather_ahead_fits((int)E, H)
-              ? c->tile_off + 3 * (E + 1)
+              ? c->tile_off + route_tile_off_at((int)E, ROUTE_READY)
               : NULL;
   if (ready != NULL) {
     /* ready: zeroed by the schedule */
@@ -1179,7 +1179,7 @@ static int spread_forward(cuda_backend *cb, const mokk_shape *s, int64_t T,
       goto fail;
     size_t off = 0, o_ids = carve(&off, 2 * TK * sizeof(int32_t)), o_tw = carve(&off, TK * 4),
            o_count = carve(&off, E * sizeof(int)), o_rs = carve(&off, (E + 1) * sizeof(int)),
-           o_to = carve(&off, (3 * (E + 1) + E) * sizeof(int)), o_slot = carve(&off, TK * 4),
+           o_to = carve(&off, route_tile_off_len((int)E) * sizeof(int)), o_slot = carve(&off, TK * 4),
            o_src = carve(&off, TK * 4), o_rw = carve(&off, TK * 4),
            o_xr = carve(&off, xr_bytes(TK, H, E)),
            o_g = train ? carve(&off, TK * I * 4) : 0,

@@ -211,17 +211,17 @@ __global__ void __launch_bounds__(1024) k_offsets(const int *count, int E, int *
   run = add4(run, make_int4(incl.x - mine.x, incl.y - mine.y, incl.z - mine.z, incl.w - mine.w));
   for (int e = e0; e < e1; e++) {
     row_start[e] = run.x;
-    tile_off[e] = run.y;
-    tile_off[E + 1 + e] = run.z;
-    tile_off[2 * (E + 1) + e] = run.w;
-    tile_off[3 * (E + 1) + e] = 0;
+    tile_off[route_tile_off_at(E, ROUTE_TILES_WIDE) + e] = run.y;
+    tile_off[route_tile_off_at(E, ROUTE_TILES_TALL) + e] = run.z;
+    tile_off[route_tile_off_at(E, ROUTE_TILES_RIDE) + e] = run.w;
+    tile_off[route_tile_off_at(E, ROUTE_READY) + e] = 0;
     run = add4(run, expert_sizes(count[e]));
   }
   if (e0 < E && e1 == E) { /* the thread with the last expert: the totals */
     row_start[E] = run.x;
-    tile_off[E] = run.y;
-    tile_off[2 * E + 1] = run.z;
-    tile_off[3 * E + 2] = run.w;
+    tile_off[route_tile_off_at(E, ROUTE_TILES_WIDE) + E] = run.y;
+    tile_off[route_tile_off_at(E, ROUTE_TILES_TALL) + E] = run.z;
+    tile_off[route_tile_off_at(E, ROUTE_TILES_RIDE) + E] = run.w;
   }
 }
 

@@ -26,6 +26,21 @@ typedef __nv_bfloat16 bf16;
 void route_schedule(cudaStream_t st, const int32_t *ids, const float *tw, int64_t TK, int E,
                     int32_t *own_ids, int *count, int *row_start, int *tile_off, int *slot,
                     int *src, float *row_w, int *status, void *scratch, size_t scratch_bytes);
+
+/* tile_off's tables, in order: m-tiles of 128 rows, of 256, of 128 with
+ * riding tails (each E + 1 entries), then the E ready counts. */
+enum { ROUTE_TILES_WIDE, ROUTE_TILES_TALL, ROUTE_TILES_RIDE, ROUTE_READY };
+
+/* Where table `which` of tile_off starts, and the ints tile_off holds. */
+__host__ __device__ static inline int64_t route_tile_off_at(int E, int which)
+{
+  return (int64_t)which * (E + 1);
+}
+
+__host__ __device__ static inline int64_t route_tile_off_len(int E)
+{
+  return route_tile_off_at(E, ROUTE_READY) + E;
+}
 /* Most EP ranks one step runs on one device (virtual ranks). */
 #define ROUTE_MAX_RANKS 8
 

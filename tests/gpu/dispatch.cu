@@ -50,7 +50,7 @@ static int one_case(int64_t T, int K, int64_t H, int E, int P, int no_route, cha
   size_t o_dout = 0, o_y = o_dout + P * TH * 2, o_xr = o_y + TK * H * 2, o_dy = o_xr + TK * H * 2,
          o_ids = o_dy + TK * H * 2, o_tw = o_ids + TK * 4, o_own = o_tw + TK * 4,
          o_cnt = o_own + TK * 4, o_rs = o_cnt + E * 4, o_to = o_rs + (E + 1) * 4,
-         o_slot = o_to + (3 * (E + 1) + E) * 4, o_src = o_slot + TK * 4, o_rw = o_src + TK * 4,
+         o_slot = o_to + route_tile_off_len(E) * 4, o_src = o_slot + TK * 4, o_rw = o_src + TK * 4,
          o_st = o_rw + TK * 4, o_fused = o_st + 16, o_alone = o_fused + TK * 4,
          o_scr = (o_alone + TK * 4 + 255) / 256 * 256, scratch = (size_t)256 * E * 4,
          bytes = o_scr + scratch;

@@ -46,7 +46,7 @@ static int sched_alloc(sched *s, int64_t TK, int E)
 {
   s->count = (int *)calloc(E, sizeof(int));
   s->row_start = (int *)calloc(E + 1, sizeof(int));
-  s->tile_off = (int *)calloc(3 * (E + 1) + E, sizeof(int));
+  s->tile_off = (int *)calloc(route_tile_off_len(E), sizeof(int));
   s->slot = (int *)calloc(TK, sizeof(int));
   s->src = (int *)calloc(TK, sizeof(int));
   s->row_w = (float *)calloc(TK, sizeof(float));
@@ -74,14 +74,16 @@ static void host_schedule(const int32_t *ids, const float *tw, int64_t TK, int E
   for (int e = 0; e < E; e++) {
     int c = s->count[e];
     s->row_start[e] = rows, s->tile_off[e] = tiles;
-    s->tile_off[E + 1 + e] = tall, s->tile_off[2 * (E + 1) + e] = ride;
+    s->tile_off[route_tile_off_at(E, ROUTE_TILES_TALL) + e] = tall;
+    s->tile_off[route_tile_off_at(E, ROUTE_TILES_RIDE) + e] = ride;
     rows += c;
     tiles += (c + 127) / 128;
     tall += (c + 255) / 256;
     ride += mokk_ride_mtiles(c);
   }
   s->row_start[E] = rows, s->tile_off[E] = tiles;
-  s->tile_off[2 * E + 1] = tall, s->tile_off[3 * E + 2] = ride;
+  s->tile_off[route_tile_off_at(E, ROUTE_TILES_TALL) + E] = tall;
+  s->tile_off[route_tile_off_at(E, ROUTE_TILES_RIDE) + E] = ride;
   for (int64_t p = 0; p < TK; p++) {
     int id = ids[p];
     if (id < 0 || id >= E) {
@@ -114,7 +116,7 @@ static int one_case(int64_t TK, int E, int mode, size_t scratch_bytes, char *msg
   int rc = -1, d;
   char *dev = NULL;
   size_t o_ids = 0, o_tw = o_ids + TK * 4, o_own = o_tw + TK * 4, o_cnt = o_own + TK * 4,
-         o_rs = o_cnt + E * 4, o_to = o_rs + (E + 1) * 4, o_slot = o_to + (3 * (E + 1) + E) * 4,
+         o_rs = o_cnt + E * 4, o_to = o_rs + (E + 1) * 4, o_slot = o_to + route_tile_off_len(E) * 4,
          o_src = o_slot + TK * 4, o_rw = o_src + TK * 4, o_st = o_rw + TK * 4,
          o_scr = (o_st + 4 + 255) / 256 * 256, bytes = o_scr + scratch_bytes;
 
@@ -139,7 +141,7 @@ static int one_case(int64_t TK, int E, int mode, size_t scratch_bytes, char *msg
   CU(cudaDeviceSynchronize());
   CU(cudaMemcpy(got.count, dev + o_cnt, E * 4, cudaMemcpyDeviceToHost));
   CU(cudaMemcpy(got.row_start, dev + o_rs, (E + 1) * 4, cudaMemcpyDeviceToHost));
-  CU(cudaMemcpy(got.tile_off, dev + o_to, (3 * (E + 1) + E) * 4, cudaMemcpyDeviceToHost));
+  CU(cudaMemcpy(got.tile_off, dev + o_to, route_tile_off_len(E) * 4, cudaMemcpyDeviceToHost));
   CU(cudaMemcpy(got.slot, dev + o_slot, TK * 4, cudaMemcpyDeviceToHost));
   CU(cudaMemcpy(got.src, dev + o_src, TK * 4, cudaMemcpyDeviceToHost));
   CU(cudaMemcpy(got.row_w, dev + o_rw, TK * 4, cudaMemcpyDeviceToHost));
@@ -151,7 +153,7 @@ static int one_case(int64_t TK, int E, int mode, size_t scratch_bytes, char *msg
       what = "count";
     else if ((d = first_diff(got.row_start, want.row_start, E + 1)) >= 0)
       what = "row_start";
-    else if ((d = first_diff(got.tile_off, want.tile_off, 3 * (E + 1) + E)) >= 0)
+    else if ((d = first_diff(got.tile_off, want.tile_off, (int)route_tile_off_len(E))) >= 0)
       what = "tile_off";
     else if ((d = first_diff(got.slot, want.slot, TK)) >= 0)
       what = "slot";
