@@ -480,6 +480,9 @@ extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
    * default) against stores from registers */
   static const char *const store_words[] = {"async", "regs"};
   static const char *const off_on[] = {"0", "1"};
+  /* rows picked out of x by gate/up GEMMs: none, the forward's and the
+   * weight gradient's, the forward's alone */
+  static const char *const gather_words[] = {"0", "1", "fwd"};
   int tiles, wgrad, clusters, order, ride, gather, stores, halves, spread;
   if ((rc = env_word("MOKD_GEMM_TILES", tile_words, 4, MOKK_TILES_AUTO, &tiles, err)) ||
       (rc = env_word("MOKD_GEMM_WGRAD_TILES", wgrad_words, 4, MOKK_TILES_AUTO, &wgrad, err)) ||
@@ -488,7 +491,7 @@ extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
       (rc = env_word("MOKD_GEMM_RIDE", ride_words, 4, MOKK_RIDE_AUTO, &ride, err)) ||
       /* rows picked out of x by the gate/up GEMMs against a gather pass
        * (the default: PERF.md v12) */
-      (rc = env_word("MOKD_GEMM_GATHER", off_on, 2, 0, &gather, err)))
+      (rc = env_word("MOKD_GEMM_GATHER", gather_words, 3, 0, &gather, err)))
     return rc;
   /* and the forward's dispatch on a few SMs beside gate/up against one pass
    * on all of them before it (0) */
@@ -586,7 +589,7 @@ extern "C" void mokk_cuda_set_gather_ahead(mokk_backend *b, int blocks)
 
 extern "C" void mokk_cuda_set_gather(mokk_backend *b, int on)
 {
-  ((cuda_backend *)b)->dflt.gather = on != 0;
+  ((cuda_backend *)b)->dflt.gather = on == 2 ? 2 : on != 0;
 }
 
 extern "C" void mokk_cuda_set_store_regs(mokk_backend *b, int on)

@@ -51,7 +51,8 @@ void mokk_cuda_set_dynamic_tiles(mokk_backend *b, int on);
 enum { MOKK_RIDE_OFF = 0, MOKK_RIDE_AUTO = 1, MOKK_RIDE_SPLIT = 2, MOKK_RIDE_WHOLE = 3 };
 void mokk_cuda_set_ride(mokk_backend *b, int mode);
 /* The gate/up GEMMs (forward and weight gradient) pick each pair's row out
- * of x (on != 0, MOKD_GEMM_GATHER=1; Hopper), or a gather pass copies the
+ * of x (on = 1, MOKD_GEMM_GATHER=1; Hopper), the forward's alone (2,
+ * MOKD_GEMM_GATHER=fwd), or a gather pass copies the
  * rows first (0, the default: the faster, so far; PERF.md v12): the
  * forward's into y's place, the backward's again before the gate/up weight
  * gradient. Same bits, and contexts of the same size. */

@@ -73,8 +73,10 @@ static int device_arch(cuda_backend *cb, char *err, const char *what)
 static int gathers(cuda_backend *cb, char *err, int *on)
 {
   int rc = device_arch(cb, err, "device query");
-  *on = rc == 0 && cb->arch == 90 && cb->k.gather &&
-        (cb->k.tiles == MOKK_TILES_AUTO || cb->k.tiles == MOKK_TILES_WIDE);
+  *on = rc == 0 && cb->arch == 90 &&
+                (cb->k.tiles == MOKK_TILES_AUTO || cb->k.tiles == MOKK_TILES_WIDE)
+            ? cb->k.gather
+            : 0;
   return rc;
 }
 
@@ -849,7 +851,8 @@ static int cuda_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode, in
   bf16 *dy = last ? c->y : (bf16 *)(base + o_dy);
   bf16 *dgu = in_place ? (bf16 *)c->g : (bf16 *)(base + o_dgu);
   float *dxr = last ? (float *)span_at : (float *)(base + o_dxr);
-  bf16 *xr = c->gather ? NULL : (bf16 *)dxr; /* once dxr is read; a tail lies past it */
+  /* once dxr is read; a tail lies past it. gather 2: the forward's rows alone */
+  bf16 *xr = c->gather == 1 ? NULL : (bf16 *)dxr;
   bf16 *dgus = Is ? (bf16 *)(base + o_dgus) : NULL;
   float *dxs = Is ? (float *)(base + o_dxs) : NULL;
   if (tail != 0) { /* 128-byte aligned: span_at is, span is TK I 2 past a multiple of 256 */

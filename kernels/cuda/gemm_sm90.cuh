@@ -465,8 +465,9 @@ __device__ __forceinline__ void load_stage(const params &p, const tile &x, int k
  * lanes copy them, 16 bytes at a time (cp16), into the layout the copy
  * engine writes (the 128-byte swizzle: 16-byte unit c of a 128-byte row j
  * sits at unit c ^ (j & 7)). Each lane then arrives on the stage's full
- * barrier once its copies have landed (cp16_arrive), which counts the 32
- * arrivals next to the copy engine's bytes. The rows past a group's end are
+ * barrier once its copies have landed (cp16_arrive), which counts the
+ * lanes' arrivals next to the copy engine's bytes; the producer
+ * warpgroup's four warps gather (NT: A's rows; TN: B's). The rows past a group's end are
  * not copied (NT: their products are dropped) or are zeros (TN: they are k
  * and must add nothing, as the copy engine's clipped maps give).
  * Off by default (MOKD_GEMM_GATHER=1), since slower so far: bench_gpu,
@@ -478,52 +479,71 @@ __device__ __forceinline__ void load_stage(const params &p, const tile &x, int k
  * row and k-block, issued by the 32 lanes; correct, since the engine
  * swizzles by shared-memory address) ran slower still: H100, dsv3 36.04 /
  * 84.40 against 13.65 / 29.38, mid's gate/up weight gradient 50.4 ms
- * against 6.9, about 50 cycles an SM per box (PERF.md v13). */
+ * against 6.9, about 50 cycles an SM per box (PERF.md v13). The gate/up
+ * GEMM's A on four warps, each lane's tokens read once a tile, came level
+ * with the dispatch beside the GEMM on dsv3 and stayed behind it on mid
+ * and qwen3_4k (PERF.md v34). */
 
-/* NT, NN: the tokens of tile x's A rows l + 32 i (lane l's; the riding
- * tail's row l last), -1 past the group's rows. */
+/* NT: gathered rows on the producer warpgroup's four warps: warp w
+ * copies rows 32 w .. 32 w + 31 of the tile and the riding tail's rows 8 w
+ * .. 8 w + 7, eight lanes a row (16-byte unit c = lane % 8), four rows a
+ * copy: rows 32 w + 4 m + lane / 8 (m < 8) and the tail's 8 w + 4 m + lane
+ * / 8 (m < 2). Their tokens are read once a tile (-1: past the group's
+ * rows, not copied), so that a stage's copies wait on nothing but the
+ * empty barrier: with one warp shuffling each row's token to its lanes,
+ * the copies of a stage were a chain of shuffles (PERF.md v13). */
+constexpr int GA_WARPS = 4;
+
 template <int BM, bool RIDE>
-__device__ __forceinline__ void gather_rows(const gemm_args &a, const tile &x, int lane,
-                                            int (&t)[BM / 32 + RIDE])
+__device__ __forceinline__ void gather_rows(const gemm_args &a, const tile &x, int t,
+                                            int (&tok)[8 + 2 * RIDE])
 {
+  static_assert(BM == 128, "four warps of 32 rows");
+  const int w = t >> 5, rr = (t & 31) >> 3;
 #pragma unroll
-  for (int i = 0; i < BM / 32; i++) {
-    int r = x.mt * BM + lane + 32 * i;
-    t[i] = r < x.rows ? a.gather[x.rb + r] / a.gather_div : -1;
+  for (int m = 0; m < 8; m++) {
+    const int r = x.mt * BM + 32 * w + 4 * m + rr;
+    tok[m] = r < x.rows ? a.gather[x.rb + r] / a.gather_div : -1;
   }
-  if constexpr (RIDE)
-    t[BM / 32] = lane < x.tail ? a.gather[x.rb + x.ride0 + lane] / a.gather_div : -1;
+#pragma unroll
+  for (int m = 0; m < 2 * RIDE; m++) {
+    const int r = 8 * w + 4 * m + rr;
+    tok[8 + m] = r < x.tail ? a.gather[x.rb + x.ride0 + r] / a.gather_div : -1;
+  }
 }
 
-/* NT, NN: k-block kb of those rows into the A stage at sa (the tail's after
- * the tile's BM rows). Each copy of the warp covers four whole 128-byte
- * rows, eight lanes a row: whole 32-byte sectors (with a lane a row, a
- * copy's 16 bytes were half a sector each, the other half another copy's). */
-template <int N>
-__device__ __forceinline__ void gather_a(const gemm_args &a, uint32_t sa, const int (&t)[N],
-                                         int kb, int lane)
+/* k-block kb of those rows into the A stage at sa (the tail's rows after
+ * the tile's BM). */
+template <int BM, bool RIDE>
+__device__ __forceinline__ void gather_a(const gemm_args &a, uint32_t sa,
+                                         const int (&tok)[8 + 2 * RIDE], int kb, int t)
 {
-  const int c = lane & 7;
+  const int w = t >> 5, rr = (t & 31) >> 3, c = t & 7;
   const char *base = (const char *)a.A + kb * 128 + c * 16;
+  const int64_t ld = (int64_t)a.lda * 2;
+  /* row j's unit c lies at j 128 + ((c ^ (j % 8)) << 4); j % 8 = 4 (m % 2) + rr */
+  const uint32_t d0 = sa + (32 * w + rr) * 128 + ((c ^ rr) << 4);
+  const uint32_t d1 = sa + (32 * w + rr) * 128 + ((c ^ (4 + rr)) << 4);
 #pragma unroll
-  for (int m = 0; m < 8 * N; m++) {
-    const int j = 4 * m + (lane >> 3); /* the row this lane copies a part of */
-    const int tok = __shfl_sync(0xffffffffu, t[m / 8], j & 31);
-    if (tok >= 0)
-      cp16(sa + j * 128 + ((c ^ (j & 7)) << 4), base + (int64_t)tok * a.lda * 2, 16);
-  }
+  for (int m = 0; m < 8; m++)
+    if (tok[m] >= 0)
+      cp16((m & 1 ? d1 : d0) + m * 512, base + tok[m] * ld, 16);
+  const uint32_t e0 = sa + (BM + 8 * w + rr) * 128 + ((c ^ rr) << 4);
+  const uint32_t e1 = sa + (BM + 8 * w + rr) * 128 + ((c ^ (4 + rr)) << 4);
+#pragma unroll
+  for (int m = 0; m < 2 * RIDE; m++)
+    if (tok[8 + m] >= 0)
+      cp16((m & 1 ? e1 : e0) + m * 512, base + tok[8 + m] * ld, 16);
 }
 
-/* TN: the rows of x's group that k-block kb reduces over, lane l's l and l +
- * 32: their rows of B in memory (gather[]), -1 past the group's end. */
-__device__ __forceinline__ void gather_keys(const gemm_args &a, const tile &x, int kb, int lane,
-                                            int (&t)[2])
+/* TN: the rows of x's group that k-block kb reduces over, on the same four
+ * warps: warp w copies k rows 16 w .. 16 w + 15, whose tokens its lanes l
+ * and l + 16 hold (row 16 w + l % 16 of the k-block), -1 past the group's
+ * end. */
+__device__ __forceinline__ int gather_key(const gemm_args &a, const tile &x, int kb, int t)
 {
-#pragma unroll
-  for (int h = 0; h < 2; h++) {
-    int k = kb * BK + lane + 32 * h;
-    t[h] = k < x.rows ? a.gather[x.rb + k] / a.gather_div : -1;
-  }
+  const int k = kb * BK + 16 * (t >> 5) + (t & 15);
+  return k < x.rows ? a.gather[x.rb + k] / a.gather_div : -1;
 }
 
 /* TN: those rows' BN columns of tile x into the MN-major B stage at sb:
@@ -531,16 +551,16 @@ __device__ __forceinline__ void gather_keys(const gemm_args &a, const tile &x, i
  * warp covers whole rows (BN / 8 lanes a row). Rows past the group's end
  * are zeros (cp16 of 0 bytes). */
 template <int BN>
-__device__ __forceinline__ void gather_b(const gemm_args &a, const tile &x, uint32_t sb,
-                                         const int (&t)[2], int lane)
+__device__ __forceinline__ void gather_b(const gemm_args &a, const tile &x, uint32_t sb, int key,
+                                         int t)
 {
   constexpr int LPR = BN / 8, RPI = 32 / LPR; /* lanes a row, rows a copy */
-  const int part = lane % LPR, c = part >> 3, q = part & 7;
+  const int lane = t & 31, part = lane % LPR, c = part >> 3, q = part & 7;
   const char *base = (const char *)(a.B + (int64_t)x.nt * BN) + part * 16;
 #pragma unroll
-  for (int m = 0; m < 64 / RPI; m++) {
-    const int j = RPI * m + lane / LPR;
-    const int tok = __shfl_sync(0xffffffffu, t[(RPI * m) / 32], j & 31);
+  for (int m = 0; m < 16 / RPI; m++) {
+    const int i = RPI * m + lane / LPR, j = 16 * (t >> 5) + i;
+    const int tok = __shfl_sync(0xffffffffu, key, i);
     cp16(sb + c * CHUNK + j * 128 + ((q ^ (j & 7)) << 4),
          base + (tok >= 0 ? (int64_t)tok * a.ldb * 2 : 0), tok >= 0 ? 16 : 0);
   }
@@ -1078,7 +1098,10 @@ __device__ __forceinline__ void stage_done(uint64_t *empty, int &prev, int &s, u
  * rows past its group's end (a group's last m-tile) stores from registers,
  * since a box writes every row; so do tiles of one k-block, and every tile
  * with gemm_args.store_regs. The values, and so the bits, are those of the
- * register epilogue (gemm_core checks them against each other).
+ * register epilogue (gemm_core checks them against each other). Tiles
+ * whose rows the producer's lanes gather (GA) too: their copies into a
+ * kept stage are generic writes after the copy engine's reads, which the
+ * stage's hand-back orders (it waits for the reads, tma_store_wait).
  * H100, bench_gpu --iters 20, forward ms, registers / async, two rounds
  * each: dsv3 12.934, 12.913 / 12.767, 12.711; mid 8.907, 8.735 / 8.573,
  * 8.587; qwen3_4k 0.927, 0.926 / 0.919, 0.903; qwen3_32k 5.852, 5.934 /
@@ -1091,7 +1114,7 @@ template <int LAYOUT, int EPI, int BN, int BM, int CL, bool GA>
 __host__ __device__ constexpr bool async_out()
 {
   return LAYOUT == L_NT && (EPI == E_BF16 || EPI == E_GATEUP) && BM == 128 &&
-         (CL == 1 || paired<LAYOUT, CL>()) && !GA && (BN == 128 || BN == 256);
+         (CL == 1 || paired<LAYOUT, CL>()) && (BN == 128 || BN == 256);
 }
 
 constexpr int BAR_EPI = 3; /* named barrier: both consumer warpgroups are done with a tile's MMAs */
@@ -1498,12 +1521,16 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
   mail m = {rb + 2 * SLOTS, rb + 2 * SLOTS + 1, (int *)(rb + 2 * SLOTS + 2) + SLOTS, 0};
   const gemm_args &a = p.g;
   const int wg = threadIdx.x / 128;
+  /* GA: warps of the producer warpgroup that gather rows (NT: four) */
+  constexpr int GW = GA ? GA_WARPS : 0;
+  static_assert(!GA || (LAYOUT == L_TN && CL == 1) || (LAYOUT == L_NT && BM == 128 && CL == 1),
+                "gathered rows: NT's A on single blocks of 128-row tiles, or TN's B");
 
   if (threadIdx.x == 0) {
     tma_prefetch_map(&p.a); /* parameters: before the kernel ahead has finished */
     tma_prefetch_map(&p.b);
     for (int s = 0; s < STAGES; s++) {
-      bar_init(&full[s], GA ? 1 + 32 : 1); /* GA: and each gathering lane's */
+      bar_init(&full[s], GA ? 1 + 32 * GW : 1); /* GA: and each gathering lane's */
       /* one arrival per warp that reads the stage, in both blocks of a cluster
        * in lockstep */
       bar_init(&empty[s], (PP ? 4 : 8) * lockstep<LAYOUT, CL>());
@@ -1530,7 +1557,7 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
     regs_release<56>();
     /* one thread issues the copy engine's loads; GA: its warp gathers rows */
     const int lane = threadIdx.x;
-    if (lane >= (GA ? 32 : 1))
+    if (lane >= (GA ? 32 * GW : 1))
       return;
     const int rank = CL == 2 ? (int)cluster_rank() : 0;
     const CUtensorMap *ma = &p.a, *mb = &p.b; /* TN: the current group's */
@@ -1568,15 +1595,15 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
         wait_count_async(a.ready + x.g, x.rows); /* single blocks: lane 0 alone */
         rg = x.g;
       }
-      int rows[LAYOUT == L_TN ? 1 : BM / 32 + RIDE], keys[2] = {-1, -1};
+      int rows[LAYOUT == L_TN ? 1 : 8 + 2 * RIDE], key = -1;
       if constexpr (GA && LAYOUT != L_TN)
         gather_rows<BM, RIDE>(a, x, lane, rows);
       if constexpr (GA && LAYOUT == L_TN)
-        gather_keys(a, x, 0, lane, keys);
+        key = gather_key(a, x, 0, lane);
       for (int kb = 0; kb < nk; kb++) {
-        int cur[2] = {keys[0], keys[1]};
+        const int cur = key;
         if (GA && LAYOUT == L_TN && kb + 1 < nk) /* one k-block ahead: the loads' latency */
-          gather_keys(a, x, kb + 1, lane, keys);
+          key = gather_key(a, x, kb + 1, lane);
         bar_wait(&empty[s], ph ^ 1);
         if (lane == 0) {
           bar_expect(&full[s], bytes);
@@ -1589,7 +1616,7 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
           if constexpr (LAYOUT == L_TN)
             gather_b<BN>(a, x, sb0 + s * B_BYTES, cur, lane);
           else
-            gather_a(a, sa0 + s * A_BYTES, rows, kb, lane);
+            gather_a<BM, RIDE>(a, sa0 + s * A_BYTES, rows, kb, lane);
           cp16_arrive(&full[s]);
         }
         stage_next<STAGES>(s, ph);
@@ -1607,8 +1634,15 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
           if (paired<LAYOUT, CL>())
             mail_send(m, next);
         }
-        if constexpr (GA)
+        if constexpr (GW > 1) { /* thread 0's claim to the other gathering warps */
+          if (lane == 0)
+            st_shared(m.val, next);
+          named_sync(1, 32 * GW);
+          next = ld_shared(m.val);
+          named_sync(1, 32 * GW);
+        } else if constexpr (GA) {
           next = __shfl_sync(0xffffffffu, next, 0);
+        }
         u = next;
       }
       u += gridDim.x / CL;

@@ -10,12 +10,11 @@
 typedef __nv_bfloat16 bf16;
 
 /* The schedule of T K pairs over E experts: count[e], row_start[e] (and the
- * total at row_start[E]), tile_off[e] (m-tiles of 128 rows before e, the
- * total at tile_off[E]; then the same for m-tiles of 256 rows at
- * tile_off[E + 1 ...], and for m-tiles of 128 rows with riding tails
- * (gemm_args.tile_off_ride) at tile_off[2 (E + 1) ...]; then E zeros at
- * tile_off[3 (E + 1) ...], route_gather_ahead's ready counts, so that no
- * memset stands between the schedule and the dispatch), each pair's row in
+ * total at row_start[E]), tile_off (route_tile_off_at: m-tiles of 128 rows
+ * before e, the total at [E]; the same for m-tiles of 256 rows, and for
+ * m-tiles of 128 rows with riding tails (gemm_args.tile_off_ride); then E
+ * zeros, route_gather_ahead's ready counts, so that no memset stands
+ * between the schedule and the dispatch), each pair's row in
  * slot (-1 for a pair with no route, id -1; -1 and bit 0 of status for any
  * other id outside [0, E); status NULL: not flagged), each row's pair in
  * src and its router weight.

@@ -576,16 +576,17 @@ START_TEST(gather_invariance)
     moe_case c;
     case_make(&c, &cases[k].s, cases[k].T, cases[k].seed, ROUTE_RANDOM);
     for (size_t i = 0; i < sizeof blocks / sizeof blocks[0]; i++)
-      for (size_t m = 0; m < 2; m++) {
+      for (size_t m = 0; m < 4; m++) {
         moe_out on, off;
         uint64_t held_on = 0, held_off = 0;
         mokk_cuda_set_max_blocks(gpu, blocks[i]);
-        mokk_cuda_set_gather(gpu, 1);
-        ck_assert_msg(gpu_run_ranks_on(&c, cases[k].P, modes[m], 0.5f, NULL, &on, &held_on,
+        /* 1: the forward and the weight gradient pick rows; 2: the forward alone */
+        mokk_cuda_set_gather(gpu, 1 + (int)(m / 2));
+        ck_assert_msg(gpu_run_ranks_on(&c, cases[k].P, modes[m % 2], 0.5f, NULL, &on, &held_on,
                                        err) == 0,
                       "%s", err);
         mokk_cuda_set_gather(gpu, 0);
-        ck_assert_msg(gpu_run_ranks_on(&c, cases[k].P, modes[m], 0.5f, NULL, &off, &held_off,
+        ck_assert_msg(gpu_run_ranks_on(&c, cases[k].P, modes[m % 2], 0.5f, NULL, &off, &held_off,
                                        err) == 0,
                       "%s", err);
         expect_same(&on, &off, &c, "rows from a gather pass");
