@@ -53,7 +53,7 @@ void mokk_cuda_set_ride(mokk_backend *b, int mode);
 /* The gate/up GEMMs (forward and weight gradient) pick each pair's row out
  * of x (on = 1, MOKD_GEMM_GATHER=1; Hopper), the forward's alone (2,
  * MOKD_GEMM_GATHER=fwd), or a gather pass copies the
- * rows first (0, the default: the faster, so far; PERF.md v12): the
+ * rows first (0, the default: the faster, so far; PERF.md v12, v34): the
  * forward's into y's place, the backward's again before the gate/up weight
  * gradient. Same bits, and contexts of the same size. */
 void mokk_cuda_set_gather(mokk_backend *b, int on);

@@ -66,10 +66,11 @@ static int device_arch(cuda_backend *cb, char *err, const char *what)
 
 /* Whether the step's gate/up GEMMs (forward, and the weight gradient) pick
  * each pair's row out of x themselves (gemm_args.gather) rather than read
- * the rows a gather pass copied (xr): with MOKD_GEMM_GATHER=1, on the
- * Hopper core's tiles of the auto or wide choice. Off by default: so far
- * slower than the gather pass (PERF.md v12), which the forward runs into
- * y's place and the backward again before the gate/up weight gradient. */
+ * the rows a gather pass copied (xr): with MOKD_GEMM_GATHER=1 (2: the
+ * forward's alone), on the Hopper core's tiles of the auto or wide choice.
+ * Off by default: not faster than the gather pass (PERF.md v12, v34),
+ * which the forward runs into y's place and the backward again before the
+ * gate/up weight gradient. */
 static int gathers(cuda_backend *cb, char *err, int *on)
 {
   int rc = device_arch(cb, err, "device query");
