@@ -74,10 +74,10 @@ static int device_arch(cuda_backend *cb, char *err, const char *what)
 static int gathers(cuda_backend *cb, char *err, int *on)
 {
   int rc = device_arch(cb, err, "device query");
-  *on = rc == 0 && cb->arch == 90 &&
-                (cb->k.tiles == MOKK_TILES_AUTO || cb->k.tiles == MOKK_TILES_WIDE)
-            ? cb->k.gather
-            : 0;
+  *on = 0;
+  if (rc == 0 && cb->arch == 90 &&
+      (cb->k.tiles == MOKK_TILES_AUTO || cb->k.tiles == MOKK_TILES_WIDE))
+    *on = cb->k.gather;
   return rc;
 }
 
@@ -1183,8 +1183,8 @@ static int spread_forward(cuda_backend *cb, const mokk_shape *s, int64_t T,
       goto fail;
     size_t off = 0, o_ids = carve(&off, 2 * TK * sizeof(int32_t)), o_tw = carve(&off, TK * 4),
            o_count = carve(&off, E * sizeof(int)), o_rs = carve(&off, (E + 1) * sizeof(int)),
-           o_to = carve(&off, route_tile_off_len((int)E) * sizeof(int)), o_slot = carve(&off, TK * 4),
-           o_src = carve(&off, TK * 4), o_rw = carve(&off, TK * 4),
+           o_to = carve(&off, route_tile_off_len((int)E) * sizeof(int)),
+           o_slot = carve(&off, TK * 4), o_src = carve(&off, TK * 4), o_rw = carve(&off, TK * 4),
            o_xr = carve(&off, xr_bytes(TK, H, E)),
            o_g = train ? carve(&off, TK * I * 4) : 0,
            o_u = train ? carve(&off, TK * I * 4) : 0, o_h = carve(&off, TK * I * 2),

@@ -467,9 +467,10 @@ __device__ __forceinline__ void load_stage(const params &p, const tile &x, int k
  * sits at unit c ^ (j & 7)). Each lane then arrives on the stage's full
  * barrier once its copies have landed (cp16_arrive), which counts the
  * lanes' arrivals next to the copy engine's bytes; the producer
- * warpgroup's four warps gather (NT: A's rows; TN: B's). The rows past a group's end are
- * not copied (NT: their products are dropped) or are zeros (TN: they are k
- * and must add nothing, as the copy engine's clipped maps give).
+ * warpgroup's four warps gather (NT: A's rows; TN: B's). The rows past a
+ * group's end are not copied (NT: their products are dropped) or are zeros
+ * (TN: they are k and must add nothing, as the copy engine's clipped maps
+ * give).
  * Off by default (MOKD_GEMM_GATHER=1), since slower so far: bench_gpu,
  * dsv3 forward / backward ms, gather pass 12.36 / 29.06; a lane a row
  * 14.76 / 37.62; whole rows a copy (below) 29.71 / 43.86, with the
@@ -1521,7 +1522,7 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
   mail m = {rb + 2 * SLOTS, rb + 2 * SLOTS + 1, (int *)(rb + 2 * SLOTS + 2) + SLOTS, 0};
   const gemm_args &a = p.g;
   const int wg = threadIdx.x / 128;
-  /* GA: warps of the producer warpgroup that gather rows (NT: four) */
+  /* GA: warps of the producer warpgroup that gather rows */
   constexpr int GW = GA ? GA_WARPS : 0;
   static_assert(!GA || (LAYOUT == L_TN && CL == 1) || (LAYOUT == L_NT && BM == 128 && CL == 1),
                 "gathered rows: NT's A on single blocks of 128-row tiles, or TN's B");
@@ -1555,7 +1556,8 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
 
   if (wg == 0) {
     regs_release<56>();
-    /* one thread issues the copy engine's loads; GA: its warp gathers rows */
+    /* one thread issues the copy engine's loads; GA: the warpgroup's four
+     * warps gather rows */
     const int lane = threadIdx.x;
     if (lane >= (GA ? 32 * GW : 1))
       return;
@@ -1634,14 +1636,13 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
           if (paired<LAYOUT, CL>())
             mail_send(m, next);
         }
-        if constexpr (GW > 1) { /* thread 0's claim to the other gathering warps */
+        if constexpr (GA) { /* thread 0's claim to the other gathering warps, through
+                             * the pairs' mail word (GA runs on single blocks) */
           if (lane == 0)
             st_shared(m.val, next);
           named_sync(1, 32 * GW);
           next = ld_shared(m.val);
           named_sync(1, 32 * GW);
-        } else if constexpr (GA) {
-          next = __shfl_sync(0xffffffffu, next, 0);
         }
         u = next;
       }

@@ -541,8 +541,9 @@ START_TEST(ride_invariance)
 }
 END_TEST
 
-/* The gate/up GEMMs picking each pair's row out of x (gemm_args.gather)
- * give the bits of the same GEMMs reading the rows a gather pass copied,
+/* The gate/up GEMMs picking each pair's row out of x (gemm_args.gather;
+ * the forward's and the weight gradient's, or the forward's alone) give
+ * the bits of the same GEMMs reading the rows a gather pass copied,
  * forward and backward, in both gradient modes, on a full grid and on three
  * blocks: with riding tails (experts of 129-160 rows), weight gradients on
  * ping-pong tiles (experts of a few rows, and of more than 1024) and on
