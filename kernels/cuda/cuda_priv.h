@@ -25,7 +25,8 @@ typedef struct cuda_knobs {
                      * paired) */
   int dynamic;      /* grouped NT GEMMs take tiles from a counter (MOKD_GEMM_ORDER) */
   int ride;         /* experts' short tails ride on full m-tiles: MOKK_RIDE_* (MOKD_GEMM_RIDE) */
-  int gather;       /* gate/up GEMMs pick rows out of x (MOKD_GEMM_GATHER) */
+  int gather;       /* gate/up GEMMs pick rows out of x (MOKD_GEMM_GATHER): 1 the forward's and
+                     * the weight gradient's, 2 the forward's alone */
   int gather_ahead; /* blocks of the forward's dispatch beside its gate/up GEMM; 0: the
                      * dispatch runs before it on the whole GPU (MOKD_GATHER_AHEAD) */
   int store_regs;   /* the forward's epilogues store from registers (MOKD_GEMM_STORES=regs) */
@@ -116,7 +117,8 @@ typedef struct cuda_ctx {
   float *row_w;              /* [TK] router weight of each row */
   /* no gathered rows (xr): the forward writes them in y's place and the
    * backward gathers them again (a spread rank keeps its own, cuda_part) */
-  int gather;                /* the GEMMs pick rows out of x (MOKD_GEMM_GATHER) */
+  int gather;                /* the GEMMs pick rows out of x (MOKD_GEMM_GATHER): 1 gate/up and
+                              * its weight gradient, 2 gate/up alone */
   float *g, *u;              /* [TK, I] gate and up before the clamp */
   __nv_bfloat16 *h;          /* [TK, I] */
   __nv_bfloat16 *y;          /* [TK, H] expert output per row */
