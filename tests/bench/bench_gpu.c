@@ -423,6 +423,8 @@ static int run_daemon(const char *sock, const shape_def *d, int iters, int do_ve
   uint64_t layer;
   problem p;
   float *fms = xmalloc(iters * 4), *bms = xmalloc(iters * 4);
+  float *fq = xmalloc(iters * 4), *fc = xmalloc(iters * 4);
+  float *bq = xmalloc(iters * 4), *bc = xmalloc(iters * 4);
   int bad = 0;
 
   if (mok_connect(sock, "bench_gpu", &c) != 0) {
@@ -476,8 +478,11 @@ static int run_daemon(const char *sock, const shape_def *d, int iters, int do_ve
     MOK_OK(c, mok_backward_flags(c, fr.context, &dout, NULL, 0, NULL,
                                  retain ? 0 : MOK_BACKWARD_LAST, &br));
     t2 = now_ms();
-    if (it >= 0)
+    if (it >= 0) {
       fms[it] = (float)(t1 - t0), bms[it] = (float)(t2 - t1);
+      fq[it] = fr.timing.queued_ns / 1e6f, fc[it] = fr.timing.compute_ns / 1e6f;
+      bq[it] = br.timing.queued_ns / 1e6f, bc[it] = br.timing.compute_ns / 1e6f;
+    }
     if (it + 1 < iters) {
       uint64_t rel[2] = {fr.context, br.result};
       MOK_OK(c, mok_release(c, rel, 2));
@@ -486,6 +491,15 @@ static int run_daemon(const char *sock, const shape_def *d, int iters, int do_ve
   qsort(fms, iters, 4, cmp_float);
   qsort(bms, iters, 4, cmp_float);
   *fwd = fms[iters / 2], *bwd = bms[iters / 2];
+  qsort(fq, iters, 4, cmp_float);
+  qsort(fc, iters, 4, cmp_float);
+  qsort(bq, iters, 4, cmp_float);
+  qsort(bc, iters, 4, cmp_float);
+  /* the daemon's side of a round trip: queued before an executor took the
+   * step, and the executor's time to enqueue it (the device runs after) */
+  printf("mokd-daemon %s host ms (median): fwd queued %.3f enqueue %.3f, bwd queued %.3f "
+         "enqueue %.3f\n", d->name, fq[iters / 2], fc[iters / 2], bq[iters / 2], bc[iters / 2]);
+  free(fq), free(fc), free(bq), free(bc);
   double flop = 6.0 * (double)T * H * ((double)K * I + Is);
   printf("mokd-daemon %s fwd_ms=%.3f fwd_tflops=%.1f bwd_ms=%.3f bwd_tflops=%.1f "
          "(request round trips through %s)\n", d->name, *fwd, flop / *fwd / 1e9, *bwd,
@@ -768,13 +782,17 @@ int main(int argc, char **argv)
     uint64_t zero = 0, high = 0;
     CUDA_OK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero));
     float *fms = xmalloc(iters * 4), *bms = xmalloc(iters * 4);
+    float *fhost = xmalloc(iters * 4), *bhost = xmalloc(iters * 4);
     for (int it = -2; it < iters; it++) {
       mokk_ctx *ctx = NULL;
+      double h0, h1, h2;
       CUDA_OK(cudaEventRecord(e0, st));
+      h0 = now_ms();
       if (mokk_forward(gpu, &p.s, p.T, &p.fr, &ctx, err)) {
         fprintf(stderr, "bench_gpu: %s: forward: %s\n", d->name, err);
         return 1;
       }
+      h1 = now_ms();
       CUDA_OK(cudaEventRecord(e1, st));
       if (mokk_backward_flags(gpu, ctx, fp32_accum ? MOKK_GRAD_FP32_ACCUM : MOKK_GRAD_BF16,
                               retain ? 0 : MOKK_BWD_LAST, &p.br,
@@ -782,6 +800,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "bench_gpu: %s: backward: %s\n", d->name, err);
         return 1;
       }
+      h2 = now_ms();
       CUDA_OK(cudaEventRecord(e2, st));
       mokk_ctx_free(gpu, ctx);
       if (mokk_cuda_sync(gpu, err)) {
@@ -791,6 +810,7 @@ int main(int argc, char **argv)
       if (it >= 0) {
         CUDA_OK(cudaEventElapsedTime(&fms[it], e0, e1));
         CUDA_OK(cudaEventElapsedTime(&bms[it], e1, e2));
+        fhost[it] = (float)(h1 - h0), bhost[it] = (float)(h2 - h1);
       }
     }
     CUDA_OK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high));
@@ -802,8 +822,11 @@ int main(int argc, char **argv)
     double f = fms[iters / 2], b = bms[iters / 2];
     double flop = flops_fwd(d);
     r->f = f, r->b = b;
-    printf("mokd %s spread: fwd_ms min %.3f max %.3f, bwd_ms min %.3f max %.3f\n", d->name,
-           fms[0], fms[iters - 1], bms[0], bms[iters - 1]);
+    qsort(fhost, iters, 4, cmp_float);
+    qsort(bhost, iters, 4, cmp_float);
+    printf("mokd %s spread: fwd_ms min %.3f max %.3f, bwd_ms min %.3f max %.3f; "
+           "host ms to enqueue (median) fwd %.3f bwd %.3f\n", d->name, fms[0],
+           fms[iters - 1], bms[0], bms[iters - 1], fhost[iters / 2], bhost[iters / 2]);
     printf("mokd %s T=%lld H=%lld I=%lld E=%lld K=%lld shared=%d fwd_ms=%.3f fwd_tflops=%.1f "
            "bwd_ms=%.3f bwd_tflops=%.1f peak_gb=%.3f\n",
            d->name, (long long)d->T, (long long)d->H, (long long)d->I, (long long)d->E,
@@ -812,7 +835,7 @@ int main(int argc, char **argv)
     if (do_verify && !strcmp(d->name, "dsv3"))
       bad |= verify(&p, cpu);
     problem_free(&p);
-    free(fms), free(bms);
+    free(fms), free(bms), free(fhost), free(bhost);
     /* give the step memory cached in this process back before the next run */
     CUDA_OK(cudaDeviceSynchronize());
     CUDA_OK(cudaMemPoolTrimTo(pool, 0));
