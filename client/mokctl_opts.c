@@ -306,7 +306,7 @@ static const char bench_help[] =
   "               memory, never results): tiles=auto|wide|tall|pingpong,\n"
   "               wgrad_tiles=auto|wide|pingpong, clusters=auto|none|dgrad|all,\n"
   "               order=auto|dynamic|static, tails=auto|own|ride|split|whole,\n"
-  "               dx=auto|halves|whole, dispatch=auto|before|N\n"
+  "               dx=auto|halves|whole, dispatch=auto|before|gather|N\n"
   "\n"
   "The daemon holds one arena with the weights (bf16), the inputs and fp32\n"
   "gradient buffers: about (3 E H I + 3 H I_s) x 6 + T H x 4 + T K x 8 bytes;\n"

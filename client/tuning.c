@@ -66,11 +66,15 @@ static int item(mok_layer_tuning *t, const char *key, size_t klen, const char *v
       t->dispatch_blocks = MOK_DISPATCH_BEFORE;
       return 0;
     }
+    if (strcmp(val, "gather") == 0) {
+      t->dispatch_blocks = MOK_DISPATCH_GATHER;
+      return 0;
+    }
     errno = 0;
     v = strtol(val, &end, 10);
     if (*val == '\0' || *end != '\0' || errno != 0 || v < 1 || v > MOK_DISPATCH_BLOCKS_MAX)
-      return bad(err, "tuning: dispatch=%s is not auto, before or a number of blocks from 1 "
-                 "to %d", val, MOK_DISPATCH_BLOCKS_MAX);
+      return bad(err, "tuning: dispatch=%s is not auto, before, gather or a number of blocks "
+                 "from 1 to %d", val, MOK_DISPATCH_BLOCKS_MAX);
     t->dispatch_blocks = (int32_t)v;
     return 0;
   }
@@ -143,11 +147,12 @@ int mok_layer_tuning_format(const mok_layer_tuning *t, char *buf, size_t n)
     len += (size_t)snprintf(buf + (len < n ? len : n), len < n ? n - len : 0, "%s%s=%s",
                             len ? "," : "", f->key, f->names[v]);
   }
-  if (t->dispatch_blocks < MOK_DISPATCH_BEFORE || t->dispatch_blocks > MOK_DISPATCH_BLOCKS_MAX)
+  if (t->dispatch_blocks < MOK_DISPATCH_GATHER || t->dispatch_blocks > MOK_DISPATCH_BLOCKS_MAX)
     return MOK_EINVAL;
-  if (t->dispatch_blocks == MOK_DISPATCH_BEFORE)
-    len += (size_t)snprintf(buf + (len < n ? len : n), len < n ? n - len : 0,
-                            "%sdispatch=before", len ? "," : "");
+  if (t->dispatch_blocks < 0)
+    len += (size_t)snprintf(buf + (len < n ? len : n), len < n ? n - len : 0, "%sdispatch=%s",
+                            len ? "," : "",
+                            t->dispatch_blocks == MOK_DISPATCH_BEFORE ? "before" : "gather");
   else if (t->dispatch_blocks > 0)
     len += (size_t)snprintf(buf + (len < n ? len : n), len < n ? n - len : 0, "%sdispatch=%d",
                             len ? "," : "", (int)t->dispatch_blocks);

@@ -30,6 +30,7 @@ _Static_assert(MOK_TILES_COUNT == (int)MOKK_TILES_COUNT && MOK_TILES_TALL == (in
                    MOK_TAILS_WHOLE == (int)MOKK_TAILS_WHOLE && MOK_DX_COUNT == (int)MOKK_DX_COUNT &&
                    MOK_DX_WHOLE == (int)MOKK_DX_WHOLE &&
                    MOK_DISPATCH_BEFORE == MOKK_DISPATCH_BEFORE &&
+                   MOK_DISPATCH_GATHER == MOKK_DISPATCH_GATHER &&
                    MOK_DISPATCH_BLOCKS_MAX == MOKK_DISPATCH_BLOCKS_MAX,
                "mok.h and layer.h number the kernel options differently");
 
@@ -90,10 +91,11 @@ int mokk_tuning_check(const mokk_tuning *t, char *err)
   if (t->wgrad_tiles == MOKK_TILES_TALL)
     return mokk_fail(err, MOK_EINVAL, "tuning: wgrad_tiles cannot be tall (%d): weight "
                      "gradients take wide or ping-pong tiles", MOKK_TILES_TALL);
-  if (t->dispatch_blocks < MOKK_DISPATCH_BEFORE || t->dispatch_blocks > MOKK_DISPATCH_BLOCKS_MAX)
+  if (t->dispatch_blocks < MOKK_DISPATCH_GATHER || t->dispatch_blocks > MOKK_DISPATCH_BLOCKS_MAX)
     return mokk_fail(err, MOK_EINVAL, "tuning: dispatch_blocks is %d; it must be 0 (the "
-                     "default), %d (before gate/up) or 1 to %d blocks beside it",
-                     t->dispatch_blocks, MOKK_DISPATCH_BEFORE, MOKK_DISPATCH_BLOCKS_MAX);
+                     "default), %d (before gate/up), %d (gate/up gathers its rows) or 1 to %d "
+                     "blocks beside it", t->dispatch_blocks, MOKK_DISPATCH_BEFORE,
+                     MOKK_DISPATCH_GATHER, MOKK_DISPATCH_BLOCKS_MAX);
   return 0;
 }
 

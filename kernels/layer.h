@@ -30,6 +30,7 @@ enum { MOKK_TAILS_AUTO, MOKK_TAILS_OWN, MOKK_TAILS_RIDE, MOKK_TAILS_SPLIT, MOKK_
        MOKK_TAILS_COUNT };
 enum { MOKK_DX_AUTO, MOKK_DX_HALVES, MOKK_DX_WHOLE, MOKK_DX_COUNT };
 #define MOKK_DISPATCH_BEFORE (-1)
+#define MOKK_DISPATCH_GATHER (-2) /* no dispatch: gate/up reads x's rows itself */
 #define MOKK_DISPATCH_BLOCKS_MAX 1024
 
 typedef struct mokk_tuning {
@@ -39,7 +40,7 @@ typedef struct mokk_tuning {
   int order;       /* MOKK_ORDER_* */
   int tails;       /* MOKK_TAILS_* */
   int dx;          /* MOKK_DX_* */
-  int dispatch_blocks; /* 0, MOKK_DISPATCH_BEFORE or 1..MOKK_DISPATCH_BLOCKS_MAX */
+  int dispatch_blocks; /* 0, MOKK_DISPATCH_BEFORE, _GATHER or 1..MOKK_DISPATCH_BLOCKS_MAX */
 } mokk_tuning;
 
 typedef struct mokk_shape {

@@ -168,6 +168,7 @@ START_TEST(tuned_layer_equals_engine)
       {{.wgrad_tiles = MOK_TILES_TALL}, "tuning: wgrad_tiles cannot be tall"},
       {{.tails = (mok_tails)-3}, "tuning: tails is -3"},
       {{.dispatch_blocks = 5000}, "tuning: dispatch_blocks is 5000"},
+      {{.dispatch_blocks = -3}, "tuning: dispatch_blocks is -3"},
   };
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
     ck_assert_int_eq(mok_layer_create_tuned(c, &d, &bad[i].t, &layer), MOK_EINVAL);

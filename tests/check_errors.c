@@ -150,8 +150,9 @@ START_TEST(bad_tuning)
       {{.order = 3}, "tuning: order is 3; it must be 0 (the default) to 2"},
       {{.tails = 5}, "tuning: tails is 5; it must be 0 (the default) to 4"},
       {{.dx = 3}, "tuning: dx is 3; it must be 0 (the default) to 2"},
-      {{.dispatch_blocks = -2}, "tuning: dispatch_blocks is -2; it must be 0 (the default), "
-                                "-1 (before gate/up) or 1 to 1024 blocks beside it"},
+      {{.dispatch_blocks = -3}, "tuning: dispatch_blocks is -3; it must be 0 (the default), "
+                                "-1 (before gate/up), -2 (gate/up gathers its rows) or 1 to "
+                                "1024 blocks beside it"},
       {{.dispatch_blocks = 1025}, "tuning: dispatch_blocks is 1025"},
   };
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
@@ -168,6 +169,8 @@ START_TEST(bad_tuning)
                     .dispatch_blocks = MOKK_DISPATCH_BLOCKS_MAX};
   ck_assert_int_eq(mokk_tuning_check(&ok, err), 0);
   ok.dispatch_blocks = MOKK_DISPATCH_BEFORE;
+  ck_assert_int_eq(mokk_tuning_check(&ok, err), 0);
+  ok.dispatch_blocks = MOKK_DISPATCH_GATHER;
   ck_assert_int_eq(mokk_tuning_check(&ok, err), 0);
 }
 END_TEST

@@ -192,6 +192,8 @@ START_TEST(tuning_flag)
   ck_assert_int_eq(o.tune.tiles, MOK_TILES_TALL);
   ck_assert_int_eq(o.tune.dispatch_blocks, MOK_DISPATCH_BEFORE);
   ck_assert_int_eq(o.tune.order, MOK_ORDER_AUTO);
+  ck_assert_int_eq(parse(&o, err, "bench", "--tuning", "dispatch=gather", (char *)NULL), 0);
+  ck_assert_int_eq(o.tune.dispatch_blocks, MOK_DISPATCH_GATHER);
   REFUSED("--tuning: tuning: tiles=huge is not one of auto|wide|tall|pingpong", "bench",
           "--tuning", "tiles=huge");
   REFUSED("bench: --tuning needs a value", "bench", "--tuning");
@@ -231,8 +233,8 @@ START_TEST(tuning_text)
       "wgrad_tiles=wide", "wgrad_tiles=pingpong", "clusters=auto", "clusters=none",
       "clusters=dgrad", "clusters=all", "order=auto", "order=dynamic", "order=static",
       "tails=auto", "tails=own", "tails=ride", "tails=split", "tails=whole", "dx=auto",
-      "dx=halves", "dx=whole", "dispatch=auto", "dispatch=before", "dispatch=1",
-      "dispatch=1024"};
+      "dx=halves", "dx=whole", "dispatch=auto", "dispatch=before", "dispatch=gather",
+      "dispatch=1", "dispatch=1024"};
   for (size_t i = 0; i < sizeof words / sizeof words[0]; i++) {
     ck_assert_msg(mok_layer_tuning_parse(&t, words[i], err) == 0, "%s: %s", words[i], err);
     ck_assert_int_ge(mok_layer_tuning_format(&t, buf, sizeof buf), 0);
@@ -257,13 +259,13 @@ START_TEST(tuning_text)
       {"tiles", "tuning: \"tiles\" is not key=value"},
       {"=wide", "tuning: \"=wide\" is not key=value"},
       {"tiles=", "tuning: \"tiles=\" has no value"},
-      {"dispatch=0", "tuning: dispatch=0 is not auto, before or a number of blocks from 1 to "
+      {"dispatch=0", "tuning: dispatch=0 is not auto, before, gather or a number of blocks from 1 to "
                      "1024"},
-      {"dispatch=1025", "tuning: dispatch=1025 is not auto, before or a number of blocks from "
+      {"dispatch=1025", "tuning: dispatch=1025 is not auto, before, gather or a number of blocks from "
                         "1 to 1024"},
-      {"dispatch=-1", "tuning: dispatch=-1 is not auto, before or a number of blocks from 1 "
+      {"dispatch=-1", "tuning: dispatch=-1 is not auto, before, gather or a number of blocks from 1 "
                       "to 1024"},
-      {"dispatch=8x", "tuning: dispatch=8x is not auto, before or a number of blocks from 1 "
+      {"dispatch=8x", "tuning: dispatch=8x is not auto, before, gather or a number of blocks from 1 "
                       "to 1024"},
       {"dx=wholeandsomemorewordsthanfitinthere", "tuning: \"dx=wholeandsomemorewordsthanfitin"
                                                  "there\" has too long a value"},
@@ -283,7 +285,9 @@ START_TEST(tuning_text)
   ck_assert_int_eq(mok_layer_tuning_format(&t, buf, sizeof buf), MOK_EINVAL);
   t.wgrad_tiles = 0, t.tails = MOK_TAILS_COUNT;
   ck_assert_int_eq(mok_layer_tuning_format(&t, buf, sizeof buf), MOK_EINVAL);
-  t.tails = 0, t.dispatch_blocks = -2;
+  t.tails = 0, t.dispatch_blocks = -3;
+  ck_assert_int_eq(mok_layer_tuning_format(&t, buf, sizeof buf), MOK_EINVAL);
+  t.dispatch_blocks = MOK_DISPATCH_BLOCKS_MAX + 1;
   ck_assert_int_eq(mok_layer_tuning_format(&t, buf, sizeof buf), MOK_EINVAL);
   ck_assert_int_eq(mok_layer_tuning_format(NULL, buf, sizeof buf), MOK_ENULL);
 }

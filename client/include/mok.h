@@ -116,8 +116,11 @@ typedef enum {
 /* dispatch_blocks: where the forward's dispatch (its gathered rows of x)
  * runs. 0: the default; n in 1..MOK_DISPATCH_BLOCKS_MAX: on n blocks beside
  * the gate/up GEMM, which waits for an expert's rows only as it reaches
- * them; MOK_DISPATCH_BEFORE: on the whole GPU before it. */
+ * them; MOK_DISPATCH_BEFORE: on the whole GPU before it; MOK_DISPATCH_GATHER:
+ * nowhere, the gate/up GEMM reading each row out of x itself (Hopper, wide
+ * tiles; elsewhere the default's dispatch). The bits are the same. */
 #define MOK_DISPATCH_BEFORE (-1)
+#define MOK_DISPATCH_GATHER (-2)
 #define MOK_DISPATCH_BLOCKS_MAX 1024
 typedef struct mok_layer_tuning {
   mok_tiles tiles;       /* the forward's and the data gradients' grouped GEMMs */
@@ -304,7 +307,7 @@ int mok_layer_create_tuned(mok_client *c, const mok_layer_desc *d, const mok_lay
  * wgrad_tiles=auto|wide|pingpong,
  * clusters=auto|none|dgrad|all, order=auto|dynamic|static,
  * tails=auto|own|ride|split|whole, dx=auto|halves|whole,
- * dispatch=auto|before|N (N blocks beside gate/up, 1..1024). NULL or ""
+ * dispatch=auto|before|gather|N (N blocks beside gate/up, 1..1024). NULL or ""
  * gives the defaults. MOK_EINVAL with a message in err (MOK_ERRLEN bytes,
  * may be NULL) naming the bad item. */
 int mok_layer_tuning_parse(mok_layer_tuning *t, const char *text, char *err);

@@ -480,9 +480,9 @@ extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
    * default) against stores from registers */
   static const char *const store_words[] = {"async", "regs"};
   static const char *const off_on[] = {"0", "1"};
-  /* rows picked out of x by gate/up GEMMs: none, the forward's and the
-   * weight gradient's, the forward's alone */
-  static const char *const gather_words[] = {"0", "1", "fwd"};
+  /* rows picked out of x by gate/up GEMMs: by the step's shape, none, the
+   * forward's and the weight gradient's, the forward's alone */
+  static const char *const gather_words[] = {"auto", "0", "1", "fwd"};
   int tiles, wgrad, clusters, order, ride, gather, stores, halves, spread;
   if ((rc = env_word("MOKD_GEMM_TILES", tile_words, 4, MOKK_TILES_AUTO, &tiles, err)) ||
       (rc = env_word("MOKD_GEMM_WGRAD_TILES", wgrad_words, 4, MOKK_TILES_AUTO, &wgrad, err)) ||
@@ -491,7 +491,7 @@ extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
       (rc = env_word("MOKD_GEMM_RIDE", ride_words, 4, MOKK_RIDE_AUTO, &ride, err)) ||
       /* rows picked out of x by the gate/up GEMMs against a gather pass
        * (the default: PERF.md v12) */
-      (rc = env_word("MOKD_GEMM_GATHER", gather_words, 3, 0, &gather, err)))
+      (rc = env_word("MOKD_GEMM_GATHER", gather_words, 4, 0, &gather, err)))
     return rc;
   /* and the forward's dispatch on a few SMs beside gate/up against one pass
    * on all of them before it (0) */
@@ -515,7 +515,7 @@ extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
     return mokk_fail(err, MOK_ENOMEM, "out of memory");
   cuda_knobs *d = &cb->dflt;
   d->tiles = tiles, d->wgrad_tiles = wgrad, d->clusters = clusters;
-  d->dynamic = order == 0, d->ride = ride, d->gather = gather;
+  d->dynamic = order == 0, d->ride = ride, d->gather = gather - 1; /* auto: -1 */
   d->gather_ahead = (int)ahead_blocks, d->store_regs = stores, d->dx_halves = halves;
   cb->spread = spread;
   cb->k = *d;
@@ -579,7 +579,9 @@ extern "C" void mokk_cuda_step_tuning(const mokk_backend *b, mokk_tuning *t)
   t->order = k->dynamic ? MOKK_ORDER_DYNAMIC : MOKK_ORDER_STATIC;
   t->tails = k->ride + 1;
   t->dx = k->dx_halves ? MOKK_DX_HALVES : MOKK_DX_WHOLE;
-  t->dispatch_blocks = k->gather_ahead > 0 ? k->gather_ahead : MOKK_DISPATCH_BEFORE;
+  t->dispatch_blocks = k->gather != 0   ? MOKK_DISPATCH_GATHER
+                       : k->gather_ahead > 0 ? k->gather_ahead
+                                             : MOKK_DISPATCH_BEFORE;
 }
 
 extern "C" void mokk_cuda_set_gather_ahead(mokk_backend *b, int blocks)
@@ -589,7 +591,7 @@ extern "C" void mokk_cuda_set_gather_ahead(mokk_backend *b, int blocks)
 
 extern "C" void mokk_cuda_set_gather(mokk_backend *b, int on)
 {
-  ((cuda_backend *)b)->dflt.gather = on == 2 ? 2 : on != 0;
+  ((cuda_backend *)b)->dflt.gather = on < 0 ? MOKK_GATHER_AUTO : on == 2 ? 2 : on != 0;
 }
 
 extern "C" void mokk_cuda_set_store_regs(mokk_backend *b, int on)

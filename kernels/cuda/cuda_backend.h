@@ -52,10 +52,15 @@ enum { MOKK_RIDE_OFF = 0, MOKK_RIDE_AUTO = 1, MOKK_RIDE_SPLIT = 2, MOKK_RIDE_WHO
 void mokk_cuda_set_ride(mokk_backend *b, int mode);
 /* The gate/up GEMMs (forward and weight gradient) pick each pair's row out
  * of x (on = 1, MOKD_GEMM_GATHER=1; Hopper), the forward's alone (2,
- * MOKD_GEMM_GATHER=fwd), or a gather pass copies the
- * rows first (0, the default: the faster, so far; PERF.md v12, v34): the
+ * MOKD_GEMM_GATHER=fwd), or a gather pass copies the rows first (0): the
  * forward's into y's place, the backward's again before the gate/up weight
- * gradient. Same bits, and contexts of the same size. */
+ * gradient. Same bits, and contexts of the same size. The default
+ * (MOKK_GATHER_AUTO, on < 0) is 2 for a step of at least
+ * MOKK_GATHER_AUTO_ROWS rows over experts of I <= MOKK_GATHER_AUTO_I, 0
+ * otherwise (PERF.md v36). */
+#define MOKK_GATHER_AUTO (-1)
+#define MOKK_GATHER_AUTO_I 1024
+#define MOKK_GATHER_AUTO_ROWS 16384
 void mokk_cuda_set_gather(mokk_backend *b, int on);
 /* The forward's dispatch (the gathered rows of x) runs on `blocks` blocks
  * beside the gate/up GEMM, which starts on the other SMs and waits for an

@@ -66,11 +66,13 @@ static int device_arch(cuda_backend *cb, char *err, const char *what)
 
 /* Whether the step's gate/up GEMMs (forward, and the weight gradient) pick
  * each pair's row out of x themselves (gemm_args.gather) rather than read
- * the rows a gather pass copied (xr): with MOKD_GEMM_GATHER=1 (2: the
- * forward's alone), on the Hopper core's tiles of the auto or wide choice.
- * Off by default: not faster than the gather pass (PERF.md v12, v34),
- * which the forward runs into y's place and the backward again before the
- * gate/up weight gradient. */
+ * the rows a gather pass copied (xr): with MOKD_GEMM_GATHER=1 (2, or a
+ * layer's dispatch=gather: the forward's alone), on the Hopper core's tiles
+ * of the auto or wide choice.
+ * By default the forward's alone, and only on steps of many rows over
+ * narrow experts (step_knobs): elsewhere the gather pass is the faster
+ * (PERF.md v12, v34, v36), which the forward runs into y's place and the
+ * backward again before the gate/up weight gradient. */
 static int gathers(cuda_backend *cb, char *err, int *on)
 {
   int rc = device_arch(cb, err, "device query");
@@ -1427,11 +1429,18 @@ out: {
 /* ---- entries for the backend's table (cuda_backend.cu) ------------------ */
 
 /* The step's kernel choices: the layer's tuning where it chooses, the
- * backend's defaults where it leaves them (0). A step runs on one thread
+ * backend's defaults where it leaves them (0), an automatic default by the
+ * step's shape (s, T tokens a rank). A step runs on one thread
  * from entry to return, and every launcher reads cb->k (rank views copy it). */
-static void step_knobs(cuda_backend *cb, const mokk_tuning *t)
+static void step_knobs(cuda_backend *cb, const mokk_shape *s, int64_t T)
 {
+  const mokk_tuning *t = &s->tune;
   cuda_knobs k = cb->dflt;
+  /* the forward's rows gathered by gate/up where the dispatch costs most
+   * beside it: experts of few columns (its bytes per GEMM flop go as 1 /
+   * I), on steps of the size where that was measured (PERF.md v36) */
+  if (k.gather == MOKK_GATHER_AUTO)
+    k.gather = s->I <= MOKK_GATHER_AUTO_I && T * s->K * s->P >= MOKK_GATHER_AUTO_ROWS ? 2 : 0;
   if (t->tiles != MOKK_TILES_AUTO)
     k.tiles = t->tiles;
   if (t->wgrad_tiles != MOKK_TILES_AUTO)
@@ -1444,21 +1453,28 @@ static void step_knobs(cuda_backend *cb, const mokk_tuning *t)
     k.ride = t->tails - 1; /* MOKK_RIDE_* (cuda_priv.h) */
   if (t->dx != MOKK_DX_AUTO)
     k.dx_halves = t->dx == MOKK_DX_HALVES;
-  if (t->dispatch_blocks != 0)
+  /* the layer's dispatch decides the forward's rows over MOKD_GEMM_GATHER
+   * (a measuring knob): gathered by gate/up, or dispatched, and then the
+   * backward gathers them again for its weight gradient */
+  if (t->dispatch_blocks == MOKK_DISPATCH_GATHER) {
+    k.gather = 2;
+  } else if (t->dispatch_blocks != 0) {
+    k.gather = 0;
     k.gather_ahead = t->dispatch_blocks == MOKK_DISPATCH_BEFORE ? 0 : t->dispatch_blocks;
+  }
   cb->k = k;
 }
 
 int cuda_forward_entry(mokk_backend *b, const mokk_shape *s, int64_t T,
                        const mokk_fwd_rank *ranks, mokk_ctx **out_ctx, char *err)
 {
-  step_knobs((cuda_backend *)b, &s->tune);
+  step_knobs((cuda_backend *)b, s, T);
   return cuda_forward(b, s, T, ranks, out_ctx, err);
 }
 
 int cuda_backward_entry(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode, unsigned flags,
                         const mokk_bwd_rank *ranks, char *err)
 {
-  step_knobs((cuda_backend *)b, &ctx->shape.tune);
+  step_knobs((cuda_backend *)b, &ctx->shape, ctx->T);
   return cuda_backward(b, ctx, mode, (flags & MOKK_BWD_LAST) != 0, ranks, err);
 }

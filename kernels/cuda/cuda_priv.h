@@ -26,7 +26,8 @@ typedef struct cuda_knobs {
   int dynamic;      /* grouped NT GEMMs take tiles from a counter (MOKD_GEMM_ORDER) */
   int ride;         /* experts' short tails ride on full m-tiles: MOKK_RIDE_* (MOKD_GEMM_RIDE) */
   int gather;       /* gate/up GEMMs pick rows out of x (MOKD_GEMM_GATHER): 1 the forward's and
-                     * the weight gradient's, 2 the forward's alone */
+                     * the weight gradient's, 2 the forward's alone; a default of
+                     * MOKK_GATHER_AUTO is 2 or 0 by the step's shape (step_knobs) */
   int gather_ahead; /* blocks of the forward's dispatch beside its gate/up GEMM; 0: the
                      * dispatch runs before it on the whole GPU (MOKD_GATHER_AHEAD) */
   int store_regs;   /* the forward's epilogues store from registers (MOKD_GEMM_STORES=regs) */

@@ -598,8 +598,63 @@ START_TEST(gather_invariance)
       }
     case_free(&c);
   }
-  mokk_cuda_set_gather(gpu, 0);
+  mokk_cuda_set_gather(gpu, MOKK_GATHER_AUTO);
   mokk_cuda_set_max_blocks(gpu, 0);
+}
+END_TEST
+
+/* The default's choice between the two (MOKK_GATHER_AUTO): the forward's
+ * gate/up gathers its rows on a step of MOKK_GATHER_AUTO_ROWS rows or more
+ * (over every virtual rank) whose experts have I <= MOKK_GATHER_AUTO_I, and
+ * the dispatch runs beside it otherwise; a layer's dispatch choice
+ * overrides it either way, and every choice gives the same bits. */
+START_TEST(gather_auto_rule)
+{
+  static const struct {
+    mokk_shape s;
+    int64_t T; /* over all ranks */
+    int P;
+    int gathers;
+  } cases[] = {
+      {{.H = 128, .I = MOKK_GATHER_AUTO_I / 8, .E = 8, .K = 2, .P = 1},
+       MOKK_GATHER_AUTO_ROWS / 2, 1, 1},
+      {{.H = 128, .I = MOKK_GATHER_AUTO_I, .E = 4, .K = 2, .P = 1},
+       MOKK_GATHER_AUTO_ROWS / 2, 1, 1},
+      {{.H = 128, .I = MOKK_GATHER_AUTO_I / 8, .E = 8, .K = 2, .P = 1},
+       MOKK_GATHER_AUTO_ROWS / 2, 2, 1},
+      {{.H = 128, .I = MOKK_GATHER_AUTO_I + 64, .E = 4, .K = 2, .P = 1},
+       MOKK_GATHER_AUTO_ROWS / 2, 1, 0},
+      {{.H = 128, .I = MOKK_GATHER_AUTO_I / 8, .E = 8, .K = 2, .P = 1},
+       MOKK_GATHER_AUTO_ROWS / 2 - 1, 1, 0},
+  };
+  static const int dispatch[] = {MOKK_DISPATCH_BEFORE, MOKK_GATHER_AHEAD_DEFAULT,
+                                 MOKK_DISPATCH_GATHER};
+  char err[2 * MOK_ERRLEN] = "";
+
+  for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+    moe_case c;
+    moe_out ref;
+    mokk_tuning got;
+    case_make(&c, &cases[k].s, cases[k].T, 60 + k, ROUTE_RANDOM);
+    ck_assert_msg(gpu_run_ranks(&c, cases[k].P, MOKK_GRAD_BF16, 0.5f, &ref, err) == 0, "%s",
+                  err);
+    mokk_cuda_step_tuning(gpu, &got);
+    ck_assert_msg(got.dispatch_blocks == (cases[k].gathers ? MOKK_DISPATCH_GATHER
+                                                           : MOKK_GATHER_AHEAD_DEFAULT),
+                  "case %zu: the default chose dispatch %d", k, got.dispatch_blocks);
+    for (size_t d = 0; d < sizeof dispatch / sizeof dispatch[0]; d++) {
+      moe_out on;
+      c.s.tune.dispatch_blocks = dispatch[d];
+      ck_assert_msg(gpu_run_ranks(&c, cases[k].P, MOKK_GRAD_BF16, 0.5f, &on, err) == 0, "%s",
+                    err);
+      mokk_cuda_step_tuning(gpu, &got);
+      ck_assert_int_eq(got.dispatch_blocks, dispatch[d]);
+      expect_same(&on, &ref, &c, "a layer's dispatch over the default's");
+      out_free(&on);
+    }
+    out_free(&ref);
+    case_free(&c);
+  }
 }
 END_TEST
 
@@ -703,8 +758,9 @@ END_TEST
 /* A layer's kernel options (mokk_shape.tune) are its steps' choices over
  * the backend's defaults and change no bit: every tile shape (forward, data
  * and weight gradients), clusters none or everywhere, static order, tails
- * of their own, split or whole, the dispatch before gate/up or on three
- * blocks, d_x in whole rows. Each step runs with what its layer chose
+ * of their own, split or whole, the dispatch before gate/up, on three
+ * blocks or none (gate/up gathering its rows; on tall tiles, which do not
+ * gather, the default's dispatch), d_x in whole rows. Each step runs with what its layer chose
  * (mokk_cuda_step_tuning), and a layer that chooses nothing runs on the
  * defaults again. Experts of 145, 750 and 1500 rows on average (the
  * weight gradients' auto choice takes ping-pong tiles for the last). */
@@ -732,6 +788,9 @@ START_TEST(layer_tuning_invariance)
       {.tails = MOKK_TAILS_RIDE, .dispatch_blocks = 3},
       {.dx = MOKK_DX_WHOLE, .dispatch_blocks = MOKK_DISPATCH_BEFORE},
       {.dx = MOKK_DX_HALVES, .order = MOKK_ORDER_STATIC, .dispatch_blocks = 1},
+      {.dispatch_blocks = MOKK_DISPATCH_GATHER},
+      {.tiles = MOKK_TILES_TALL, .dispatch_blocks = MOKK_DISPATCH_GATHER},
+      {.tails = MOKK_TAILS_SPLIT, .dispatch_blocks = MOKK_DISPATCH_GATHER},
   };
   /* the backend's defaults, as a step reports them */
   const mokk_tuning dflt = {.tiles = MOKK_TILES_AUTO, .wgrad_tiles = MOKK_TILES_AUTO,
@@ -2358,6 +2417,7 @@ static Suite *gpu_suite(void)
   tcase_add_test(tc, tile_order_invariance);
   tcase_add_test(tc, ride_invariance);
   tcase_add_test(tc, gather_invariance);
+  tcase_add_test(tc, gather_auto_rule);
   tcase_add_test(tc, gather_ahead_invariance);
   tcase_add_test(tc, layer_tuning_invariance);
   tcase_add_test(tc, epilogue_invariance);

@@ -135,7 +135,7 @@ class ClientTest(unittest.TestCase):
         T, H, I, E, K, Is = 24, 32, 16, 6, 2, 8
         x, ids, tw, w, d_out = problem(np.random.default_rng(3), T, H, I, E, K, Is)
         got = []
-        for tuning in (None, "tiles=tall, order=static dispatch=before",
+        for tuning in (None, "tiles=tall, order=static dispatch=before", "dispatch=gather",
                        {"wgrad_tiles": "pingpong", "tails": "own", "dispatch": 8}):
             layer = mokd.Layer(self.c, H, I, E, K, shared_intermediate=Is, tuning=tuning)
             layer.set_weights(*w)
@@ -152,7 +152,7 @@ class ClientTest(unittest.TestCase):
         for bad, msg in (("tiles=huge", "tuning: tiles=huge is not one of "
                                         "auto|wide|tall|pingpong"),
                          ({"colour": "red"}, "\"colour\" is not an option"),
-                         ({"dispatch": 0}, "dispatch=0 is not auto, before or a number")):
+                         ({"dispatch": 0}, "dispatch=0 is not auto, before, gather or a number")):
             with self.assertRaises(ValueError) as cm:
                 mokd.Layer(self.c, H, I, E, K, tuning=bad)
             self.assertIn(msg, str(cm.exception))
