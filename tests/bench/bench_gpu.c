@@ -30,17 +30,47 @@
 int bench_fill_bf16(void *p, int64_t n, uint64_t seed, float scale);
 
 typedef struct shape_def {
-  const char *name;
+  char name[32];
   int64_t T, H, I, E, K, Is;
 } shape_def;
 
-static const shape_def shapes[] = {
+#define MAX_SHAPES 16
+static shape_def shapes[MAX_SHAPES] = {
     {"dsv3", 8192, 7168, 2048, 256, 8, 2048},
     {"mid", 16384, 4096, 1536, 64, 8, 0},
     {"qwen3_4k", 4096, 2048, 768, 128, 8, 0},
     {"qwen3_32k", 32768, 2048, 768, 128, 8, 0},
     {"mok", 2048, 7168, 3072, 384, 6, 3072},
 };
+static size_t nshapes = 5;
+
+/* --shape NAME=T,H,I,E,K,I_s: one more shape, run when --shapes names it
+ * (the torch baseline knows only DESIGN §6's); 0 or a message */
+static const char *shape_add(const char *arg)
+{
+  shape_def d;
+  const char *eq = strchr(arg, '=');
+  size_t n = eq != NULL ? (size_t)(eq - arg) : 0;
+  long long v[6];
+  int used = 0;
+
+  if (nshapes == MAX_SHAPES)
+    return "too many shapes";
+  if (n == 0 || n >= sizeof d.name || strspn(arg, "abcdefghijklmnopqrstuvwxyz0123456789_") != n)
+    return "NAME (1-31 of a-z, 0-9 and _) must come before '='";
+  memset(&d, 0, sizeof d);
+  memcpy(d.name, arg, n);
+  for (size_t i = 0; i < nshapes; i++)
+    if (strcmp(shapes[i].name, d.name) == 0)
+      return "a shape of that name exists";
+  if (sscanf(eq + 1, "%lld,%lld,%lld,%lld,%lld,%lld%n", &v[0], &v[1], &v[2], &v[3], &v[4], &v[5],
+             &used) != 6 || eq[1 + used] != '\0' || v[0] < 1 || v[1] < 1 || v[2] < 1 ||
+      v[3] < 1 || v[4] < 1 || v[4] > v[3] || v[5] < 0)
+    return "want T,H,I,E,K,I_s: positive, K <= E, I_s >= 0";
+  d.T = v[0], d.H = v[1], d.I = v[2], d.E = v[3], d.K = v[4], d.Is = v[5];
+  shapes[nshapes++] = d;
+  return NULL;
+}
 
 #define CUDA_OK(call)                                                           \
   do {                                                                          \
@@ -526,7 +556,7 @@ static int torch_baseline(const char *cmd, const char *name, int iters, double *
   FILE *f;
   int found = 0;
 
-  snprintf(buf, sizeof buf, "%s --shapes %s --iters %d", cmd, name, iters);
+  snprintf(buf, sizeof buf, "%s --shapes %.31s --iters %d", cmd, name, iters);
   if ((f = popen(buf, "r")) == NULL)
     return 0;
   while (fgets(line, sizeof line, f) != NULL) {
@@ -646,12 +676,12 @@ static int trace_step(mokk_backend *gpu, problem *p, const char *name)
   for (int pass = 0; pass < 2; pass++) {
     if (mokk_forward(gpu, &p->s, p->T, &p->fr, &ctx, err) || mokk_cuda_sync(gpu, err))
       goto out;
-    snprintf(label, sizeof label, "%s fwd", name);
+    snprintf(label, sizeof label, "%.31s fwd", name);
     trace_cut(stdout, pass ? label : NULL);
     if (mokk_backward_flags(gpu, ctx, mode, retain ? 0 : MOKK_BWD_LAST, &p->br, err) ||
         mokk_cuda_sync(gpu, err))
       goto out;
-    snprintf(label, sizeof label, "%s bwd", name);
+    snprintf(label, sizeof label, "%.31s bwd", name);
     trace_cut(stdout, pass ? label : NULL);
     mokk_ctx_free(gpu, ctx);
     ctx = NULL;
@@ -673,7 +703,7 @@ int main(int argc, char **argv)
   int iters = 20, do_verify = 0, bad = 0, nres = 0, trace = 0;
   char err[MOK_ERRLEN];
   mokk_backend *gpu = NULL, *cpu = NULL;
-  result res[sizeof shapes / sizeof shapes[0]];
+  result res[MAX_SHAPES];
   double ceil_tf = 0;
 
   setvbuf(stdout, NULL, _IOLBF, 0); /* lines reach a log even if a run dies */
@@ -698,7 +728,13 @@ int main(int argc, char **argv)
       retain = 1;
     else if (!strcmp(argv[i], "--daemon") && i + 1 < argc)
       sock = argv[++i];
-    else if (!strcmp(argv[i], "--tuning") && i + 1 < argc) {
+    else if (!strcmp(argv[i], "--shape") && i + 1 < argc) {
+      const char *why = shape_add(argv[++i]);
+      if (why != NULL) {
+        fprintf(stderr, "bench_gpu: --shape %s: %s\n", argv[i], why);
+        return 2;
+      }
+    } else if (!strcmp(argv[i], "--tuning") && i + 1 < argc) {
       if (mok_layer_tuning_parse(&tuning, argv[++i], err)) {
         fprintf(stderr, "bench_gpu: --tuning: %s\n", err);
         return 2;
@@ -706,8 +742,10 @@ int main(int argc, char **argv)
     } else {
       fprintf(stderr, "usage: bench_gpu [--shapes a,b] [--iters n] [--torch CMD] [--verify]\n"
                       "                 [--daemon SOCK] [--ceiling CMD] [--csv FILE] [--fp32-accum]\n"
-                      "                 [--trace] [--retain] [--tuning S]\n"
-                      "  shapes: dsv3 mid qwen3_4k qwen3_32k mok (DESIGN §6)\n"
+                      "                 [--trace] [--retain] [--tuning S] [--shape NAME=T,H,I,E,K,I_s]\n"
+                      "  shapes: dsv3 mid qwen3_4k qwen3_32k mok (DESIGN §6), and --shape's\n"
+                      "  --shape NAME=T,H,I,E,K,I_s  one more shape for --shapes to name (no\n"
+                      "               torch baseline); repeatable\n"
                       "  --iters N    timed iterations after 2 warm-ups; medians (default 20)\n"
                       "  --torch CMD  run 'CMD --shapes NAME --iters N' for the baseline\n"
                       "  --verify     check dsv3 against the CPU engine on samples\n"
@@ -758,10 +796,10 @@ int main(int argc, char **argv)
   CUDA_OK(cudaEventCreate(&e2));
   CUDA_OK(cudaDeviceGetDefaultMemPool(&pool, mokk_cuda_device(gpu)));
 
-  for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+  for (size_t si = 0; si < nshapes; si++) {
     const shape_def *d = &shapes[si];
     char pat[64];
-    snprintf(pat, sizeof pat, ",%s,", d->name);
+    snprintf(pat, sizeof pat, ",%.31s,", d->name);
     char list[512];
     snprintf(list, sizeof list, ",%s,", want);
     if (strstr(list, pat) == NULL)
