@@ -56,10 +56,10 @@ void mokk_cuda_set_ride(mokk_backend *b, int mode);
  * forward's into y's place, the backward's again before the gate/up weight
  * gradient. Same bits, and contexts of the same size. The default
  * (MOKK_GATHER_AUTO, on < 0) is 2 for a step of at least
- * MOKK_GATHER_AUTO_ROWS rows over experts of I <= MOKK_GATHER_AUTO_I, 0
- * otherwise (PERF.md v36). */
+ * MOKK_GATHER_AUTO_ROWS rows over experts of H x I <= MOKK_GATHER_AUTO_HI,
+ * 0 otherwise (PERF.md v36). */
 #define MOKK_GATHER_AUTO (-1)
-#define MOKK_GATHER_AUTO_I 1024
+#define MOKK_GATHER_AUTO_HI (2048 * 1536)
 #define MOKK_GATHER_AUTO_ROWS 16384
 void mokk_cuda_set_gather(mokk_backend *b, int on);
 /* The forward's dispatch (the gathered rows of x) runs on `blocks` blocks

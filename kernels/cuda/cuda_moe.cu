@@ -1436,11 +1436,14 @@ static void step_knobs(cuda_backend *cb, const mokk_shape *s, int64_t T)
 {
   const mokk_tuning *t = &s->tune;
   cuda_knobs k = cb->dflt;
-  /* the forward's rows gathered by gate/up where the dispatch costs most
-   * beside it: experts of few columns (its bytes per GEMM flop go as 1 /
-   * I), on steps of the size where that was measured (PERF.md v36) */
+  /* the forward's rows gathered by gate/up where that measured faster than
+   * the dispatch beside it: experts of small H x I (qwen3's 2048 x 768 to
+   * 2048 x 1536 and 4096 x 768, not mid's 4096 x 1536 nor dsv3's), on
+   * steps of as many rows as were measured (PERF.md v36) */
   if (k.gather == MOKK_GATHER_AUTO)
-    k.gather = s->I <= MOKK_GATHER_AUTO_I && T * s->K * s->P >= MOKK_GATHER_AUTO_ROWS ? 2 : 0;
+    k.gather = s->H * s->I <= MOKK_GATHER_AUTO_HI && T * s->K * s->P >= MOKK_GATHER_AUTO_ROWS
+                   ? 2
+                   : 0;
   if (t->tiles != MOKK_TILES_AUTO)
     k.tiles = t->tiles;
   if (t->wgrad_tiles != MOKK_TILES_AUTO)

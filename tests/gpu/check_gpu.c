@@ -605,8 +605,8 @@ END_TEST
 
 /* The default's choice between the two (MOKK_GATHER_AUTO): the forward's
  * gate/up gathers its rows on a step of MOKK_GATHER_AUTO_ROWS rows or more
- * (over every virtual rank) whose experts have I <= MOKK_GATHER_AUTO_I, and
- * the dispatch runs beside it otherwise; a layer's dispatch choice
+ * (over every virtual rank) whose experts have H x I <= MOKK_GATHER_AUTO_HI,
+ * and the dispatch runs beside it otherwise; a layer's dispatch choice
  * overrides it either way, and every choice gives the same bits. */
 START_TEST(gather_auto_rule)
 {
@@ -616,16 +616,11 @@ START_TEST(gather_auto_rule)
     int P;
     int gathers;
   } cases[] = {
-      {{.H = 128, .I = MOKK_GATHER_AUTO_I / 8, .E = 8, .K = 2, .P = 1},
-       MOKK_GATHER_AUTO_ROWS / 2, 1, 1},
-      {{.H = 128, .I = MOKK_GATHER_AUTO_I, .E = 4, .K = 2, .P = 1},
-       MOKK_GATHER_AUTO_ROWS / 2, 1, 1},
-      {{.H = 128, .I = MOKK_GATHER_AUTO_I / 8, .E = 8, .K = 2, .P = 1},
-       MOKK_GATHER_AUTO_ROWS / 2, 2, 1},
-      {{.H = 128, .I = MOKK_GATHER_AUTO_I + 64, .E = 4, .K = 2, .P = 1},
-       MOKK_GATHER_AUTO_ROWS / 2, 1, 0},
-      {{.H = 128, .I = MOKK_GATHER_AUTO_I / 8, .E = 8, .K = 2, .P = 1},
-       MOKK_GATHER_AUTO_ROWS / 2 - 1, 1, 0},
+      {{.H = 128, .I = 128, .E = 8, .K = 2, .P = 1}, MOKK_GATHER_AUTO_ROWS / 2, 1, 1},
+      {{.H = 3072, .I = 1024, .E = 4, .K = 2, .P = 1}, MOKK_GATHER_AUTO_ROWS / 2, 1, 1},
+      {{.H = 128, .I = 128, .E = 8, .K = 2, .P = 1}, MOKK_GATHER_AUTO_ROWS / 2, 2, 1},
+      {{.H = 3072, .I = 1088, .E = 4, .K = 2, .P = 1}, MOKK_GATHER_AUTO_ROWS / 2, 1, 0},
+      {{.H = 128, .I = 128, .E = 8, .K = 2, .P = 1}, MOKK_GATHER_AUTO_ROWS / 2 - 1, 1, 0},
   };
   static const int dispatch[] = {MOKK_DISPATCH_BEFORE, MOKK_GATHER_AHEAD_DEFAULT,
                                  MOKK_DISPATCH_GATHER};
@@ -680,6 +675,7 @@ START_TEST(gather_ahead_invariance)
   static const int blocks[] = {0, 3}, ahead[] = {1, 5};
   char err[2 * MOK_ERRLEN] = "";
 
+  mokk_cuda_set_gather(gpu, 0); /* a dispatch, whatever the default's rule */
   for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
     moe_case c;
     moe_out off;
@@ -700,6 +696,7 @@ START_TEST(gather_ahead_invariance)
     case_free(&c);
   }
   mokk_cuda_set_gather_ahead(gpu, MOKK_GATHER_AHEAD_DEFAULT);
+  mokk_cuda_set_gather(gpu, MOKK_GATHER_AUTO);
 }
 END_TEST
 
