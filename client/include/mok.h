@@ -114,7 +114,9 @@ typedef enum {
   MOK_DX_COUNT
 } mok_dx;
 /* dispatch_blocks: where the forward's dispatch (its gathered rows of x)
- * runs. 0: the default; n in 1..MOK_DISPATCH_BLOCKS_MAX: on n blocks beside
+ * runs. 0: the default (on the CUDA backend, 16 blocks beside gate/up, or
+ * MOK_DISPATCH_GATHER on steps of at least 16384 rows over experts of
+ * H x I <= 2048 x 1536); n in 1..MOK_DISPATCH_BLOCKS_MAX: on n blocks beside
  * the gate/up GEMM, which waits for an expert's rows only as it reaches
  * them; MOK_DISPATCH_BEFORE: on the whole GPU before it; MOK_DISPATCH_GATHER:
  * nowhere, the gate/up GEMM reading each row out of x itself (Hopper, wide
