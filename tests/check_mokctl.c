@@ -259,14 +259,14 @@ START_TEST(tuning_text)
       {"tiles", "tuning: \"tiles\" is not key=value"},
       {"=wide", "tuning: \"=wide\" is not key=value"},
       {"tiles=", "tuning: \"tiles=\" has no value"},
-      {"dispatch=0", "tuning: dispatch=0 is not auto, before, gather or a number of blocks from 1 to "
-                     "1024"},
-      {"dispatch=1025", "tuning: dispatch=1025 is not auto, before, gather or a number of blocks from "
-                        "1 to 1024"},
-      {"dispatch=-1", "tuning: dispatch=-1 is not auto, before, gather or a number of blocks from 1 "
-                      "to 1024"},
-      {"dispatch=8x", "tuning: dispatch=8x is not auto, before, gather or a number of blocks from 1 "
-                      "to 1024"},
+      {"dispatch=0", "tuning: dispatch=0 is not auto, before, gather or a number of blocks "
+                     "from 1 to 1024"},
+      {"dispatch=1025", "tuning: dispatch=1025 is not auto, before, gather or a number of "
+                        "blocks from 1 to 1024"},
+      {"dispatch=-1", "tuning: dispatch=-1 is not auto, before, gather or a number of blocks "
+                      "from 1 to 1024"},
+      {"dispatch=8x", "tuning: dispatch=8x is not auto, before, gather or a number of blocks "
+                      "from 1 to 1024"},
       {"dx=wholeandsomemorewordsthanfitinthere", "tuning: \"dx=wholeandsomemorewordsthanfitin"
                                                  "there\" has too long a value"},
   };

@@ -742,7 +742,8 @@ int main(int argc, char **argv)
     } else {
       fprintf(stderr, "usage: bench_gpu [--shapes a,b] [--iters n] [--torch CMD] [--verify]\n"
                       "                 [--daemon SOCK] [--ceiling CMD] [--csv FILE] [--fp32-accum]\n"
-                      "                 [--trace] [--retain] [--tuning S] [--shape NAME=T,H,I,E,K,I_s]\n"
+                      "                 [--trace] [--retain] [--tuning S]\n"
+                      "                 [--shape NAME=T,H,I,E,K,I_s]\n"
                       "  shapes: dsv3 mid qwen3_4k qwen3_32k mok (DESIGN §6), and --shape's\n"
                       "  --shape NAME=T,H,I,E,K,I_s  one more shape for --shapes to name (no\n"
                       "               torch baseline); repeatable\n"

@@ -757,10 +757,11 @@ END_TEST
  * and weight gradients), clusters none or everywhere, static order, tails
  * of their own, split or whole, the dispatch before gate/up, on three
  * blocks or none (gate/up gathering its rows; on tall tiles, which do not
- * gather, the default's dispatch), d_x in whole rows. Each step runs with what its layer chose
- * (mokk_cuda_step_tuning), and a layer that chooses nothing runs on the
- * defaults again. Experts of 145, 750 and 1500 rows on average (the
- * weight gradients' auto choice takes ping-pong tiles for the last). */
+ * gather, the default's dispatch), d_x in whole rows. Each step runs with
+ * what its layer chose (mokk_cuda_step_tuning), and a layer that chooses
+ * nothing runs on the defaults again. Experts of 145, 750 and 1500 rows on
+ * average (the weight gradients' auto choice takes ping-pong tiles for the
+ * last). */
 START_TEST(layer_tuning_invariance)
 {
   static const struct {
