@@ -490,7 +490,7 @@ extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
       (rc = env_word("MOKD_GEMM_ORDER", order_words, 2, 0, &order, err)) ||
       (rc = env_word("MOKD_GEMM_RIDE", ride_words, 4, MOKK_RIDE_AUTO, &ride, err)) ||
       /* rows picked out of x by the gate/up GEMMs against a gather pass
-       * (the default: PERF.md v12) */
+       * (auto, the default: by the step's shape, PERF.md v36) */
       (rc = env_word("MOKD_GEMM_GATHER", gather_words, 4, 0, &gather, err)))
     return rc;
   /* and the forward's dispatch on a few SMs beside gate/up against one pass

@@ -70,7 +70,7 @@ static int device_arch(cuda_backend *cb, char *err, const char *what)
  * layer's dispatch=gather: the forward's alone), on the Hopper core's tiles
  * of the auto or wide choice.
  * By default the forward's alone, and only on steps of many rows over
- * narrow experts (step_knobs): elsewhere the gather pass is the faster
+ * experts of small H x I (step_knobs): elsewhere the gather pass is the faster
  * (PERF.md v12, v34, v36), which the forward runs into y's place and the
  * backward again before the gate/up weight gradient. */
 static int gathers(cuda_backend *cb, char *err, int *on)

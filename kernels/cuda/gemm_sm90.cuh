@@ -471,7 +471,7 @@ __device__ __forceinline__ void load_stage(const params &p, const tile &x, int k
  * group's end are not copied (NT: their products are dropped) or are zeros
  * (TN: they are k and must add nothing, as the copy engine's clipped maps
  * give).
- * Off by default (MOKD_GEMM_GATHER=1), since slower so far: bench_gpu,
+ * At first slower than a gather pass everywhere (MOKD_GEMM_GATHER=1): bench_gpu,
  * dsv3 forward / backward ms, gather pass 12.36 / 29.06; a lane a row
  * 14.76 / 37.62; whole rows a copy (below) 29.71 / 43.86, with the
  * producer's unrolled copies spilling its 56 registers (ptxas -v: 172-336
@@ -482,8 +482,9 @@ __device__ __forceinline__ void load_stage(const params &p, const tile &x, int k
  * 84.40 against 13.65 / 29.38, mid's gate/up weight gradient 50.4 ms
  * against 6.9, about 50 cycles an SM per box (PERF.md v13). The gate/up
  * GEMM's A on four warps, each lane's tokens read once a tile, came level
- * with the dispatch beside the GEMM on dsv3 and stayed behind it on mid
- * and qwen3_4k (PERF.md v34). */
+ * with the dispatch beside the GEMM on dsv3, stays behind it on mid, and
+ * beats it on experts of small H x I (qwen3: 6-8 % of the forward), where
+ * the forward now gathers by default (step_knobs; PERF.md v34, v36). */
 
 /* NT: gathered rows on the producer warpgroup's four warps: warp w
  * copies rows 32 w .. 32 w + 31 of the tile and the riding tail's rows 8 w
