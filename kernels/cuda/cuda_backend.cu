@@ -476,8 +476,8 @@ extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
   static const char *const ride_words[] = {"0", "1", "split", "whole"};
   static_assert(MOKK_RIDE_OFF == 0 && MOKK_RIDE_AUTO == 1 && MOKK_RIDE_SPLIT == 2 &&
                     MOKK_RIDE_WHOLE == 3, "ride_words follows MOKK_RIDE_*");
-  /* the forward's epilogues through shared memory and the copy engine (the
-   * default) against stores from registers */
+  /* the forward's and the weight gradients' epilogues through shared
+   * memory and the copy engine (the default) against stores from registers */
   static const char *const store_words[] = {"async", "regs"};
   static const char *const off_on[] = {"0", "1"};
   /* rows picked out of x by gate/up GEMMs: by the step's shape, none, the

@@ -81,9 +81,9 @@ void mokk_cuda_last_backward(const mokk_backend *b, mokk_cuda_bwd_info *info);
  * over the backend's defaults, each field an explicit choice (tiles and
  * wgrad_tiles stay MOKK_TILES_AUTO where they pick per GEMM). */
 void mokk_cuda_step_tuning(const mokk_backend *b, mokk_tuning *t);
-/* The forward's epilogues store from registers (on != 0,
- * MOKD_GEMM_STORES=regs) rather than through shared memory and the copy
- * engine (0, the default; Hopper). Same bits. */
+/* The forward's and the weight gradients' epilogues store from registers
+ * (on != 0, MOKD_GEMM_STORES=regs) rather than through shared memory and
+ * the copy engine (0, the default; Hopper). Same bits. */
 void mokk_cuda_set_store_regs(mokk_backend *b, int on);
 /* Clusters of two blocks (MOKD_GEMM_CLUSTERS): for the data gradients of
  * experts of more than 128 rows (1, the default), none (0), or for the

@@ -85,14 +85,17 @@ static int gathers(cuda_backend *cb, char *err, int *on)
 
 /* Whether a weight gradient (k = an expert's rows) runs on ping-pong tiles,
  * which hide one warpgroup's stores behind the other's MMAs: where a tile is
- * one k-block long or from 1024 rows an expert on (gemm() says why), unless
- * the step's tuning picks. */
+ * one k-block long (gemm() says why), unless the step's tuning picks. */
 static bool wgrad_pingpong(const cuda_backend *cb, int64_t rows_per_group)
 {
   if (cb->k.wgrad_tiles != MOKK_TILES_AUTO)
     return cb->k.wgrad_tiles == MOKK_TILES_PINGPONG;
-  return rows_per_group <= sm90::BK || rows_per_group >= 1024;
+  return rows_per_group <= sm90::BK;
 }
+
+/* Rows an expert from which a weight gradient's 128 x 256 tiles store
+ * through the stages of their last k-blocks (gemm_sm90.cuh, kept_out). */
+#define WGRAD_KEPT_ROWS 1024
 
 /* The Hopper GEMMs that gather their rows: gate/up (A, 128 x 256 tiles,
  * riding tails as gemm() picks them) and the gate/up weight gradient (B). */
@@ -141,10 +144,13 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
    * gradients (k = an expert's rows) take 128 x 256 tiles, or ping-pong
    * tiles, which hide one warpgroup's stores behind the other's MMAs, where
    * a tile is one k-block long (bench-gemm, 256 groups, M 4096, N 7168: 64
-   * rows 4.489 ms against 5.086, 128 rows 5.413 against 5.020) and from 1024
-   * rows per expert on. A layer's tuning (mokk_tuning) or the backend's
-   * defaults (MOKD_GEMM_TILES, MOKD_GEMM_WGRAD_TILES, MOKD_GEMM_CLUSTERS)
-   * force a choice, to measure them against each other. */
+   * rows 4.489 ms against 5.086, 128 rows 5.413 against 5.020). From 1024
+   * rows per expert on (and the shared expert's, dense), where ping-pong
+   * tiles had won too, the 128 x 256 tiles store through their last stages
+   * for a fourth stage, which beats both (kept_out). A layer's tuning
+   * (mokk_tuning) or the backend's defaults (MOKD_GEMM_TILES,
+   * MOKD_GEMM_WGRAD_TILES, MOKD_GEMM_CLUSTERS) force a choice, to measure
+   * them against each other. */
   if (cb->arch == 90) {
     gemm_args order = *a; /* the tile order: the stream's counter, or static */
     order.sched = cb->k.dynamic ? cb->tile_ctr : NULL;
@@ -164,6 +170,9 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
     if constexpr (LAYOUT == L_TN) {
       if (wgrad_pingpong(cb, rows_per_group))
         return sm90::gemm<LAYOUT, EPI, 128, true>(a, a_rows, grid, cb->stream, err);
+      if (rows_per_group >= WGRAD_KEPT_ROWS)
+        return sm90::gemm<LAYOUT, EPI, 256, false, 128, 1, false, false, true>(a, a_rows, grid,
+                                                                              cb->stream, err);
       return sm90::gemm<LAYOUT, EPI, 256>(a, a_rows, grid, cb->stream, err);
     } else {
       /* d_h runs on cooperative tiles, in counter order, however long the

@@ -30,7 +30,8 @@ typedef struct cuda_knobs {
                      * MOKK_GATHER_AUTO is 2 or 0 by the step's shape (step_knobs) */
   int gather_ahead; /* blocks of the forward's dispatch beside its gate/up GEMM; 0: the
                      * dispatch runs before it on the whole GPU (MOKD_GATHER_AHEAD) */
-  int store_regs;   /* the forward's epilogues store from registers (MOKD_GEMM_STORES=regs) */
+  int store_regs;   /* the forward's and the weight gradients' epilogues store from registers
+                     * (MOKD_GEMM_STORES=regs) */
   int dx_halves;    /* the backward's d_x in two column halves (MOKD_DX_HALVES; 1 default) */
 } cuda_knobs;
 /* A tuning's clusters and tails are these knobs' values plus one (0 there is

@@ -92,9 +92,10 @@ typedef struct gemm_args {
                          * memory (the schedule's src: the pair's token), picked row by row
                          * instead of read from a gathered copy; NULL: rows as they lie */
   int gather_div;
-  int store_regs;       /* the Hopper core's NT epilogues store from registers rather than
-                         * through shared memory and the copy engine (gemm_sm90.cuh,
-                         * async_out): to measure and check one against the other */
+  int store_regs;       /* the Hopper core's NT and TN epilogues store from registers
+                         * rather than through shared memory and the copy engine
+                         * (gemm_sm90.cuh, async_out, pingpong): to measure and check
+                         * one against the other */
   const int *ready;     /* grouped NT on the Hopper core: A's rows come from a dispatch that
                          * runs beside the GEMM (route_gather_ahead); group g's rows are in
                          * memory once ready[g] reaches count[g], and the kernel does not

@@ -23,9 +23,10 @@
  *   128 x 128 ping-pong tiles, each warpgroup owning every other tile, for
  *   weight gradients whose tiles are one k-block or very long.
  * - Stores: weight gradients, pure stores, leave through shared memory and
- *   the copy engine (out_*), and so do the forward's (async_out: y, h and the
- *   saved g and u), through the stages of the tile's last two k-blocks; the
- *   other epilogues store from registers.
+ *   the copy engine (out_*), from a staging area of their own or, where an
+ *   expert's rows make long k loops, through the stages of the tile's last
+ *   two k-blocks (kept_out), as the forward's do (async_out: y, h and the
+ *   saved g and u); the other epilogues store from registers.
  * - Operands stay where they are: K-major operands (x, h, the forward's
  *   weights) and MN-major ones (the backward's weights, the weight gradients'
  *   rows) are both read by the copy engine as they lie in memory; wgmma's
@@ -982,15 +983,16 @@ __device__ __forceinline__ void epilogue_ride(const gemm_args &a, const tile &x,
 }
 
 /* ---- bf16 tiles out through shared memory ---------------------------------
- * Each consumer warpgroup writes its 64-row blocks into its own staging area
- * with stmatrix, in the 128-byte swizzle of {64, 64} boxes (8 KiB each, 16-byte
- * row pieces of 8 consecutive rows in distinct banks), and one of its threads
- * hands the boxes to the copy engine, which writes whole lines while the
- * warpgroup goes on to the next tile's MMAs. From registers, a warp's store
- * wrote 32-byte pieces of 8 rows and the warpgroup waited for all of them: on
- * GEMMs of few rows per expert (the weight gradients of a small batch) the
- * tensor cores idled while they drained. Rows and columns outside C are
- * clipped by the copy engine. */
+ * Each consumer warpgroup writes its 64-row blocks into shared memory (a
+ * staging area of its own, or the stages its tile's last k-blocks filled:
+ * staged, async_out, kept_out) with stmatrix, in the 128-byte swizzle of
+ * {64, 64} boxes (8 KiB each, 16-byte row pieces of 8 consecutive rows in
+ * distinct banks), and one of its threads hands the boxes to the copy
+ * engine, which writes whole lines while the warpgroup goes on to the next
+ * tile's MMAs. From registers, a warp's store wrote 32-byte pieces of 8 rows
+ * and the warpgroup waited for all of them: on GEMMs of few rows per expert
+ * (the weight gradients of a small batch) the tensor cores idled while they
+ * drained. Rows and columns outside C are clipped by the copy engine. */
 
 /* Before a warpgroup overwrites its staging: the copy engine has read what
  * the warpgroup's last tile left there. wt: thread of the warpgroup. */
@@ -1117,6 +1119,29 @@ __host__ __device__ constexpr bool async_out()
 {
   return LAYOUT == L_NT && (EPI == E_BF16 || EPI == E_GATEUP) && BM == 128 &&
          (CL == 1 || paired<LAYOUT, CL>()) && (BN == 128 || BN == 256);
+}
+
+/* KS: a weight gradient's 128 x 256 tiles store through the stages of
+ * their last two k-blocks, as the forward's do (async_out), rather than
+ * through a staging area of their own (out_*), which takes 64 KiB: four
+ * stages of 48 KiB instead of three. Where an expert's rows make long k
+ * loops that pays (H100, bench_gpu, backward ms, main's ping-pong tiles
+ * against these: mid 21.406, 21.035 / 19.570, 19.391; qwen3_32k 12.262,
+ * 12.312 / 11.473, 11.569); on dsv3's tiles of four or five k-blocks the
+ * staging area wins (30.094, 30.229 against 31.398, 31.200): two kept
+ * stages leave the next tile's first k-blocks two stages to load into,
+ * where the staging area left it all three. PERF.md v37. */
+template <int LAYOUT, int EPI, int BN, int BM, int CL, bool KS>
+__host__ __device__ constexpr bool kept_out()
+{
+  return KS && LAYOUT == L_TN && EPI == E_WGRAD && BM == 128 && BN == 256 && CL == 1;
+}
+
+/* Whether the tiles' stores wait in a staging area of their own (out_*). */
+template <int LAYOUT, int EPI, int BN, int BM, bool PP, int CL, bool KS>
+__host__ __device__ constexpr bool staged()
+{
+  return stores_tiles<EPI>() && (PP || !kept_out<LAYOUT, EPI, BN, BM, CL, KS>());
 }
 
 constexpr int BAR_EPI = 3; /* named barrier: both consumer warpgroups are done with a tile's MMAs */
@@ -1284,7 +1309,7 @@ __device__ __forceinline__ void tile_out(const params &p, const tile &x, float (
                                          unsigned char *sb, int a_bytes, int b_bytes, int cw,
                                          int wt, int warp, int lane)
 {
-  if constexpr (AO) {
+  if constexpr (AO && LAYOUT != L_TN) {
     if (keep) {
       named_sync(BAR_EPI, 256); /* both warpgroups' MMAs are done with the kept stages */
       if (x.mt * BM + (b0 + 1) * 64 <= x.rows) {
@@ -1333,7 +1358,7 @@ __device__ __forceinline__ void ride_tile(const params &p, const tile &x, int nk
 
 /* The cooperative consumer: both warpgroups on one BM x BN tile, BM / 2 rows
  * each, as one (BM = 128) or two (BM = 256) 64-row blocks. */
-template <int LAYOUT, int EPI, int BN, int BM, int CL, bool RIDE, bool GA>
+template <int LAYOUT, int EPI, int BN, int BM, int CL, bool RIDE, bool GA, bool KS>
 __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsigned char *sa,
                                             unsigned char *sb, unsigned char *out, uint32_t sa0,
                                             uint32_t sb0, uint64_t *full, uint64_t *empty, ring q,
@@ -1342,7 +1367,9 @@ __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsi
   const gemm_args &a = p.g;
   constexpr int TA = LAYOUT == L_TN, TB = LAYOUT != L_NT;
   constexpr bool TS = stores_tiles<EPI>();
-  typedef cfg<BN, BM, false, TS, RIDE> C;
+  constexpr bool AO = async_out<LAYOUT, EPI, BN, BM, CL, GA>() ||
+                      kept_out<LAYOUT, EPI, BN, BM, CL, KS>();
+  typedef cfg<BN, BM, false, staged<LAYOUT, EPI, BN, BM, false, CL, KS>(), RIDE> C;
   constexpr int STAGES = C::STAGES, A_BYTES = C::A_BYTES, B_BYTES = C::B_BYTES;
   constexpr bool TALL = BM == 256;
   static_assert(!RIDE || (BM == 128 && BN == 256 && LAYOUT != L_TN && !TS),
@@ -1352,7 +1379,6 @@ __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsi
   const int b0 = TALL ? 2 * cw : cw; /* this warpgroup's first 64-row block */
   const int rank = CL == 2 ? (int)cluster_rank() : 0;
   constexpr bool DYN = dynamic_order<LAYOUT, EPI, false, CL>();
-  constexpr bool AO = async_out<LAYOUT, EPI, BN, BM, CL, GA>();
   const int64_t units = (tiles + CL - 1) / CL;
   const int wt = ct & 127;
   int s = 0;
@@ -1366,7 +1392,7 @@ __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsi
     tile x = unit_at<LAYOUT, BN, BM, CL>(a, u, tiles, rank);
     int nk = k_blocks<LAYOUT>(a, x);
     /* the epilogue goes out through this tile's last two stages (async_out) */
-    const bool keep = AO && !a.store_regs && nk >= 2;
+    const bool keep = AO && !a.store_regs && nk >= 2 && !(TS && a.accum);
     /* a group's last m-tile often has no rows for some 64-row blocks: their
      * warpgroup then only keeps the pipeline going and leaves the tensor
      * cores to the others */
@@ -1412,7 +1438,14 @@ __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsi
     acc_fence(acc0);
     acc_fence(acc1);
     stage_last<lockstep<LAYOUT, CL>(), AO>(empty, prev, keep, k, lane, rank);
-    if (TS && !a.accum) {
+    if (TS && AO && keep) { /* into the B part of the stage this warpgroup kept */
+      named_sync(BAR_EPI, 256); /* both warpgroups' MMAs are done with the kept stages */
+      unsigned char *mine = sb + (cw == 0 ? k.s0 : k.s1) * B_BYTES;
+      out_block<BN>(acc0, mine, warp, lane);
+      out_issue<BN, BM>(p, x, mine, b0, 1, cw, wt);
+      continue;
+    }
+    if (TS && !AO && !a.accum && !a.store_regs) {
       static_assert(!TS || !TALL, "one 64-row block a warpgroup");
       unsigned char *mine = out + cw * (C::OUT_BYTES / 2);
       out_wait(cw, ct & 127);
@@ -1493,7 +1526,7 @@ __device__ __forceinline__ void pingpong(const params &p, int64_t tiles, unsigne
       bar_arrive(&empty[prev]);
     if (t + gridDim.x < tiles)
       named_arrive(4 + (1 - cw), 256); /* tile i + 1 is the other's */
-    if (TS && !a.accum) {
+    if (TS && !a.accum && !a.store_regs) {
       unsigned char *mine = out + cw * (C::OUT_BYTES / 2);
       out_wait(cw, ct);
       out_block<BN>(acc0, mine, warp, lane);
@@ -1508,11 +1541,11 @@ __device__ __forceinline__ void pingpong(const params &p, int64_t tiles, unsigne
     tma_store_wait<0, false>(); /* the staging lives as long as the block */
 }
 
-template <int LAYOUT, int EPI, int BN, bool PP, int BM, int CL, bool RIDE, bool GA>
+template <int LAYOUT, int EPI, int BN, bool PP, int BM, int CL, bool RIDE, bool GA, bool KS>
 __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ params p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  typedef cfg<BN, BM, PP, stores_tiles<EPI>(), RIDE> C;
+  typedef cfg<BN, BM, PP, staged<LAYOUT, EPI, BN, BM, PP, CL, KS>(), RIDE> C;
   constexpr int STAGES = C::STAGES, A_BYTES = C::A_BYTES, B_BYTES = C::B_BYTES;
   extern __shared__ unsigned char smem_raw[];
   unsigned char *sa = (unsigned char *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
@@ -1667,7 +1700,7 @@ __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ p
     pingpong<LAYOUT, EPI, GA>(p, tiles, sa, sb, out, sa0, sb0, full, empty, cw, ct & 127,
                               warp, lane);
   else
-    cooperative<LAYOUT, EPI, BN, BM, CL, RIDE, GA>(p, tiles, sa, sb, out, sa0, sb0, full,
+    cooperative<LAYOUT, EPI, BN, BM, CL, RIDE, GA, KS>(p, tiles, sa, sb, out, sa0, sb0, full,
                                                    empty, q, cw, ct, warp, lane);
 #else
   __trap(); /* launched only on sm_90 devices */
@@ -1778,7 +1811,7 @@ static __global__ void k_tn_maps(const __grid_constant__ params p, int64_t rows)
  * tile_off_tall). CL = 2: clusters of two blocks that share operands (NT and
  * NN; unit_at), as many as fit, at most grid / 2. */
 template <int LAYOUT, int EPI, int BN, bool PP = false, int BM = 128, int CL = 1,
-          bool RIDE = false, bool GA = false>
+          bool RIDE = false, bool GA = false, bool KS = false>
 static int gemm(const gemm_args *a, int64_t a_rows, int grid, cudaStream_t stream, char *err)
 {
   static_assert(!GA || (CL == 1 && BM == 128), "gathered rows: single blocks, 128-row tiles");
@@ -1786,6 +1819,8 @@ static int gemm(const gemm_args *a, int64_t a_rows, int grid, cudaStream_t strea
   static_assert(CL == 1 || (CL == 2 && !PP && LAYOUT != L_TN), "clusters: NT and NN, cooperative");
   static_assert(!RIDE || (!PP && BM == 128 && BN == 256 && LAYOUT != L_TN),
                 "riding tails: 128 x 256 cooperative NT and NN tiles");
+  static_assert(!KS || (!PP && kept_out<LAYOUT, EPI, BN, BM, CL, KS>()),
+                "stores through kept stages: 128 x 256 cooperative weight-gradient tiles");
   if (a->ready != NULL && (LAYOUT != L_NT || GA || a->count == NULL))
     return mokk_fail(err, MOK_EINVAL, "rows counted by a dispatch beside the GEMM: grouped NT "
                      "GEMMs reading rows as they lie");
@@ -1799,8 +1834,8 @@ static int gemm(const gemm_args *a, int64_t a_rows, int grid, cudaStream_t strea
    * between this launch and the kernel ahead (pdl.cuh) */
   if (!dynamic_order<LAYOUT, EPI, PP, CL>() || a->count == NULL)
     p.g.sched = NULL;
-  const int smem = cfg<BN, BM, PP, stores_tiles<EPI>(), RIDE>::SMEM;
-  void (*kernel)(params) = k_gemm90<LAYOUT, EPI, BN, PP, BM, CL, RIDE, GA>;
+  const int smem = cfg<BN, BM, PP, staged<LAYOUT, EPI, BN, BM, PP, CL, KS>(), RIDE>::SMEM;
+  void (*kernel)(params) = k_gemm90<LAYOUT, EPI, BN, PP, BM, CL, RIDE, GA, KS>;
   if (LAYOUT == L_TN && a->count != NULL && a->groups > 0) {
     e = pdl_launch(k_tn_maps, (2 * a->groups + 127) / 128, 128, 0, stream, p, a_rows);
     if (e != cudaSuccess)

@@ -700,10 +700,10 @@ START_TEST(gather_ahead_invariance)
 }
 END_TEST
 
-/* The forward's epilogues through shared memory (the default) against
- * stores from registers, the forward on pairs of blocks against single
- * blocks, and d_x in column halves (the default) against whole rows: the
- * same bits for every output. Experts of 145, 750 and 50 rows on average:
+/* The forward's and the weight gradients' epilogues through shared memory
+ * (the default) against stores from registers, the forward on pairs of
+ * blocks against single blocks, and d_x in column halves (the default)
+ * against whole rows: the same bits for every output. Experts of 145, 750 and 50 rows on average:
  * riding tails, whole m-tiles, and 64-row blocks that end past their
  * expert's rows (stored from registers either way); H = 384 halves into
  * 256 and 128 columns. */
@@ -722,9 +722,9 @@ START_TEST(epilogue_invariance)
     int regs, clusters, halves;
     const char *what;
   } runs[] = {
-      {1, 1, 1, "the forward's stores from registers"},
+      {1, 1, 1, "the stores from registers"},
       {0, 2, 1, "the forward on pairs"},
-      {1, 2, 1, "the forward on pairs, stores from registers"},
+      {1, 2, 1, "the forward on pairs, the stores from registers"},
       {0, 1, 0, "d_x in whole rows"},
   };
   char err[2 * MOK_ERRLEN] = "";

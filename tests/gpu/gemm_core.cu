@@ -240,6 +240,8 @@ static int run_cases(int grid, bool dynamic, bool whole, char *msg, size_t msgle
   const int K = 192, N = 320, IE = 192, R = 1553; /* R = sum of GROUP_ROWS */
 
   constexpr int TN_BM = BM == 256 ? 128 : BM; /* tall tiles are for NT and NN */
+  /* the weight-gradient tiles that can also store through kept stages */
+  constexpr bool TN_KEPT = BN == 256 && !PP && TN_BM == 128;
   grouping_make(&gp, dynamic, whole);
   if (gp.rows != R) {
     snprintf(msg, msglen, "grouping has %d rows", gp.rows);
@@ -423,6 +425,21 @@ static int run_cases(int grid, bool dynamic, bool whole, char *msg, size_t msgle
       CORE_OK(cudaDeviceSynchronize());
       SAME("tn_gate_gu_chunks", C, Cc, gp.groups * per * 2);
       SAME("tn_up_gu_chunks", C2, Cc2, gp.groups * per * 2);
+      /* the tiles stored from registers rather than through the stages of
+       * their last k-blocks: the same bits */
+      a.gu_chunks = 1, a.store_regs = 1;
+      RUN((sm90::gemm<L_TN, E_WGRAD, BN, PP, TN_BM>(&a, R, grid, 0, err)));
+      CORE_OK(cudaDeviceSynchronize());
+      SAME("tn_gate_regs", C, Cc, gp.groups * per * 2);
+      SAME("tn_up_regs", C2, Cc2, gp.groups * per * 2);
+      if constexpr (TN_KEPT) { /* and through kept stages */
+        a.store_regs = 0;
+        RUN((sm90::gemm<L_TN, E_WGRAD, BN, PP, TN_BM, 1, false, false, true>(&a, R, grid, 0,
+                                                                             err)));
+        CORE_OK(cudaDeviceSynchronize());
+        SAME("tn_gate_kept", C, Cc, gp.groups * per * 2);
+        SAME("tn_up_kept", C2, Cc2, gp.groups * per * 2);
+      }
     }
   }
   /* TN once more through the same room for tensor maps, now over other
@@ -474,6 +491,13 @@ static int run_cases(int grid, bool dynamic, bool whole, char *msg, size_t msgle
     ref(TA_, 1, K, TB_, 1, N, K, N, LR, refc, N, 0);
     CORE_OK(cudaDeviceSynchronize());
     REPORT("tn_longk", compare(C, 1, refc, (int64_t)K * N, TOL_BF16));
+    if constexpr (TN_KEPT) { /* through kept stages: the same bits */
+      a.C = C2;
+      RUN((sm90::gemm<L_TN, E_WGRAD, BN, PP, TN_BM, 1, false, false, true>(&a, LR, grid, 0,
+                                                                           err)));
+      CORE_OK(cudaDeviceSynchronize());
+      SAME("tn_longk_kept", C, C2, (int64_t)K * N * 2);
+    }
     cudaFree(LA), cudaFree(LB), cudaFree(TA_), cudaFree(TB_);
   }
 #undef RUN
