@@ -483,7 +483,10 @@ extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
   /* rows picked out of x by gate/up GEMMs: by the step's shape, none, the
    * forward's and the weight gradient's, the forward's alone */
   static const char *const gather_words[] = {"auto", "0", "1", "fwd"};
-  int tiles, wgrad, clusters, order, ride, gather, stores, halves, spread;
+  /* the stages a weight gradient's 128 x 256 tiles keep for their stores:
+   * by the rows an expert, none, the last, the last two */
+  static const char *const keep_words[] = {"auto", "0", "1", "2"};
+  int tiles, wgrad, clusters, order, ride, gather, stores, halves, spread, wkeep;
   if ((rc = env_word("MOKD_GEMM_TILES", tile_words, 4, MOKK_TILES_AUTO, &tiles, err)) ||
       (rc = env_word("MOKD_GEMM_WGRAD_TILES", wgrad_words, 4, MOKK_TILES_AUTO, &wgrad, err)) ||
       (rc = env_word("MOKD_GEMM_CLUSTERS", cluster_words, 3, 1, &clusters, err)) ||
@@ -509,7 +512,8 @@ extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
        * against whole rows */
       (rc = env_word("MOKD_DX_HALVES", off_on, 2, 1, &halves, err)) ||
       /* EP steps over a buffer set per rank, the multi-GPU layout, on one GPU */
-      (rc = env_word("MOKD_EP_SPREAD", off_on, 2, 0, &spread, err)))
+      (rc = env_word("MOKD_EP_SPREAD", off_on, 2, 0, &spread, err)) ||
+      (rc = env_word("MOKD_GEMM_WGRAD_KEEP", keep_words, 4, 0, &wkeep, err)))
     return rc;
   if ((cb = (cuda_backend *)calloc(1, sizeof *cb)) == NULL)
     return mokk_fail(err, MOK_ENOMEM, "out of memory");
@@ -517,6 +521,7 @@ extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
   d->tiles = tiles, d->wgrad_tiles = wgrad, d->clusters = clusters;
   d->dynamic = order == 0, d->ride = ride, d->gather = gather - 1; /* auto: -1 */
   d->gather_ahead = (int)ahead_blocks, d->store_regs = stores, d->dx_halves = halves;
+  d->wgrad_keep = wkeep - 1; /* auto: -1 */
   cb->spread = spread;
   cb->k = *d;
   cb->base.iface = &cuda_iface;
@@ -602,6 +607,11 @@ extern "C" void mokk_cuda_set_store_regs(mokk_backend *b, int on)
 extern "C" void mokk_cuda_set_dx_halves(mokk_backend *b, int on)
 {
   ((cuda_backend *)b)->dflt.dx_halves = on != 0;
+}
+
+extern "C" void mokk_cuda_set_wgrad_keep(mokk_backend *b, int keep)
+{
+  ((cuda_backend *)b)->dflt.wgrad_keep = keep < 0 ? -1 : keep > 2 ? 2 : keep;
 }
 
 extern "C" void mokk_cuda_set_clusters(mokk_backend *b, int mode)

@@ -92,6 +92,11 @@ void mokk_cuda_set_clusters(mokk_backend *b, int mode);
 /* The backward's d_x in two column halves (on != 0, the default): its fp32
  * rows take half the memory; or whole rows (0, MOKD_DX_HALVES=0). Same bits. */
 void mokk_cuda_set_dx_halves(mokk_backend *b, int on);
+/* The stages a weight gradient's 128 x 256 tiles keep for their stores
+ * (MOKD_GEMM_WGRAD_KEEP): none, both warpgroups through a staging area (0);
+ * the last, warpgroup 1 through half a staging area (1); the last two (2);
+ * or by the rows an expert (-1, the default; Hopper). Same bits. */
+void mokk_cuda_set_wgrad_keep(mokk_backend *b, int keep);
 int mokk_cuda_device(const mokk_backend *b);
 /* The stream every step runs on (a cudaStream_t). */
 void *mokk_cuda_stream(mokk_backend *b);

@@ -94,7 +94,8 @@ static bool wgrad_pingpong(const cuda_backend *cb, int64_t rows_per_group)
 }
 
 /* Rows an expert from which a weight gradient's 128 x 256 tiles store
- * through the stages of their last k-blocks (gemm_sm90.cuh, kept_out). */
+ * through the stages of their last two k-blocks rather than their last
+ * one and half a staging area (gemm_sm90.cuh, kept_out). */
 #define WGRAD_KEPT_ROWS 1024
 
 /* The Hopper GEMMs that gather their rows: gate/up (A, 128 x 256 tiles,
@@ -144,13 +145,18 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
    * gradients (k = an expert's rows) take 128 x 256 tiles, or ping-pong
    * tiles, which hide one warpgroup's stores behind the other's MMAs, where
    * a tile is one k-block long (bench-gemm, 256 groups, M 4096, N 7168: 64
-   * rows 4.489 ms against 5.086, 128 rows 5.413 against 5.020). From 1024
-   * rows per expert on (and the shared expert's, dense), where ping-pong
-   * tiles had won too, the 128 x 256 tiles store through their last stages
-   * for a fourth stage, which beats both (kept_out). A layer's tuning
-   * (mokk_tuning) or the backend's defaults (MOKD_GEMM_TILES,
-   * MOKD_GEMM_WGRAD_TILES, MOKD_GEMM_CLUSTERS) force a choice, to measure
-   * them against each other. */
+   * rows 4.489 ms against 5.086, 128 rows 5.413 against 5.020). The
+   * 128 x 256 tiles store through the stages of their last k-blocks, for a
+   * fourth stage (kept_out): from 1024 rows per expert on (and the shared
+   * expert's, dense), where ping-pong tiles had won too, through their last
+   * two, which beats both; shorter ones through their last one and half a
+   * staging area, so that the next tile starts with three free stages
+   * (H100 backward ms, against the whole staging area: dsv3 29.957, 29.805,
+   * 29.948 / 30.247, 30.223, 30.091; qwen3_4k 1.867, 1.867, 1.868 / 1.882,
+   * 1.882, 1.881). A layer's tuning (mokk_tuning) or the backend's defaults
+   * (MOKD_GEMM_TILES, MOKD_GEMM_WGRAD_TILES, MOKD_GEMM_WGRAD_KEEP,
+   * MOKD_GEMM_CLUSTERS) force a choice, to measure them against each
+   * other. */
   if (cb->arch == 90) {
     gemm_args order = *a; /* the tile order: the stream's counter, or static */
     order.sched = cb->k.dynamic ? cb->tile_ctr : NULL;
@@ -170,9 +176,14 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
     if constexpr (LAYOUT == L_TN) {
       if (wgrad_pingpong(cb, rows_per_group))
         return sm90::gemm<LAYOUT, EPI, 128, true>(a, a_rows, grid, cb->stream, err);
-      if (rows_per_group >= WGRAD_KEPT_ROWS)
-        return sm90::gemm<LAYOUT, EPI, 256, false, 128, 1, false, false, true>(a, a_rows, grid,
-                                                                              cb->stream, err);
+      int keep = cb->k.wgrad_keep >= 0 ? cb->k.wgrad_keep
+                 : rows_per_group >= WGRAD_KEPT_ROWS ? 2 : 1;
+      if (keep == 2)
+        return sm90::gemm<LAYOUT, EPI, 256, false, 128, 1, false, false, 2>(a, a_rows, grid,
+                                                                           cb->stream, err);
+      if (keep == 1)
+        return sm90::gemm<LAYOUT, EPI, 256, false, 128, 1, false, false, 1>(a, a_rows, grid,
+                                                                           cb->stream, err);
       return sm90::gemm<LAYOUT, EPI, 256>(a, a_rows, grid, cb->stream, err);
     } else {
       /* d_h runs on cooperative tiles, in counter order, however long the

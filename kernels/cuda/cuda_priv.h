@@ -33,6 +33,8 @@ typedef struct cuda_knobs {
   int store_regs;   /* the forward's and the weight gradients' epilogues store from registers
                      * (MOKD_GEMM_STORES=regs) */
   int dx_halves;    /* the backward's d_x in two column halves (MOKD_DX_HALVES; 1 default) */
+  int wgrad_keep;   /* stages a 128 x 256 weight-gradient tile keeps for its stores, 0-2;
+                     * -1: by the rows an expert (MOKD_GEMM_WGRAD_KEEP) */
 } cuda_knobs;
 /* A tuning's clusters and tails are these knobs' values plus one (0 there is
  * the default): step_knobs and mokk_cuda_step_tuning convert by it. */

@@ -23,10 +23,12 @@
  *   128 x 128 ping-pong tiles, each warpgroup owning every other tile, for
  *   weight gradients whose tiles are one k-block or very long.
  * - Stores: weight gradients, pure stores, leave through shared memory and
- *   the copy engine (out_*), from a staging area of their own or, where an
- *   expert's rows make long k loops, through the stages of the tile's last
- *   two k-blocks (kept_out), as the forward's do (async_out: y, h and the
- *   saved g and u); the other epilogues store from registers.
+ *   the copy engine (out_*): through the stage of the tile's last k-block
+ *   and half a staging area or, where an expert's rows make long k loops,
+ *   through the stages of its last two k-blocks (kept_out), as the
+ *   forward's do (async_out: y, h and the saved g and u); ping-pong tiles
+ *   from a staging area of their own; the other epilogues store from
+ *   registers.
  * - Operands stay where they are: K-major operands (x, h, the forward's
  *   weights) and MN-major ones (the backward's weights, the weight gradients'
  *   rows) are both read by the copy engine as they lie in memory; wgmma's
@@ -80,12 +82,14 @@ constexpr int RING_BYTES = 2 * SLOTS * 8 + SLOTS * 4 + 2 * 8 + 8; /* and the pai
  * TS: the bf16 tiles leave through shared memory and the copy engine
  * (out_*), whose staging area, a tile per warpgroup in ping-pong, takes the
  * place of one or two stages. */
-template <int BN, int BM, bool PP = false, bool TS = false, bool RIDE = false>
+template <int BN, int BM, bool PP = false, bool TS = false, bool RIDE = false,
+          bool HALF = false>
 struct cfg {
   /* RIDE: a riding tail's rows follow the tile's own in its A stage */
   static constexpr int A_BYTES = (BM + (RIDE ? MOKK_RIDE_ROWS : 0)) * BK * 2;
   static constexpr int B_BYTES = BN * BK * 2;
-  static constexpr int OUT_BYTES = TS ? (PP ? 2 : 1) * BM * BN * 2 : 0;
+  /* HALF: one warpgroup's block only (the other's leaves through a stage) */
+  static constexpr int OUT_BYTES = TS ? (PP ? 2 : 1) * BM * BN * 2 / (HALF ? 2 : 1) : 0;
   static constexpr int FIT = (SMEM_MAX - 1024 - OUT_BYTES - 96 - RING_BYTES) / (A_BYTES + B_BYTES);
   static constexpr int STAGES = TS ? (FIT < 6 ? FIT : 6) : BN + BM == 256 ? 6 : 4;
   /* + 1024 to align the ring by hand */
@@ -1122,27 +1126,37 @@ __host__ __device__ constexpr bool async_out()
 }
 
 /* KS: a weight gradient's 128 x 256 tiles store through the stages of
- * their last two k-blocks, as the forward's do (async_out), rather than
+ * their last k-blocks, as the forward's do (async_out), rather than
  * through a staging area of their own (out_*), which takes 64 KiB: four
- * stages of 48 KiB instead of three. Where an expert's rows make long k
- * loops that pays (H100, bench_gpu, backward ms, main's ping-pong tiles
- * against these: mid 21.406, 21.035 / 19.570, 19.391; qwen3_32k 12.262,
- * 12.312 / 11.473, 11.569); on dsv3's tiles of four or five k-blocks the
- * staging area wins (30.094, 30.229 against 31.398, 31.200): two kept
- * stages leave the next tile's first k-blocks two stages to load into,
- * where the staging area left it all three. PERF.md v37. */
-template <int LAYOUT, int EPI, int BN, int BM, int CL, bool KS>
+ * stages of 48 KiB instead of three. KS = 2: both warpgroups' blocks go
+ * out through the last two stages, which pays where an expert's rows make
+ * long k loops (H100, bench_gpu, backward ms, ping-pong tiles against
+ * these: mid 21.406, 21.035 / 19.570, 19.391; qwen3_32k 12.262, 12.312 /
+ * 11.473, 11.569) but leaves the next tile's first k-blocks two stages to
+ * load into, which loses on dsv3's tiles of four or five k-blocks (30.094,
+ * 30.229 with the staging area against 31.398, 31.200). KS = 1: warpgroup
+ * 0's block through the last stage, warpgroup 1's through a staging area
+ * of half the size (32 KiB; four stages still fit), so that the next tile
+ * starts with three free stages as with the whole staging area, and the
+ * main loop has four: dsv3 29.957, 29.805, 29.948 against 30.247, 30.223,
+ * 30.091 with the staging area. PERF.md v37, v38. */
+template <int LAYOUT, int EPI, int BN, int BM, int CL, int KS>
 __host__ __device__ constexpr bool kept_out()
 {
-  return KS && LAYOUT == L_TN && EPI == E_WGRAD && BM == 128 && BN == 256 && CL == 1;
+  return KS != 0 && LAYOUT == L_TN && EPI == E_WGRAD && BM == 128 && BN == 256 && CL == 1;
 }
 
 /* Whether the tiles' stores wait in a staging area of their own (out_*). */
-template <int LAYOUT, int EPI, int BN, int BM, bool PP, int CL, bool KS>
+template <int LAYOUT, int EPI, int BN, int BM, bool PP, int CL, int KS>
 __host__ __device__ constexpr bool staged()
 {
-  return stores_tiles<EPI>() && (PP || !kept_out<LAYOUT, EPI, BN, BM, CL, KS>());
+  return stores_tiles<EPI>() && (PP || KS == 1 || !kept_out<LAYOUT, EPI, BN, BM, CL, KS>());
 }
+
+/* A kernel's shared memory: its stages, and its staging area if any. */
+template <int LAYOUT, int EPI, int BN, int BM, bool PP, int CL, bool RIDE, int KS>
+using cfg_of = cfg<BN, BM, PP, staged<LAYOUT, EPI, BN, BM, PP, CL, KS>(), RIDE,
+                   KS == 1 && kept_out<LAYOUT, EPI, BN, BM, CL, KS>()>;
 
 constexpr int BAR_EPI = 3; /* named barrier: both consumer warpgroups are done with a tile's MMAs */
 
@@ -1151,16 +1165,17 @@ struct kept {
   int s0, s1;
 };
 
-/* Hands back the stages the last tile's epilogue kept, once the copy engine
- * has read what this warpgroup's thread wt == 0 stored from them: its four
- * warps' arrivals on each. */
+/* Hands back the stages the last tile's epilogue kept (s1, and s0 unless
+ * it kept one), once the copy engine has read what this warpgroup's thread
+ * wt == 0 stored: its four warps' arrivals on each. */
 __device__ __forceinline__ void kept_release(uint64_t *empty, kept &k, int wt)
 {
-  if (k.s0 < 0)
+  if (k.s1 < 0)
     return;
   if (wt == 0) {
     tma_store_wait<0, true>();
-    bar_arrive_n(&empty[k.s0], 4);
+    if (k.s0 >= 0)
+      bar_arrive_n(&empty[k.s0], 4);
     bar_arrive_n(&empty[k.s1], 4);
   }
   k.s0 = k.s1 = -1;
@@ -1168,7 +1183,8 @@ __device__ __forceinline__ void kept_release(uint64_t *empty, kept &k, int wt)
 
 /* A consumer is done issuing k-block kb of nk from stage s. keep: the tile
  * keeps its last two stages (kept), so the one before the last is not handed
- * back; at kb = 0 the last tile's kept stages go back. */
+ * back (a tile that keeps its last stage only passes keep = false here); at
+ * kb = 0 the last tile's kept stages go back. */
 template <int CL, int STAGES, bool AO>
 __device__ __forceinline__ void stage_step(uint64_t *empty, int &prev, int &s, uint32_t &ph,
                                            int lane, int rank, int kb, int nk, bool keep,
@@ -1358,7 +1374,7 @@ __device__ __forceinline__ void ride_tile(const params &p, const tile &x, int nk
 
 /* The cooperative consumer: both warpgroups on one BM x BN tile, BM / 2 rows
  * each, as one (BM = 128) or two (BM = 256) 64-row blocks. */
-template <int LAYOUT, int EPI, int BN, int BM, int CL, bool RIDE, bool GA, bool KS>
+template <int LAYOUT, int EPI, int BN, int BM, int CL, bool RIDE, bool GA, int KS>
 __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsigned char *sa,
                                             unsigned char *sb, unsigned char *out, uint32_t sa0,
                                             uint32_t sb0, uint64_t *full, uint64_t *empty, ring q,
@@ -1369,8 +1385,10 @@ __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsi
   constexpr bool TS = stores_tiles<EPI>();
   constexpr bool AO = async_out<LAYOUT, EPI, BN, BM, CL, GA>() ||
                       kept_out<LAYOUT, EPI, BN, BM, CL, KS>();
-  typedef cfg<BN, BM, false, staged<LAYOUT, EPI, BN, BM, false, CL, KS>(), RIDE> C;
+  typedef cfg_of<LAYOUT, EPI, BN, BM, false, CL, RIDE, KS> C;
   constexpr int STAGES = C::STAGES, A_BYTES = C::A_BYTES, B_BYTES = C::B_BYTES;
+  /* the tile keeps its last stage only: warpgroup 1 stores through staging */
+  constexpr bool KEEP1 = KS == 1 && kept_out<LAYOUT, EPI, BN, BM, CL, KS>();
   constexpr bool TALL = BM == 256;
   static_assert(!RIDE || (BM == 128 && BN == 256 && LAYOUT != L_TN && !TS),
                 "riding tails: 128 x 256 NT and NN tiles");
@@ -1392,7 +1410,7 @@ __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsi
     tile x = unit_at<LAYOUT, BN, BM, CL>(a, u, tiles, rank);
     int nk = k_blocks<LAYOUT>(a, x);
     /* the epilogue goes out through this tile's last two stages (async_out) */
-    const bool keep = AO && !a.store_regs && nk >= 2 && !(TS && a.accum);
+    const bool keep = AO && !a.store_regs && nk >= (KEEP1 ? 1 : 2) && !(TS && a.accum);
     /* a group's last m-tile often has no rows for some 64-row blocks: their
      * warpgroup then only keeps the pipeline going and leaves the tensor
      * cores to the others */
@@ -1432,7 +1450,7 @@ __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsi
       else if (act0)
         mma_run<TA, TB, BN, BK / 16, false>(acc0, acc1, at, bt, b0);
       stage_step<lockstep<LAYOUT, CL>(), STAGES, AO>(empty, prev, s, ph, lane, rank, kb, nk,
-                                                     keep, k, wt);
+                                                     keep && !KEEP1, k, wt);
     }
     wgmma_wait<0>();
     acc_fence(acc0);
@@ -1440,7 +1458,11 @@ __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsi
     stage_last<lockstep<LAYOUT, CL>(), AO>(empty, prev, keep, k, lane, rank);
     if (TS && AO && keep) { /* into the B part of the stage this warpgroup kept */
       named_sync(BAR_EPI, 256); /* both warpgroups' MMAs are done with the kept stages */
-      unsigned char *mine = sb + (cw == 0 ? k.s0 : k.s1) * B_BYTES;
+      unsigned char *mine = sb + (cw == 0 ? (KEEP1 ? k.s1 : k.s0) : k.s1) * B_BYTES;
+      if (KEEP1 && cw == 1) { /* warpgroup 1: the staging area */
+        mine = out;
+        out_wait(cw, wt);
+      }
       out_block<BN>(acc0, mine, warp, lane);
       out_issue<BN, BM>(p, x, mine, b0, 1, cw, wt);
       continue;
@@ -1541,11 +1563,11 @@ __device__ __forceinline__ void pingpong(const params &p, int64_t tiles, unsigne
     tma_store_wait<0, false>(); /* the staging lives as long as the block */
 }
 
-template <int LAYOUT, int EPI, int BN, bool PP, int BM, int CL, bool RIDE, bool GA, bool KS>
+template <int LAYOUT, int EPI, int BN, bool PP, int BM, int CL, bool RIDE, bool GA, int KS>
 __global__ void __launch_bounds__(THREADS, 1) k_gemm90(const __grid_constant__ params p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  typedef cfg<BN, BM, PP, staged<LAYOUT, EPI, BN, BM, PP, CL, KS>(), RIDE> C;
+  typedef cfg_of<LAYOUT, EPI, BN, BM, PP, CL, RIDE, KS> C;
   constexpr int STAGES = C::STAGES, A_BYTES = C::A_BYTES, B_BYTES = C::B_BYTES;
   extern __shared__ unsigned char smem_raw[];
   unsigned char *sa = (unsigned char *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
@@ -1811,7 +1833,7 @@ static __global__ void k_tn_maps(const __grid_constant__ params p, int64_t rows)
  * tile_off_tall). CL = 2: clusters of two blocks that share operands (NT and
  * NN; unit_at), as many as fit, at most grid / 2. */
 template <int LAYOUT, int EPI, int BN, bool PP = false, int BM = 128, int CL = 1,
-          bool RIDE = false, bool GA = false, bool KS = false>
+          bool RIDE = false, bool GA = false, int KS = 0>
 static int gemm(const gemm_args *a, int64_t a_rows, int grid, cudaStream_t stream, char *err)
 {
   static_assert(!GA || (CL == 1 && BM == 128), "gathered rows: single blocks, 128-row tiles");
@@ -1819,7 +1841,7 @@ static int gemm(const gemm_args *a, int64_t a_rows, int grid, cudaStream_t strea
   static_assert(CL == 1 || (CL == 2 && !PP && LAYOUT != L_TN), "clusters: NT and NN, cooperative");
   static_assert(!RIDE || (!PP && BM == 128 && BN == 256 && LAYOUT != L_TN),
                 "riding tails: 128 x 256 cooperative NT and NN tiles");
-  static_assert(!KS || (!PP && kept_out<LAYOUT, EPI, BN, BM, CL, KS>()),
+  static_assert(KS == 0 || ((KS == 1 || KS == 2) && !PP && kept_out<LAYOUT, EPI, BN, BM, CL, KS>()),
                 "stores through kept stages: 128 x 256 cooperative weight-gradient tiles");
   if (a->ready != NULL && (LAYOUT != L_NT || GA || a->count == NULL))
     return mokk_fail(err, MOK_EINVAL, "rows counted by a dispatch beside the GEMM: grouped NT "
@@ -1834,7 +1856,7 @@ static int gemm(const gemm_args *a, int64_t a_rows, int grid, cudaStream_t strea
    * between this launch and the kernel ahead (pdl.cuh) */
   if (!dynamic_order<LAYOUT, EPI, PP, CL>() || a->count == NULL)
     p.g.sched = NULL;
-  const int smem = cfg<BN, BM, PP, staged<LAYOUT, EPI, BN, BM, PP, CL, KS>(), RIDE>::SMEM;
+  const int smem = cfg_of<LAYOUT, EPI, BN, BM, PP, CL, RIDE, KS>::SMEM;
   void (*kernel)(params) = k_gemm90<LAYOUT, EPI, BN, PP, BM, CL, RIDE, GA, KS>;
   if (LAYOUT == L_TN && a->count != NULL && a->groups > 0) {
     e = pdl_launch(k_tn_maps, (2 * a->groups + 127) / 128, 128, 0, stream, p, a_rows);

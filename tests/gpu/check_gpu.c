@@ -701,9 +701,11 @@ START_TEST(gather_ahead_invariance)
 END_TEST
 
 /* The forward's and the weight gradients' epilogues through shared memory
- * (the default) against stores from registers, the forward on pairs of
- * blocks against single blocks, and d_x in column halves (the default)
- * against whole rows: the same bits for every output. Experts of 145, 750 and 50 rows on average:
+ * (the default) against stores from registers, the weight gradients'
+ * 128 x 256 tiles through a staging area, their last stage or their last
+ * two, the forward on pairs of blocks against single blocks, and d_x in
+ * column halves (the default) against whole rows: the same bits for every
+ * output. Experts of 145, 750 and 50 rows on average:
  * riding tails, whole m-tiles, and 64-row blocks that end past their
  * expert's rows (stored from registers either way); H = 384 halves into
  * 256 and 128 columns. */
@@ -719,13 +721,16 @@ START_TEST(epilogue_invariance)
       {{.H = 384, .I = 256, .E = 8, .K = 2, .I_s = 64, .P = 1}, 200, 33},
   };
   static const struct {
-    int regs, clusters, halves;
+    int regs, clusters, halves, keep;
     const char *what;
   } runs[] = {
-      {1, 1, 1, "the stores from registers"},
-      {0, 2, 1, "the forward on pairs"},
-      {1, 2, 1, "the forward on pairs, the stores from registers"},
-      {0, 1, 0, "d_x in whole rows"},
+      {1, 1, 1, -1, "the stores from registers"},
+      {0, 2, 1, -1, "the forward on pairs"},
+      {1, 2, 1, -1, "the forward on pairs, the stores from registers"},
+      {0, 1, 0, -1, "d_x in whole rows"},
+      {0, 1, 1, 0, "the weight gradients' stores through a staging area"},
+      {0, 1, 1, 1, "the weight gradients' stores through their last stage and half a staging area"},
+      {0, 1, 1, 2, "the weight gradients' stores through their last two stages"},
   };
   char err[2 * MOK_ERRLEN] = "";
 
@@ -739,6 +744,7 @@ START_TEST(epilogue_invariance)
       mokk_cuda_set_store_regs(gpu, runs[i].regs);
       mokk_cuda_set_clusters(gpu, runs[i].clusters);
       mokk_cuda_set_dx_halves(gpu, runs[i].halves);
+      mokk_cuda_set_wgrad_keep(gpu, runs[i].keep);
       ck_assert_msg(gpu_run_ranks(&c, 1, MOKK_GRAD_BF16, 0.5f, &on, err) == 0, "%s", err);
       expect_same(&on, &ref, &c, runs[i].what);
       out_free(&on);
@@ -746,6 +752,7 @@ START_TEST(epilogue_invariance)
     mokk_cuda_set_store_regs(gpu, 0);
     mokk_cuda_set_clusters(gpu, 1);
     mokk_cuda_set_dx_halves(gpu, 1);
+    mokk_cuda_set_wgrad_keep(gpu, -1);
     out_free(&ref);
     case_free(&c);
   }

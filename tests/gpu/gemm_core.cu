@@ -434,11 +434,17 @@ static int run_cases(int grid, bool dynamic, bool whole, char *msg, size_t msgle
       SAME("tn_up_regs", C2, Cc2, gp.groups * per * 2);
       if constexpr (TN_KEPT) { /* and through kept stages */
         a.store_regs = 0;
-        RUN((sm90::gemm<L_TN, E_WGRAD, BN, PP, TN_BM, 1, false, false, true>(&a, R, grid, 0,
-                                                                             err)));
+        RUN((sm90::gemm<L_TN, E_WGRAD, BN, PP, TN_BM, 1, false, false, 2>(&a, R, grid, 0,
+                                                                          err)));
         CORE_OK(cudaDeviceSynchronize());
         SAME("tn_gate_kept", C, Cc, gp.groups * per * 2);
         SAME("tn_up_kept", C2, Cc2, gp.groups * per * 2);
+        /* the last stage kept, warpgroup 1 through half a staging area */
+        RUN((sm90::gemm<L_TN, E_WGRAD, BN, PP, TN_BM, 1, false, false, 1>(&a, R, grid, 0,
+                                                                          err)));
+        CORE_OK(cudaDeviceSynchronize());
+        SAME("tn_gate_kept1", C, Cc, gp.groups * per * 2);
+        SAME("tn_up_kept1", C2, Cc2, gp.groups * per * 2);
       }
     }
   }
@@ -493,10 +499,14 @@ static int run_cases(int grid, bool dynamic, bool whole, char *msg, size_t msgle
     REPORT("tn_longk", compare(C, 1, refc, (int64_t)K * N, TOL_BF16));
     if constexpr (TN_KEPT) { /* through kept stages: the same bits */
       a.C = C2;
-      RUN((sm90::gemm<L_TN, E_WGRAD, BN, PP, TN_BM, 1, false, false, true>(&a, LR, grid, 0,
-                                                                           err)));
+      RUN((sm90::gemm<L_TN, E_WGRAD, BN, PP, TN_BM, 1, false, false, 2>(&a, LR, grid, 0,
+                                                                        err)));
       CORE_OK(cudaDeviceSynchronize());
       SAME("tn_longk_kept", C, C2, (int64_t)K * N * 2);
+      RUN((sm90::gemm<L_TN, E_WGRAD, BN, PP, TN_BM, 1, false, false, 1>(&a, LR, grid, 0,
+                                                                        err)));
+      CORE_OK(cudaDeviceSynchronize());
+      SAME("tn_longk_kept1", C, C2, (int64_t)K * N * 2);
     }
     cudaFree(LA), cudaFree(LB), cudaFree(TA_), cudaFree(TB_);
   }
