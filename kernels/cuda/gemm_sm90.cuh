@@ -1160,7 +1160,8 @@ using cfg_of = cfg<BN, BM, PP, staged<LAYOUT, EPI, BN, BM, PP, CL, KS>(), RIDE,
 
 constexpr int BAR_EPI = 3; /* named barrier: both consumer warpgroups are done with a tile's MMAs */
 
-/* The two stages a tile's epilogue keeps (-1: none). */
+/* The two stages a tile's epilogue keeps (-1: none; s0 alone is -1 where
+ * it keeps its last stage only, KS = 1). */
 struct kept {
   int s0, s1;
 };
@@ -1409,7 +1410,8 @@ __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsi
       break;
     tile x = unit_at<LAYOUT, BN, BM, CL>(a, u, tiles, rank);
     int nk = k_blocks<LAYOUT>(a, x);
-    /* the epilogue goes out through this tile's last two stages (async_out) */
+    /* the epilogue goes out through this tile's last two stages (async_out,
+     * kept_out) or its last one (KEEP1) */
     const bool keep = AO && !a.store_regs && nk >= (KEEP1 ? 1 : 2) && !(TS && a.accum);
     /* a group's last m-tile often has no rows for some 64-row blocks: their
      * warpgroup then only keeps the pipeline going and leaves the tensor
