@@ -425,8 +425,8 @@ static int run_cases(int grid, bool dynamic, bool whole, char *msg, size_t msgle
       CORE_OK(cudaDeviceSynchronize());
       SAME("tn_gate_gu_chunks", C, Cc, gp.groups * per * 2);
       SAME("tn_up_gu_chunks", C2, Cc2, gp.groups * per * 2);
-      /* the tiles stored from registers rather than through the stages of
-       * their last k-blocks: the same bits */
+      /* the tiles stored from registers rather than through shared memory
+       * and the copy engine: the same bits */
       a.gu_chunks = 1, a.store_regs = 1;
       RUN((sm90::gemm<L_TN, E_WGRAD, BN, PP, TN_BM>(&a, R, grid, 0, err)));
       CORE_OK(cudaDeviceSynchronize());
