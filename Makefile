@@ -301,7 +301,7 @@ TORCH_PY = $(or $(TORCH_PYTHON),python3)
 bench-gpu:
 ifeq ($(HAVE_CUDA),1)
 	@$(MAKE) --no-print-directory $(GPU_BENCH)
-	$(GPU_BENCH) --verify --torch "$(TORCH_PY) tests/bench/torch_moe.py" \
+	$(GPU_BENCH) --verify --torch "$(TORCH_PY) tests/bench/torch_moe.py --steps" \
 	  --ceiling "$(TORCH_PY) tests/bench/torch_matmul.py" --csv $(BUILD)/bench_gpu.csv
 	$(TORCH_PY) tests/bench/plot_bench.py $(BUILD)/bench_gpu.csv $(BUILD)/bench_gpu.png
 else

@@ -1460,11 +1460,11 @@ __device__ __forceinline__ void cooperative(const params &p, int64_t tiles, unsi
     stage_last<lockstep<LAYOUT, CL>(), AO>(empty, prev, keep, k, lane, rank);
     if (TS && AO && keep) { /* into the B part of the stage this warpgroup kept */
       named_sync(BAR_EPI, 256); /* both warpgroups' MMAs are done with the kept stages */
-      unsigned char *mine = sb + (cw == 0 ? (KEEP1 ? k.s1 : k.s0) : k.s1) * B_BYTES;
-      if (KEEP1 && cw == 1) { /* warpgroup 1: the staging area */
-        mine = out;
+      /* KEEP1: warpgroup 0 through the kept stage, warpgroup 1 the staging area */
+      const bool staging = KEEP1 && cw == 1;
+      unsigned char *mine = staging ? out : sb + (cw == 0 && !KEEP1 ? k.s0 : k.s1) * B_BYTES;
+      if (staging)
         out_wait(cw, wt);
-      }
       out_block<BN>(acc0, mine, warp, lane);
       out_issue<BN, BM>(p, x, mine, b0, 1, cw, wt);
       continue;

@@ -183,6 +183,15 @@ static int fp32_accum;
  * without retain_graph, which the torch baseline runs), unless --retain. */
 static int retain;
 
+/* How steps are timed. By default each timed step is a forward and its
+ * backward, as in training: a forward starts behind the last step's
+ * backward. --loops times them as torch_moe.py does by default: the
+ * forwards in a loop of their own (each forward's state freed unused), then
+ * the backwards, each behind an untimed forward. torch_moe.py --steps times
+ * the baseline the default way. */
+static int loops;
+enum { PH_STEP, PH_FWD, PH_BWD };
+
 /* Device memory of a shape's tensors: x, out, d_out, d_x; ids, weights,
  * d_topk_weights; weights (bf16) and gradients (bf16, or fp32 with
  * --fp32-accum). The step's own memory comes on top. */
@@ -499,25 +508,37 @@ static int run_daemon(const char *sock, const shape_def *d, int iters, int do_ve
                        .shared_intermediate = Is, .grad_mode = MOK_GRAD_BF16};
   MOK_OK(c, mok_layer_create_tuned(c, &ld, &tuning, &layer));
   MOK_OK(c, mok_layer_set_weights(c, layer, w));
-  for (int it = -2; it < iters; it++) {
-    double t0 = now_ms(), t1, t2;
-    MOK_OK(c, mok_forward(c, layer, &x, &ids, &tw, 0, &fr));
-    t1 = now_ms();
-    if (it == -2)
-      mem_note("after the first forward");
-    MOK_OK(c, mok_backward_flags(c, fr.context, &dout, NULL, 0, NULL,
-                                 retain ? 0 : MOK_BACKWARD_LAST, &br));
-    t2 = now_ms();
-    if (it >= 0) {
-      fms[it] = (float)(t1 - t0), bms[it] = (float)(t2 - t1);
-      fq[it] = fr.timing.queued_ns / 1e6f, fc[it] = fr.timing.compute_ns / 1e6f;
-      bq[it] = br.timing.queued_ns / 1e6f, bc[it] = br.timing.compute_ns / 1e6f;
+  for (int ph = loops ? PH_FWD : PH_STEP; ph <= (loops ? PH_BWD : PH_STEP); ph++)
+    for (int it = -2; it < iters; it++) {
+      double t0 = now_ms(), t1, t2;
+      MOK_OK(c, mok_forward(c, layer, &x, &ids, &tw, 0, &fr));
+      t1 = now_ms();
+      if (it == -2 && ph != PH_BWD)
+        mem_note("after the first forward");
+      if (ph == PH_FWD) { /* --loops: forwards alone */
+        MOK_OK(c, mok_release(c, &fr.context, 1));
+        if (it >= 0) {
+          fms[it] = (float)(t1 - t0);
+          fq[it] = fr.timing.queued_ns / 1e6f, fc[it] = fr.timing.compute_ns / 1e6f;
+        }
+        continue;
+      }
+      MOK_OK(c, mok_backward_flags(c, fr.context, &dout, NULL, 0, NULL,
+                                   retain ? 0 : MOK_BACKWARD_LAST, &br));
+      t2 = now_ms();
+      if (it >= 0) {
+        bms[it] = (float)(t2 - t1);
+        bq[it] = br.timing.queued_ns / 1e6f, bc[it] = br.timing.compute_ns / 1e6f;
+        if (ph == PH_STEP) {
+          fms[it] = (float)(t1 - t0);
+          fq[it] = fr.timing.queued_ns / 1e6f, fc[it] = fr.timing.compute_ns / 1e6f;
+        }
+      }
+      if (it + 1 < iters) { /* the last step's outputs stay for the check */
+        uint64_t rel[2] = {fr.context, br.result};
+        MOK_OK(c, mok_release(c, rel, 2));
+      }
     }
-    if (it + 1 < iters) {
-      uint64_t rel[2] = {fr.context, br.result};
-      MOK_OK(c, mok_release(c, rel, 2));
-    }
-  }
   qsort(fms, iters, 4, cmp_float);
   qsort(bms, iters, 4, cmp_float);
   *fwd = fms[iters / 2], *bwd = bms[iters / 2];
@@ -726,6 +747,8 @@ int main(int argc, char **argv)
       trace = 1;
     else if (!strcmp(argv[i], "--retain"))
       retain = 1;
+    else if (!strcmp(argv[i], "--loops"))
+      loops = 1;
     else if (!strcmp(argv[i], "--daemon") && i + 1 < argc)
       sock = argv[++i];
     else if (!strcmp(argv[i], "--shape") && i + 1 < argc) {
@@ -742,7 +765,7 @@ int main(int argc, char **argv)
     } else {
       fprintf(stderr, "usage: bench_gpu [--shapes a,b] [--iters n] [--torch CMD] [--verify]\n"
                       "                 [--daemon SOCK] [--ceiling CMD] [--csv FILE] [--fp32-accum]\n"
-                      "                 [--trace] [--retain] [--tuning S]\n"
+                      "                 [--trace] [--retain] [--loops] [--tuning S]\n"
                       "                 [--shape NAME=T,H,I,E,K,I_s]\n"
                       "  shapes: dsv3 mid qwen3_4k qwen3_32k mok (DESIGN §6), and --shape's\n"
                       "  --shape NAME=T,H,I,E,K,I_s  one more shape for --shapes to name (no\n"
@@ -763,7 +786,11 @@ int main(int argc, char **argv)
                       "               default each is its forward's last, as autograd's\n"
                       "               without retain_graph, which the torch baseline runs)\n"
                       "  --tuning S   the layers' kernel options, key=value,... as mokctl bench\n"
-                      "               --tuning takes them (default: the backend's)\n");
+                      "               --tuning takes them (default: the backend's)\n"
+                      "  --loops      time the forwards in a loop of their own, then the\n"
+                      "               backwards (each behind an untimed forward), as\n"
+                      "               torch_moe.py does without --steps; by default each\n"
+                      "               timed step is a forward and its backward\n");
       return 2;
     }
   }
@@ -822,36 +849,40 @@ int main(int argc, char **argv)
     CUDA_OK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero));
     float *fms = xmalloc(iters * 4), *bms = xmalloc(iters * 4);
     float *fhost = xmalloc(iters * 4), *bhost = xmalloc(iters * 4);
-    for (int it = -2; it < iters; it++) {
-      mokk_ctx *ctx = NULL;
-      double h0, h1, h2;
-      CUDA_OK(cudaEventRecord(e0, st));
-      h0 = now_ms();
-      if (mokk_forward(gpu, &p.s, p.T, &p.fr, &ctx, err)) {
-        fprintf(stderr, "bench_gpu: %s: forward: %s\n", d->name, err);
-        return 1;
+    for (int ph = loops ? PH_FWD : PH_STEP; ph <= (loops ? PH_BWD : PH_STEP); ph++)
+      for (int it = -2; it < iters; it++) {
+        mokk_ctx *ctx = NULL;
+        double h0, h1, h2;
+        CUDA_OK(cudaEventRecord(e0, st));
+        h0 = now_ms();
+        if (mokk_forward(gpu, &p.s, p.T, &p.fr, &ctx, err)) {
+          fprintf(stderr, "bench_gpu: %s: forward: %s\n", d->name, err);
+          return 1;
+        }
+        h1 = now_ms();
+        CUDA_OK(cudaEventRecord(e1, st));
+        if (ph != PH_FWD && mokk_backward_flags(gpu, ctx, fp32_accum ? MOKK_GRAD_FP32_ACCUM
+                                                                     : MOKK_GRAD_BF16,
+                                                retain ? 0 : MOKK_BWD_LAST, &p.br, err)) {
+          fprintf(stderr, "bench_gpu: %s: backward: %s\n", d->name, err);
+          return 1;
+        }
+        h2 = now_ms();
+        CUDA_OK(cudaEventRecord(e2, st));
+        mokk_ctx_free(gpu, ctx);
+        if (mokk_cuda_sync(gpu, err)) {
+          fprintf(stderr, "bench_gpu: %s: %s\n", d->name, err);
+          return 1;
+        }
+        if (it >= 0 && ph != PH_BWD) {
+          CUDA_OK(cudaEventElapsedTime(&fms[it], e0, e1));
+          fhost[it] = (float)(h1 - h0);
+        }
+        if (it >= 0 && ph != PH_FWD) {
+          CUDA_OK(cudaEventElapsedTime(&bms[it], e1, e2));
+          bhost[it] = (float)(h2 - h1);
+        }
       }
-      h1 = now_ms();
-      CUDA_OK(cudaEventRecord(e1, st));
-      if (mokk_backward_flags(gpu, ctx, fp32_accum ? MOKK_GRAD_FP32_ACCUM : MOKK_GRAD_BF16,
-                              retain ? 0 : MOKK_BWD_LAST, &p.br,
-                        err)) {
-        fprintf(stderr, "bench_gpu: %s: backward: %s\n", d->name, err);
-        return 1;
-      }
-      h2 = now_ms();
-      CUDA_OK(cudaEventRecord(e2, st));
-      mokk_ctx_free(gpu, ctx);
-      if (mokk_cuda_sync(gpu, err)) {
-        fprintf(stderr, "bench_gpu: %s: %s\n", d->name, err);
-        return 1;
-      }
-      if (it >= 0) {
-        CUDA_OK(cudaEventElapsedTime(&fms[it], e0, e1));
-        CUDA_OK(cudaEventElapsedTime(&bms[it], e1, e2));
-        fhost[it] = (float)(h1 - h0), bhost[it] = (float)(h2 - h1);
-      }
-    }
     CUDA_OK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high));
     if (trace && trace_step(gpu, &p, d->name))
       return 1;

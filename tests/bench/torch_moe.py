@@ -7,7 +7,7 @@ run through grouped gate/up GEMMs, SwiGLU, a grouped down GEMM, then
 unpermuted and combined over k with the routing weights. Shapes marked
 shared add a dense SwiGLU expert with I_s = I.
 
-usage: torch_moe.py [--shapes dsv3,mid,...] [--iters N] [--warmup N]
+usage: torch_moe.py [--shapes dsv3,mid,...] [--iters N] [--warmup N] [--steps]
 """
 import argparse
 import gc
@@ -113,7 +113,25 @@ def time_ms(fn, warmup, iters):
     return statistics.median(times)
 
 
-def run_shape(name, warmup, iters):
+def time_steps(fn, warmup, iters):
+    """Median forward and backward ms of whole steps; fn(start, mid, end)."""
+    def events():
+        return [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+
+    for _ in range(warmup):
+        fn(*events())
+    torch.cuda.synchronize()
+    fwd, bwd = [], []
+    for _ in range(iters):
+        s, m, e = events()
+        fn(s, m, e)
+        e.synchronize()
+        fwd.append(s.elapsed_time(m))
+        bwd.append(m.elapsed_time(e))
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def run_shape(name, warmup, iters, steps=False):
     T, H, I, E, K, shared = SHAPES[name]
     args, d_out, leaves = make_inputs(T, H, I, E, K, shared, "cuda")
 
@@ -136,8 +154,22 @@ def run_shape(name, warmup, iters):
         out.backward(d_out)
         e.record()
 
-    fwd_ms = time_ms(fwd, warmup, iters)
-    bwd_ms = time_ms(bwd, warmup, iters)
+    def step(s, m, e):
+        # A training step: the forward, timed behind the last step's
+        # backward, then its backward.
+        clear_grads()
+        s.record()
+        out = reference_moe(*args)
+        m.record()
+        out.backward(d_out)
+        e.record()
+        del out
+
+    if steps:
+        fwd_ms, bwd_ms = time_steps(step, warmup, iters)
+    else:
+        fwd_ms = time_ms(fwd, warmup, iters)
+        bwd_ms = time_ms(bwd, warmup, iters)
     clear_grads()
 
     # Peak memory of one training step: inputs, weights, their gradients and
@@ -168,6 +200,11 @@ def main():
                     help="comma-separated shape names (default: all)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", action="store_true",
+                    help="time each forward with its backward in one step, the "
+                    "forward behind the last step's backward (bench_gpu's "
+                    "default); without it the forwards run in a loop of their "
+                    "own, then the backwards")
     a = ap.parse_args()
 
     names = [n.strip() for n in a.shapes.split(",") if n.strip()]
@@ -184,7 +221,7 @@ def main():
 
     for name in names:
         try:
-            run_shape(name, a.warmup, a.iters)
+            run_shape(name, a.warmup, a.iters, a.steps)
         except torch.cuda.OutOfMemoryError:
             print(f"torch {name} skipped: out of memory", flush=True)
         # Release this shape's tensors before the next one.

@@ -954,6 +954,40 @@ START_TEST(errors)
 }
 END_TEST
 
+/* The backend's measuring knobs (environment) take only the values they
+ * name: any other fails mokk_cuda_create with MOK_EINVAL, no backend, and a
+ * message naming the variable and what it takes; a valid value creates one. */
+START_TEST(errors_env)
+{
+  static const struct {
+    const char *name, *bad, *good, *says;
+  } knobs[] = {
+      {"MOKD_GEMM_WGRAD_KEEP", "3", "1", "is not auto, 0, 1 or 2"},
+      {"MOKD_GEMM_WGRAD_TILES", "tall", "pingpong", "is not auto, wide or pingpong"},
+      {"MOKD_GEMM_STORES", "reg", "regs", "is not async or regs"},
+      {"MOKD_GATHER_AHEAD", "-1", "8", "is not a number of blocks"},
+      {"MOKD_GATHER_AHEAD", "16x", "0", "is not a number of blocks"},
+  };
+  char err[2 * MOK_ERRLEN];
+
+  for (size_t i = 0; i < sizeof knobs / sizeof knobs[0]; i++) {
+    mokk_backend *b = (mokk_backend *)&err; /* anything but NULL */
+    err[0] = '\0';
+    ck_assert_int_eq(setenv(knobs[i].name, knobs[i].bad, 1), 0);
+    int rc = mokk_cuda_create(0, &b, err);
+    ck_assert_msg(rc == MOK_EINVAL, "%s=%s: rc %d (%s)", knobs[i].name, knobs[i].bad, rc, err);
+    ck_assert_msg(b == NULL, "%s=%s: a backend came back", knobs[i].name, knobs[i].bad);
+    ck_assert_msg(strstr(err, knobs[i].name) != NULL && strstr(err, knobs[i].says) != NULL,
+                  "%s=%s: %s", knobs[i].name, knobs[i].bad, err);
+    ck_assert_int_eq(setenv(knobs[i].name, knobs[i].good, 1), 0);
+    rc = mokk_cuda_create(0, &b, err);
+    unsetenv(knobs[i].name);
+    ck_assert_msg(rc == 0 && b != NULL, "%s=%s: %s", knobs[i].name, knobs[i].good, err);
+    mokk_backend_destroy(b);
+  }
+}
+END_TEST
+
 /* ---- through the daemon ------------------------------------------------- */
 
 static mok_tensor place(uint64_t arena, size_t *at, mok_dtype dt, int ndim, int64_t a,
@@ -2431,6 +2465,7 @@ static Suite *gpu_suite(void)
   suite_add_tcase(su, tc);
   tc = tcase_create("errors");
   tcase_add_test(tc, errors);
+  tcase_add_test(tc, errors_env);
   suite_add_tcase(su, tc);
   tc = tcase_create("daemon");
   tcase_set_timeout(tc, 120);

@@ -60,7 +60,7 @@ if [ $bench -eq 1 ]; then
   mokd=$!
   for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.1; done
   step bench_gpu 300 "$B/bench_gpu" --iters 20 --verify --daemon "$sock" \
-    --torch "python3 tests/bench/torch_moe.py" \
+    --torch "python3 tests/bench/torch_moe.py --steps" \
     --ceiling "python3 tests/bench/torch_matmul.py" --csv "$L/bench_gpu.csv"
   kill -TERM $mokd; wait $mokd
   python3 tests/bench/plot_bench.py "$L/bench_gpu.csv" "$L/bench_gpu.png"
