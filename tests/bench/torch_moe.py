@@ -96,39 +96,23 @@ def make_inputs(T, H, I, E, K, shared, device):
     return args, d_out, leaves
 
 
-def time_ms(fn, warmup, iters):
-    """Median time of fn in ms; fn(start, end) records the events itself."""
-    for _ in range(warmup):
-        s = torch.cuda.Event(enable_timing=True)
-        e = torch.cuda.Event(enable_timing=True)
-        fn(s, e)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        s = torch.cuda.Event(enable_timing=True)
-        e = torch.cuda.Event(enable_timing=True)
-        fn(s, e)
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
-
-
-def time_steps(fn, warmup, iters):
-    """Median forward and backward ms of whole steps; fn(start, mid, end)."""
+def time_ms(fn, warmup, iters, marks=2):
+    """Medians in ms of the spans between the events fn records, in order:
+    fn(e_0, ..., e_{marks-1}) gives marks - 1 of them (a list)."""
     def events():
-        return [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        return [torch.cuda.Event(enable_timing=True) for _ in range(marks)]
 
     for _ in range(warmup):
         fn(*events())
     torch.cuda.synchronize()
-    fwd, bwd = [], []
+    spans = [[] for _ in range(marks - 1)]
     for _ in range(iters):
-        s, m, e = events()
-        fn(s, m, e)
-        e.synchronize()
-        fwd.append(s.elapsed_time(m))
-        bwd.append(m.elapsed_time(e))
-    return statistics.median(fwd), statistics.median(bwd)
+        ev = events()
+        fn(*ev)
+        ev[-1].synchronize()
+        for i, span in enumerate(spans):
+            span.append(ev[i].elapsed_time(ev[i + 1]))
+    return [statistics.median(span) for span in spans]
 
 
 def run_shape(name, warmup, iters, steps=False):
@@ -166,10 +150,10 @@ def run_shape(name, warmup, iters, steps=False):
         del out
 
     if steps:
-        fwd_ms, bwd_ms = time_steps(step, warmup, iters)
+        fwd_ms, bwd_ms = time_ms(step, warmup, iters, marks=3)
     else:
-        fwd_ms = time_ms(fwd, warmup, iters)
-        bwd_ms = time_ms(bwd, warmup, iters)
+        (fwd_ms,) = time_ms(fwd, warmup, iters)
+        (bwd_ms,) = time_ms(bwd, warmup, iters)
     clear_grads()
 
     # Peak memory of one training step: inputs, weights, their gradients and
