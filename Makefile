@@ -166,7 +166,8 @@ $(call obj,tests/gpu/check_gpu.c tests/bench/bench_gpu.c tests/bench/bench_gemm.
 	-isystem $(CUDA_HOME)/include
 
 $(BUILD)/obj/tests/gpu/gemm_core.o $(BUILD)/obj/tests/gpu/schedule.o \
-  $(BUILD)/obj/tests/gpu/dispatch.o: NVFLAGS += -Ikernels/cuda
+  $(BUILD)/obj/tests/gpu/dispatch.o $(BUILD)/obj/tests/bench/read_pattern.o: \
+  NVFLAGS += -Ikernels/cuda
 
 $(LIBMOKK_CUDA): $(CUDA_OBJ)
 	$(AR) rcs $@ $^
@@ -181,7 +182,7 @@ $(GPU_BENCH): $(call obj,tests/bench/bench_gpu.c tests/bench/trace.c kernels/dev
               $(LIBMOK_A) $(LIBMOKK_CUDA) $(LIBMOKK) $(LIBCOMMON)
 	$(CC) $(LDSAN) -o $@ $^ -l:libprotobuf-c.a $(CUDA_LIBS) $(LDLIBS)
 $(GEMM_BENCH): $(call obj,tests/bench/bench_gemm.c) $(BUILD)/obj/tests/gpu/gemm_core.o \
-               $(LIBMOKK_CUDA) $(LIBMOKK)
+               $(BUILD)/obj/tests/bench/read_pattern.o $(LIBMOKK_CUDA) $(LIBMOKK)
 	$(CC) $(LDSAN) -o $@ $^ $(CUDA_LIBS) $(LDLIBS)
 
 $(LIBCOMMON): $(COMMON_OBJ)

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bench/read_pattern.h"
 #include "gpu/gemm_core.h"
 
 static const char *VNAME[GEMM_VARIANTS] = {"coop128", "coop256", "pingpong", "tall",  "wide2",
@@ -40,10 +41,36 @@ static void torch_times(const char *cmd, int iters, double *ms)
   pclose(f);
 }
 
+/* --reads: dsv3's gate/up weights (256 experts, N 4096, K 7168: 15 GB) read
+ * as the GEMMs read them, with nothing computed */
+static int read_table(int iters)
+{
+  static const int RINGS[][2] = {{256, 2}, {256, 3}, {256, 4}, {256, 6}, {128, 4}, {128, 8}};
+  const int E = 256, N = 4096, K = 7168;
+  const double gb = (double)E * N * K * 2 / 1e9;
+  char err[256];
+  int bad = 0;
+
+  printf("%-8s %5s %7s %9s %9s\n", "reads", "rows", "stages", "ms", "GB/s");
+  for (int m = READS_BOXES; m <= READS_BULK; m++)
+    for (size_t i = 0; i < sizeof RINGS / sizeof RINGS[0]; i++) {
+      double ms = read_pattern_time(m, E, N, K, RINGS[i][0], RINGS[i][1], iters, err,
+                                    sizeof err);
+      const char *what = m == READS_BOXES ? "boxes" : "bulk";
+      if (ms <= 0) {
+        printf("%-8s %5d %7d  failed: %s\n", what, RINGS[i][0], RINGS[i][1], err);
+        bad++;
+        continue;
+      }
+      printf("%-8s %5d %7d %9.3f %9.1f\n", what, RINGS[i][0], RINGS[i][1], ms, gb / ms * 1e3);
+    }
+  return bad ? 1 : 0;
+}
+
 int main(int argc, char **argv)
 {
   const char *torch = NULL;
-  int iters = 20, bad = 0;
+  int iters = 20, bad = 0, reads = 0;
   double tms[NSHAPES];
   char msg[2048];
 
@@ -57,11 +84,15 @@ int main(int argc, char **argv)
         fprintf(stderr, "bench_gemm: --iters wants a positive count, not '%s'\n", argv[i]);
         return 2;
       }
+    } else if (!strcmp(argv[i], "--reads")) {
+      reads = 1;
     } else {
-      fprintf(stderr, "usage: bench_gemm [--iters N] [--torch CMD]\n"
+      fprintf(stderr, "usage: bench_gemm [--iters N] [--torch CMD] [--reads]\n"
                       "  the Hopper GEMM core checked against an fp32 reference, then timed on\n"
                       "  dense bf16 GEMMs; --torch CMD runs 'CMD --iters N M,N,K...' for the\n"
-                      "  torch.matmul baseline in the same run\n");
+                      "  torch.matmul baseline in the same run; --reads: only what the memory\n"
+                      "  gives dsv3's gate/up weight reads with nothing computed (the copy\n"
+                      "  engine's boxes against contiguous bulk copies, rings of 2-6 stages)\n");
       return 2;
     }
   }
@@ -69,6 +100,8 @@ int main(int argc, char **argv)
     printf("bench_gemm: no sm_90 GPU; the Hopper core does not run here\n");
     return 0;
   }
+  if (reads)
+    return read_table(iters);
   for (int v = 0; v < GEMM_VARIANTS; v++) {
     double worst = 0;
     int f = gemm_core_check(v, 0, 1, msg, sizeof msg, &worst);

@@ -171,7 +171,8 @@ static void problem_fill(problem *p)
     if (n > 0)
       bench_fill_bf16((void *)p->fr.w[w], n, 100 + w, scale);
   }
-  bench_fill_bf16((void *)p->br.d_out, T * H, 7, 0.02f);
+  if (p->br.d_out != NULL)
+    bench_fill_bf16((void *)p->br.d_out, T * H, 7, 0.02f);
   CUDA_OK(cudaDeviceSynchronize());
 }
 
@@ -194,22 +195,25 @@ enum { PH_STEP, PH_FWD, PH_BWD };
 
 /* Device memory of a shape's tensors: x, out, d_out, d_x; ids, weights,
  * d_topk_weights; weights (bf16) and gradients (bf16, or fp32 with
- * --fp32-accum). The step's own memory comes on top. */
-static double problem_bytes(const shape_def *d)
+ * --fp32-accum). The step's own memory comes on top. fwd_only: x, out,
+ * ids, weights and the weights alone. */
+static double problem_bytes(const shape_def *d, int fwd_only)
 {
   mokk_shape s = {.H = d->H, .I = d->I, .E = d->E, .K = d->K, .I_s = d->Is, .P = 1};
-  double bytes = 4.0 * d->T * d->H * 2 + 3.0 * d->T * d->K * 4;
+  double bytes = (fwd_only ? 2.0 : 4.0) * d->T * d->H * 2 + (fwd_only ? 2.0 : 3.0) * d->T * d->K * 4;
   for (int w = 0; w < MOKK_NWEIGHTS; w++)
-    bytes += (2.0 + (fp32_accum ? 4.0 : 2.0)) * mokk_weight_elems(&s, w);
+    bytes += (fwd_only ? 2.0 : 2.0 + (fp32_accum ? 4.0 : 2.0)) * mokk_weight_elems(&s, w);
   return bytes;
 }
 
-static void problem_make(problem *p, const shape_def *d)
+/* The tensors of a shape; with fwd_only those of its forward alone (no
+ * gradient, d_out or d_x buffers: the backward cannot run). */
+static void problem_make(problem *p, const shape_def *d, int fwd_only)
 {
   int64_t T = d->T, K = d->K;
 
   problem_route(p, d);
-  p->bytes = problem_bytes(d);
+  p->bytes = problem_bytes(d, fwd_only);
   p->fr.x = dmalloc(T * d->H * 2);
   p->fr.topk_ids = dmalloc(T * K * 4);
   p->fr.topk_weights = dmalloc(T * K * 4);
@@ -219,6 +223,8 @@ static void problem_make(problem *p, const shape_def *d)
     if (n == 0)
       continue;
     p->fr.w[w] = dmalloc(n * 2);
+    if (fwd_only)
+      continue;
     if (fp32_accum) {
       p->br.g_f32[w] = dmalloc(n * 4);
       CUDA_OK(cudaMemset(p->br.g_f32[w], 0, n * 4));
@@ -226,9 +232,11 @@ static void problem_make(problem *p, const shape_def *d)
       p->br.g_bf16[w] = dmalloc(n * 2);
     }
   }
-  p->br.d_out = dmalloc(T * d->H * 2);
-  p->br.d_x = dmalloc(T * d->H * 2);
-  p->br.d_topk_weights = dmalloc(T * K * 4);
+  if (!fwd_only) {
+    p->br.d_out = dmalloc(T * d->H * 2);
+    p->br.d_x = dmalloc(T * d->H * 2);
+    p->br.d_topk_weights = dmalloc(T * K * 4);
+  }
   problem_fill(p);
 }
 
@@ -646,7 +654,8 @@ static void report(const result *r, int n, double ceil_tf, const char *csv)
                "ratio_fwd,ratio_bwd,peak_gb,torch_peak_gb,ceiling_tflops\n");
   for (int i = 0; i < n; i++) {
     const shape_def *d = r[i].d;
-    double ff = flops_fwd(d) / r[i].f / 1e9, fb = 2 * flops_fwd(d) / r[i].b / 1e9;
+    /* a shape timed forward only has no backward figures: 0 in the CSV */
+    double ff = flops_fwd(d) / r[i].f / 1e9, fb = r[i].b > 0 ? 2 * flops_fwd(d) / r[i].b / 1e9 : 0;
     double pf = ceil_tf > 0 ? 100 * ff / ceil_tf : 0, pb = ceil_tf > 0 ? 100 * fb / ceil_tf : 0;
     double rf = r[i].tf > 0 ? r[i].tf / r[i].f : 0, rb = r[i].tb > 0 ? r[i].tb / r[i].b : 0;
     char c1[32], c2[32], c3[32], c4[32], c5[32], c6[32];
@@ -660,6 +669,11 @@ static void report(const result *r, int n, double ceil_tf, const char *csv)
     snprintf(c3, sizeof c3, "%.3f/%.3f", r[i].df, r[i].db);
     snprintf(c4, sizeof c4, "%.3f/%.3f", r[i].tf, r[i].tb);
     snprintf(c5, sizeof c5, "%.3fx/%.3fx", rf, rb);
+    if (r[i].b <= 0) { /* forward only */
+      snprintf(c2, sizeof c2, "-");
+      snprintf(c4, sizeof c4, "%.3f/-", r[i].tf);
+      snprintf(c5, sizeof c5, "%.3fx/-", rf);
+    }
     if (r[i].tpeak > 0)
       snprintf(c6, sizeof c6, "%.1f/%.1f", r[i].peak, r[i].tpeak);
     else
@@ -834,22 +848,30 @@ int main(int argc, char **argv)
       continue;
     size_t avail = 0, total = 0;
     CUDA_OK(cudaMemGetInfo(&avail, &total));
-    if (problem_bytes(d) > (double)avail) { /* mok (103 GB) on an 80 GB card */
-      printf("skip %s: its tensors take %.1f GB, the GPU has %.1f GB free\n", d->name,
-             problem_bytes(d) / 1e9, avail / 1e9);
+    /* mok's step (103 GB) on an 80 GB card: its forward alone (51 GB) */
+    int fo = problem_bytes(d, 0) > (double)avail;
+    if (fo && problem_bytes(d, 1) > (double)avail) {
+      printf("skip %s: its forward's tensors take %.1f GB, the GPU has %.1f GB free\n",
+             d->name, problem_bytes(d, 1) / 1e9, avail / 1e9);
       fflush(stdout);
       continue;
     }
+    if (fo)
+      printf("forward only %s: a step's tensors take %.1f GB, the GPU has %.1f GB free; "
+             "the forwards alone (%.1f GB) are timed in a loop of their own, here, and "
+             "for torch\n", d->name, problem_bytes(d, 0) / 1e9, avail / 1e9,
+             problem_bytes(d, 1) / 1e9);
     result *r = &res[nres++];
     memset(r, 0, sizeof *r);
     r->d = d;
     problem p;
-    problem_make(&p, d);
+    problem_make(&p, d, fo);
     uint64_t zero = 0, high = 0;
     CUDA_OK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero));
     float *fms = xmalloc(iters * 4), *bms = xmalloc(iters * 4);
     float *fhost = xmalloc(iters * 4), *bhost = xmalloc(iters * 4);
-    for (int ph = loops ? PH_FWD : PH_STEP; ph <= (loops ? PH_BWD : PH_STEP); ph++)
+    int ph0 = loops || fo ? PH_FWD : PH_STEP, ph1 = fo ? PH_FWD : loops ? PH_BWD : PH_STEP;
+    for (int ph = ph0; ph <= ph1; ph++)
       for (int it = -2; it < iters; it++) {
         mokk_ctx *ctx = NULL;
         double h0, h1, h2;
@@ -889,34 +911,49 @@ int main(int argc, char **argv)
     r->peak = (p.bytes + (double)high) / 1e9;
     qsort(fms, iters, 4, cmp_float);
     qsort(bms, iters, 4, cmp_float);
-    double f = fms[iters / 2], b = bms[iters / 2];
+    double f = fms[iters / 2], b = fo ? 0 : bms[iters / 2];
     double flop = flops_fwd(d);
+    char bwd[64] = "bwd_ms=- bwd_tflops=-";
     r->f = f, r->b = b;
     qsort(fhost, iters, 4, cmp_float);
     qsort(bhost, iters, 4, cmp_float);
-    printf("mokd %s spread: fwd_ms min %.3f max %.3f, bwd_ms min %.3f max %.3f; "
-           "host ms to enqueue (median) fwd %.3f bwd %.3f\n", d->name, fms[0],
-           fms[iters - 1], bms[0], bms[iters - 1], fhost[iters / 2], bhost[iters / 2]);
+    if (fo) {
+      printf("mokd %s spread: fwd_ms min %.3f max %.3f; host ms to enqueue (median) fwd %.3f\n",
+             d->name, fms[0], fms[iters - 1], fhost[iters / 2]);
+    } else {
+      printf("mokd %s spread: fwd_ms min %.3f max %.3f, bwd_ms min %.3f max %.3f; "
+             "host ms to enqueue (median) fwd %.3f bwd %.3f\n", d->name, fms[0],
+             fms[iters - 1], bms[0], bms[iters - 1], fhost[iters / 2], bhost[iters / 2]);
+      snprintf(bwd, sizeof bwd, "bwd_ms=%.3f bwd_tflops=%.1f", b, 2 * flop / b / 1e9);
+    }
     printf("mokd %s T=%lld H=%lld I=%lld E=%lld K=%lld shared=%d fwd_ms=%.3f fwd_tflops=%.1f "
-           "bwd_ms=%.3f bwd_tflops=%.1f peak_gb=%.3f\n",
+           "%s peak_gb=%.3f\n",
            d->name, (long long)d->T, (long long)d->H, (long long)d->I, (long long)d->E,
-           (long long)d->K, d->Is > 0, f, flop / f / 1e9, b, 2 * flop / b / 1e9, r->peak);
+           (long long)d->K, d->Is > 0, f, flop / f / 1e9, bwd, r->peak);
     fflush(stdout);
-    if (do_verify && !strcmp(d->name, "dsv3"))
+    if (do_verify && !fo && !strcmp(d->name, "dsv3"))
       bad |= verify(&p, cpu);
     problem_free(&p);
     free(fms), free(bms), free(fhost), free(bhost);
     /* give the step memory cached in this process back before the next run */
     CUDA_OK(cudaDeviceSynchronize());
     CUDA_OK(cudaMemPoolTrimTo(pool, 0));
-    if (sock != NULL)
+    if (sock != NULL && fo)
+      printf("mokd-daemon %s: not run (forward only)\n", d->name);
+    else if (sock != NULL)
       bad |= run_daemon(sock, d, iters, do_verify && !strcmp(d->name, "dsv3"), cpu, &r->df,
                         &r->db);
     if (torch != NULL) {
-      if (torch_baseline(torch, d->name, iters, &r->tf, &r->tb, &r->tpeak))
-        printf("ratio %s: fwd %.3fx bwd %.3fx of torch._grouped_mm (>1 = mokd faster)\n",
-               d->name, r->tf / f, r->tb / b);
-      else
+      char cmd[512];
+      snprintf(cmd, sizeof cmd, "%s%s", torch, fo ? " --fwd-only" : "");
+      if (torch_baseline(cmd, d->name, iters, &r->tf, &r->tb, &r->tpeak)) {
+        if (fo)
+          printf("ratio %s: fwd %.3fx of torch._grouped_mm (>1 = mokd faster), forward "
+                 "only\n", d->name, r->tf / f);
+        else
+          printf("ratio %s: fwd %.3fx bwd %.3fx of torch._grouped_mm (>1 = mokd faster)\n",
+                 d->name, r->tf / f, r->tb / b);
+      } else
         printf("ratio %s: no torch baseline\n", d->name);
       fflush(stdout);
     }

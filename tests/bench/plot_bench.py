@@ -43,7 +43,7 @@ def main():
         ax.set_xticks(range(len(rows)))
         ax.set_xticklabels([r["shape"] for r in rows])
         ax.set_ylabel("ms (lower is better)")
-        ax.set_title(f"{'forward' if phase == 'fwd' else 'backward'}, one H200")
+        ax.set_title("forward" if phase == "fwd" else "backward")
         ax.legend(fontsize=8)
     ceiling = rows[0].get("ceiling_tflops", "0")
     fig.suptitle(f"MoE layer, bf16; dense ceiling {ceiling} TFLOP/s (torch.matmul 8192^3)")

@@ -8,6 +8,7 @@ unpermuted and combined over k with the routing weights. Shapes marked
 shared add a dense SwiGLU expert with I_s = I.
 
 usage: torch_moe.py [--shapes dsv3,mid,...] [--iters N] [--warmup N] [--steps]
+                    [--fwd-only]
 """
 import argparse
 import gc
@@ -115,7 +116,7 @@ def time_ms(fn, warmup, iters, marks=2):
     return [statistics.median(span) for span in spans]
 
 
-def run_shape(name, warmup, iters, steps=False):
+def run_shape(name, warmup, iters, steps=False, fwd_only=False):
     T, H, I, E, K, shared = SHAPES[name]
     args, d_out, leaves = make_inputs(T, H, I, E, K, shared, "cuda")
 
@@ -149,7 +150,11 @@ def run_shape(name, warmup, iters, steps=False):
         e.record()
         del out
 
-    if steps:
+    if fwd_only:
+        # A card that holds the weights but not their gradients as well.
+        (fwd_ms,) = time_ms(fwd, warmup, iters)
+        bwd_ms = None
+    elif steps:
         fwd_ms, bwd_ms = time_ms(step, warmup, iters, marks=3)
     else:
         (fwd_ms,) = time_ms(fwd, warmup, iters)
@@ -157,11 +162,12 @@ def run_shape(name, warmup, iters, steps=False):
     clear_grads()
 
     # Peak memory of one training step: inputs, weights, their gradients and
-    # everything autograd keeps in between.
+    # everything autograd keeps in between (of one forward with fwd_only).
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     out = reference_moe(*args)
-    out.backward(d_out)
+    if not fwd_only:
+        out.backward(d_out)
     del out
     torch.cuda.synchronize()
     peak_gb = torch.cuda.max_memory_allocated() / 1e9
@@ -169,11 +175,12 @@ def run_shape(name, warmup, iters, steps=False):
 
     fwd_flops = 6 * T * K * H * I + (6 * T * H * I if shared else 0)
     bwd_flops = 2 * fwd_flops
+    bwd = (f"bwd_ms={bwd_ms:.3f} bwd_tflops={bwd_flops / bwd_ms / 1e9:.1f}"
+           if bwd_ms is not None else "bwd_ms=- bwd_tflops=-")
     print(
         f"torch {name} T={T} H={H} I={I} E={E} K={K} shared={int(shared)} "
         f"fwd_ms={fwd_ms:.3f} fwd_tflops={fwd_flops / fwd_ms / 1e9:.1f} "
-        f"bwd_ms={bwd_ms:.3f} bwd_tflops={bwd_flops / bwd_ms / 1e9:.1f} "
-        f"peak_gb={peak_gb:.3f}",
+        f"{bwd} peak_gb={peak_gb:.3f}" + (" (forward only)" if fwd_only else ""),
         flush=True,
     )
 
@@ -189,6 +196,9 @@ def main():
                     "forward behind the last step's backward (bench_gpu's "
                     "default); without it the forwards run in a loop of their "
                     "own, then the backwards")
+    ap.add_argument("--fwd-only", action="store_true",
+                    help="time the forwards alone (no backward, no gradients "
+                    "held): for a shape whose step does not fit the card")
     a = ap.parse_args()
 
     names = [n.strip() for n in a.shapes.split(",") if n.strip()]
@@ -205,7 +215,7 @@ def main():
 
     for name in names:
         try:
-            run_shape(name, a.warmup, a.iters, a.steps)
+            run_shape(name, a.warmup, a.iters, a.steps, a.fwd_only)
         except torch.cuda.OutOfMemoryError:
             print(f"torch {name} skipped: out of memory", flush=True)
         # Release this shape's tensors before the next one.
