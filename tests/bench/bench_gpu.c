@@ -200,7 +200,8 @@ enum { PH_STEP, PH_FWD, PH_BWD };
 static double problem_bytes(const shape_def *d, int fwd_only)
 {
   mokk_shape s = {.H = d->H, .I = d->I, .E = d->E, .K = d->K, .I_s = d->Is, .P = 1};
-  double bytes = (fwd_only ? 2.0 : 4.0) * d->T * d->H * 2 + (fwd_only ? 2.0 : 3.0) * d->T * d->K * 4;
+  double bytes = (fwd_only ? 2.0 : 4.0) * d->T * d->H * 2 +
+                 (fwd_only ? 2.0 : 3.0) * d->T * d->K * 4;
   for (int w = 0; w < MOKK_NWEIGHTS; w++)
     bytes += (fwd_only ? 2.0 : 2.0 + (fp32_accum ? 4.0 : 2.0)) * mokk_weight_elems(&s, w);
   return bytes;
@@ -655,7 +656,8 @@ static void report(const result *r, int n, double ceil_tf, const char *csv)
   for (int i = 0; i < n; i++) {
     const shape_def *d = r[i].d;
     /* a shape timed forward only has no backward figures: 0 in the CSV */
-    double ff = flops_fwd(d) / r[i].f / 1e9, fb = r[i].b > 0 ? 2 * flops_fwd(d) / r[i].b / 1e9 : 0;
+    double ff = flops_fwd(d) / r[i].f / 1e9;
+    double fb = r[i].b > 0 ? 2 * flops_fwd(d) / r[i].b / 1e9 : 0;
     double pf = ceil_tf > 0 ? 100 * ff / ceil_tf : 0, pb = ceil_tf > 0 ? 100 * fb / ceil_tf : 0;
     double rf = r[i].tf > 0 ? r[i].tf / r[i].f : 0, rb = r[i].tb > 0 ? r[i].tb / r[i].b : 0;
     char c1[32], c2[32], c3[32], c4[32], c5[32], c6[32];
@@ -784,6 +786,9 @@ int main(int argc, char **argv)
                       "  shapes: dsv3 mid qwen3_4k qwen3_32k mok (DESIGN §6), and --shape's\n"
                       "  --shape NAME=T,H,I,E,K,I_s  one more shape for --shapes to name (no\n"
                       "               torch baseline); repeatable\n"
+                      "  a shape whose step's tensors do not fit the GPU (mok on 80 GB) is\n"
+                      "  timed forward only, the baseline too ('CMD ... --fwd-only'), and not\n"
+                      "  through the daemon\n"
                       "  --iters N    timed iterations after 2 warm-ups; medians (default 20)\n"
                       "  --torch CMD  run 'CMD --shapes NAME --iters N' for the baseline\n"
                       "  --verify     check dsv3 against the CPU engine on samples\n"
