@@ -196,7 +196,7 @@ enum { PH_STEP, PH_FWD, PH_BWD };
 /* Device memory of a shape's tensors: x, out, d_out, d_x; ids, weights,
  * d_topk_weights; weights (bf16) and gradients (bf16, or fp32 with
  * --fp32-accum). The step's own memory comes on top. fwd_only: x, out,
- * ids, weights and the weights alone. */
+ * ids, router weights and the layer's weights alone. */
 static double problem_bytes(const shape_def *d, int fwd_only)
 {
   mokk_shape s = {.H = d->H, .I = d->I, .E = d->E, .K = d->K, .I_s = d->Is, .P = 1};
@@ -579,14 +579,16 @@ static int run_daemon(const char *sock, const shape_def *d, int iters, int do_ve
   return bad;
 }
 
-static int torch_baseline(const char *cmd, const char *name, int iters, double *fwd,
-                          double *bwd, double *peak_gb)
+static int torch_baseline(const char *cmd, const char *name, int iters, int fwd_only,
+                          double *fwd, double *bwd, double *peak_gb)
 {
   char line[1024], buf[1200];
   FILE *f;
   int found = 0;
 
-  snprintf(buf, sizeof buf, "%s --shapes %.31s --iters %d", cmd, name, iters);
+  if (snprintf(buf, sizeof buf, "%s --shapes %.31s --iters %d%s", cmd, name, iters,
+               fwd_only ? " --fwd-only" : "") >= (int)sizeof buf)
+    return 0; /* a command that long is not run cut short */
   if ((f = popen(buf, "r")) == NULL)
     return 0;
   while (fgets(line, sizeof line, f) != NULL) {
@@ -915,13 +917,15 @@ int main(int argc, char **argv)
       return 1;
     r->peak = (p.bytes + (double)high) / 1e9;
     qsort(fms, iters, 4, cmp_float);
-    qsort(bms, iters, 4, cmp_float);
+    if (!fo) /* no backward timed */
+      qsort(bms, iters, 4, cmp_float);
     double f = fms[iters / 2], b = fo ? 0 : bms[iters / 2];
     double flop = flops_fwd(d);
     char bwd[64] = "bwd_ms=- bwd_tflops=-";
     r->f = f, r->b = b;
     qsort(fhost, iters, 4, cmp_float);
-    qsort(bhost, iters, 4, cmp_float);
+    if (!fo)
+      qsort(bhost, iters, 4, cmp_float);
     if (fo) {
       printf("mokd %s spread: fwd_ms min %.3f max %.3f; host ms to enqueue (median) fwd %.3f\n",
              d->name, fms[0], fms[iters - 1], fhost[iters / 2]);
@@ -949,9 +953,7 @@ int main(int argc, char **argv)
       bad |= run_daemon(sock, d, iters, do_verify && !strcmp(d->name, "dsv3"), cpu, &r->df,
                         &r->db);
     if (torch != NULL) {
-      char cmd[512];
-      snprintf(cmd, sizeof cmd, "%s%s", torch, fo ? " --fwd-only" : "");
-      if (torch_baseline(cmd, d->name, iters, &r->tf, &r->tb, &r->tpeak)) {
+      if (torch_baseline(torch, d->name, iters, fo, &r->tf, &r->tb, &r->tpeak)) {
         if (fo)
           printf("ratio %s: fwd %.3fx of torch._grouped_mm (>1 = mokd faster), forward "
                  "only\n", d->name, r->tf / f);
