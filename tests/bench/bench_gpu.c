@@ -524,12 +524,12 @@ static int run_daemon(const char *sock, const shape_def *d, int iters, int do_ve
       t1 = now_ms();
       if (it == -2 && ph != PH_BWD)
         mem_note("after the first forward");
+      if (it >= 0 && ph != PH_BWD) {
+        fms[it] = (float)(t1 - t0);
+        fq[it] = fr.timing.queued_ns / 1e6f, fc[it] = fr.timing.compute_ns / 1e6f;
+      }
       if (ph == PH_FWD) { /* --loops: forwards alone */
         MOK_OK(c, mok_release(c, &fr.context, 1));
-        if (it >= 0) {
-          fms[it] = (float)(t1 - t0);
-          fq[it] = fr.timing.queued_ns / 1e6f, fc[it] = fr.timing.compute_ns / 1e6f;
-        }
         continue;
       }
       MOK_OK(c, mok_backward_flags(c, fr.context, &dout, NULL, 0, NULL,
@@ -538,10 +538,6 @@ static int run_daemon(const char *sock, const shape_def *d, int iters, int do_ve
       if (it >= 0) {
         bms[it] = (float)(t2 - t1);
         bq[it] = br.timing.queued_ns / 1e6f, bc[it] = br.timing.compute_ns / 1e6f;
-        if (ph == PH_STEP) {
-          fms[it] = (float)(t1 - t0);
-          fq[it] = fr.timing.queued_ns / 1e6f, fc[it] = fr.timing.compute_ns / 1e6f;
-        }
       }
       if (it + 1 < iters) { /* the last step's outputs stay for the check */
         uint64_t rel[2] = {fr.context, br.result};
@@ -917,24 +913,21 @@ int main(int argc, char **argv)
       return 1;
     r->peak = (p.bytes + (double)high) / 1e9;
     qsort(fms, iters, 4, cmp_float);
-    if (!fo) /* no backward timed */
-      qsort(bms, iters, 4, cmp_float);
-    double f = fms[iters / 2], b = fo ? 0 : bms[iters / 2];
-    double flop = flops_fwd(d);
-    char bwd[64] = "bwd_ms=- bwd_tflops=-";
-    r->f = f, r->b = b;
     qsort(fhost, iters, 4, cmp_float);
-    if (!fo)
+    double f = fms[iters / 2], b = 0, flop = flops_fwd(d);
+    /* the backward's figures, where one was timed */
+    char bwd[64] = "bwd_ms=- bwd_tflops=-", bspread[48] = "", bhost_ms[16] = "";
+    if (!fo) {
+      qsort(bms, iters, 4, cmp_float);
       qsort(bhost, iters, 4, cmp_float);
-    if (fo) {
-      printf("mokd %s spread: fwd_ms min %.3f max %.3f; host ms to enqueue (median) fwd %.3f\n",
-             d->name, fms[0], fms[iters - 1], fhost[iters / 2]);
-    } else {
-      printf("mokd %s spread: fwd_ms min %.3f max %.3f, bwd_ms min %.3f max %.3f; "
-             "host ms to enqueue (median) fwd %.3f bwd %.3f\n", d->name, fms[0],
-             fms[iters - 1], bms[0], bms[iters - 1], fhost[iters / 2], bhost[iters / 2]);
+      b = bms[iters / 2];
       snprintf(bwd, sizeof bwd, "bwd_ms=%.3f bwd_tflops=%.1f", b, 2 * flop / b / 1e9);
+      snprintf(bspread, sizeof bspread, ", bwd_ms min %.3f max %.3f", bms[0], bms[iters - 1]);
+      snprintf(bhost_ms, sizeof bhost_ms, " bwd %.3f", bhost[iters / 2]);
     }
+    r->f = f, r->b = b;
+    printf("mokd %s spread: fwd_ms min %.3f max %.3f%s; host ms to enqueue (median) fwd %.3f%s\n",
+           d->name, fms[0], fms[iters - 1], bspread, fhost[iters / 2], bhost_ms);
     printf("mokd %s T=%lld H=%lld I=%lld E=%lld K=%lld shared=%d fwd_ms=%.3f fwd_tflops=%.1f "
            "%s peak_gb=%.3f\n",
            d->name, (long long)d->T, (long long)d->H, (long long)d->I, (long long)d->E,
