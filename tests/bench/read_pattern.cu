@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "../gpu/gemm_core.h"
 #include "read_pattern.h"
 #include "sm90/ptx.cuh"
 #include "sm90/tma.h"
@@ -70,7 +71,7 @@ extern "C" double read_pattern_time(int mode, int E, int N, int K, int rows, int
   cudaEvent_t e0, e1;
   double ms = 0;
   int sms = 0;
-  float *t = NULL;
+  double *t = NULL;
 
   if (N % rows || K % 64 || rows > 256 || (size_t)stages * rows * 128 + 2048 > READ_SMEM) {
     snprintf(err, errlen, "rows %d, stages %d: not a ring that fits", rows, stages);
@@ -87,25 +88,21 @@ extern "C" double read_pattern_time(int mode, int E, int N, int K, int rows, int
   cudaFuncSetAttribute(k_reads, cudaFuncAttributeMaxDynamicSharedMemorySize, READ_SMEM);
   cudaEventCreate(&e0);
   cudaEventCreate(&e1);
-  t = (float *)calloc(iters, sizeof *t);
+  t = (double *)calloc(iters, sizeof *t);
   for (int i = -2; i < iters; i++) {
     cudaEventRecord(e0);
     k_reads<<<sms, 64, READ_SMEM>>>(map, (const unsigned char *)w, mode, E * (N / rows),
                                      N / rows, K / 64, rows, stages);
     cudaEventRecord(e1);
     cudaEventSynchronize(e1);
-    if (i >= 0)
-      cudaEventElapsedTime(&t[i], e0, e1);
+    float f = 0;
+    if (i >= 0 && cudaEventElapsedTime(&f, e0, e1) == cudaSuccess)
+      t[i] = f;
   }
   if (cudaGetLastError() != cudaSuccess) {
     snprintf(err, errlen, "the kernel failed");
   } else {
-    for (int i = 1; i < iters; i++) /* insertion sort: a few values */
-      for (int j = i; j > 0 && t[j] < t[j - 1]; j--) {
-        float x = t[j];
-        t[j] = t[j - 1], t[j - 1] = x;
-      }
-    ms = t[iters / 2];
+    ms = gemm_core_median(t, iters);
   }
   free(t);
   cudaEventDestroy(e0);

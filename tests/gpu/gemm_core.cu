@@ -563,7 +563,6 @@ extern "C" int gemm_core_check(int variant, int grid, int dynamic, char *msg, si
   }
 }
 
-static int sort_median(double *ms, int n, double *med);
 
 /* An NT bf16 GEMM on one variant of the core. */
 static int nt_variant(const gemm_args *a, int64_t rows, int variant, char *err)
@@ -646,14 +645,14 @@ extern "C" double gemm_core_time_grouped(int groups, int rows, int N, int K, int
     if (i >= 0)
       ms[i] = t;
   }
-  sort_median(ms, iters, &med);
+  med = gemm_core_median(ms, iters);
   cudaEventDestroy(e0), cudaEventDestroy(e1);
   cudaFree(A), cudaFree(B), cudaFree(C), cudaFree(d);
   free(h), free(ms);
   return med;
 }
 
-static int sort_median(double *ms, int n, double *med)
+extern "C" double gemm_core_median(double *ms, int n)
 {
   for (int i = 1; i < n; i++) /* insertion sort, n is small */
     for (int j = i; j > 0 && ms[j - 1] > ms[j]; j--) {
@@ -661,8 +660,7 @@ static int sort_median(double *ms, int n, double *med)
       ms[j] = ms[j - 1];
       ms[j - 1] = t;
     }
-  *med = n > 0 ? ms[n / 2] : 0;
-  return n;
+  return n > 0 ? ms[n / 2] : 0;
 }
 
 /* Median ms of a weight-gradient GEMM shaped like the layer's: groups of
@@ -708,7 +706,7 @@ extern "C" double gemm_core_time_wgrad(int groups, int rows, int M, int N, int v
     if (i >= 0)
       ms[i] = t;
   }
-  sort_median(ms, iters, &med);
+  med = gemm_core_median(ms, iters);
   cudaEventDestroy(e0), cudaEventDestroy(e1);
   cudaFree(A), cudaFree(B), cudaFree(C), cudaFree(d_cnt), cudaFree(d_rs), cudaFree(maps);
   free(cnt), free(rs), free(ms);
@@ -753,7 +751,7 @@ extern "C" double gemm_core_time(int M, int N, int K, int variant, int iters, do
     iters = 0;
   else
     *worst = compare(C, 1, refc, 64LL * N, TOL_BF16);
-  sort_median(ms, iters, &med);
+  med = gemm_core_median(ms, iters);
   cudaEventDestroy(e0), cudaEventDestroy(e1);
   cudaFree(A), cudaFree(B), cudaFree(C), cudaFree(refc);
   free(ms);

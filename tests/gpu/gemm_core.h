@@ -39,6 +39,8 @@ int gemm_core_check(int variant, int grid, int dynamic, char *msg, size_t msglen
 double gemm_core_time(int M, int N, int K, int variant, int iters, double *worst);
 double gemm_core_time_wgrad(int groups, int rows, int M, int N, int variant, int iters);
 double gemm_core_time_grouped(int groups, int rows, int N, int K, int variant, int iters);
+/* The median of ms[0..n) (sorted in place; 0 for none): the timings' */
+double gemm_core_median(double *ms, int n);
 
 #ifdef __cplusplus
 }
