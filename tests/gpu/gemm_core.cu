@@ -563,7 +563,6 @@ extern "C" int gemm_core_check(int variant, int grid, int dynamic, char *msg, si
   }
 }
 
-
 /* An NT bf16 GEMM on one variant of the core. */
 static int nt_variant(const gemm_args *a, int64_t rows, int variant, char *err)
 {
