@@ -486,7 +486,9 @@ extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
   /* the stages a weight gradient's 128 x 256 tiles keep for their stores:
    * by the rows an expert, none, the last, the last two */
   static const char *const keep_words[] = {"auto", "0", "1", "2"};
-  int tiles, wgrad, clusters, order, ride, gather, stores, halves, spread, wkeep;
+  /* the gather passes by the rows they write, or by x's tokens */
+  static const char *const gorder_words[] = {"rows", "tokens"};
+  int tiles, wgrad, clusters, order, ride, gather, stores, halves, spread, wkeep, gorder;
   if ((rc = env_word("MOKD_GEMM_TILES", tile_words, 4, MOKK_TILES_AUTO, &tiles, err)) ||
       (rc = env_word("MOKD_GEMM_WGRAD_TILES", wgrad_words, 4, MOKK_TILES_AUTO, &wgrad, err)) ||
       (rc = env_word("MOKD_GEMM_CLUSTERS", cluster_words, 3, 1, &clusters, err)) ||
@@ -513,7 +515,9 @@ extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
       (rc = env_word("MOKD_DX_HALVES", off_on, 2, 1, &halves, err)) ||
       /* EP steps over a buffer set per rank, the multi-GPU layout, on one GPU */
       (rc = env_word("MOKD_EP_SPREAD", off_on, 2, 0, &spread, err)) ||
-      (rc = env_word("MOKD_GEMM_WGRAD_KEEP", keep_words, 4, 0, &wkeep, err)))
+      (rc = env_word("MOKD_GEMM_WGRAD_KEEP", keep_words, 4, 0, &wkeep, err)) ||
+      (rc = env_word("MOKD_GATHER_ORDER", gorder_words, 2, MOKK_GATHER_TOKENS_DEFAULT, &gorder,
+                     err)))
     return rc;
   if ((cb = (cuda_backend *)calloc(1, sizeof *cb)) == NULL)
     return mokk_fail(err, MOK_ENOMEM, "out of memory");
@@ -522,6 +526,7 @@ extern "C" int mokk_cuda_create(int device, mokk_backend **out, char *err)
   d->dynamic = order == 0, d->ride = ride, d->gather = gather - 1; /* auto: -1 */
   d->gather_ahead = (int)ahead_blocks, d->store_regs = stores, d->dx_halves = halves;
   d->wgrad_keep = wkeep - 1; /* auto: -1 */
+  d->gather_tokens = gorder;
   cb->spread = spread;
   cb->k = *d;
   cb->base.iface = &cuda_iface;
@@ -592,6 +597,11 @@ extern "C" void mokk_cuda_step_tuning(const mokk_backend *b, mokk_tuning *t)
 extern "C" void mokk_cuda_set_gather_ahead(mokk_backend *b, int blocks)
 {
   ((cuda_backend *)b)->dflt.gather_ahead = blocks > 0 ? blocks : 0;
+}
+
+extern "C" void mokk_cuda_set_gather_tokens(mokk_backend *b, int on)
+{
+  ((cuda_backend *)b)->dflt.gather_tokens = on != 0;
 }
 
 extern "C" void mokk_cuda_set_gather(mokk_backend *b, int on)

@@ -69,6 +69,14 @@ void mokk_cuda_set_gather(mokk_backend *b, int on);
  * before it (0). Same bits. */
 #define MOKK_GATHER_AHEAD_DEFAULT 16
 void mokk_cuda_set_gather_ahead(mokk_backend *b, int blocks);
+/* The gather passes (the forward's dispatch before gate/up, a spread
+ * step's per-rank dispatch, the backward's rows of x again) read x token by
+ * token, each row once, and store it to its K rows (on != 0,
+ * MOKD_GATHER_ORDER=tokens, the default), or walk the rows they write (0,
+ * MOKD_GATHER_ORDER=rows). The dispatch beside gate/up (MOKD_GATHER_AHEAD >
+ * 0) keeps the experts' order. Same bits. */
+#define MOKK_GATHER_TOKENS_DEFAULT 1
+void mokk_cuda_set_gather_tokens(mokk_backend *b, int on);
 /* What the last backward on the shared layout did, for tests and tuning:
  * whether d_h wrote d_g | d_u over the context's g (a last backward, Hopper,
  * H <= 3 I); the bytes it allocated. */

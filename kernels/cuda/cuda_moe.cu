@@ -397,6 +397,19 @@ static int mlp_backward(cuda_backend *cb, const mlp *m, const bf16 *d_out, const
   return rc ? rc : mlp_dx(cb, m, H, 0, H, dgu, dx, err);
 }
 
+/* A gather pass: rows [*lo, *hi) (lo NULL: from 0) of the schedule of the
+ * `tokens` rows of x, xr[row] = x[token of row], by the rows it writes or
+ * token by token (cb->k.gather_tokens); the same bytes either way. */
+static void gather_pass(const cuda_backend *cb, cudaStream_t st, route_rows x, const int *src,
+                        const int *slot, int64_t tokens, const int *lo, const int *hi, int K,
+                        int64_t H, bf16 *xr)
+{
+  if (cb->k.gather_tokens)
+    route_gather_tokens(st, grid_for(cb, tokens, 16), x, slot, tokens, lo, hi, K, H, xr);
+  else
+    route_gather(st, grid_for(cb, tokens * K, 16), x, src, lo, hi, K, H, xr);
+}
+
 /* ---- forward ------------------------------------------------------------- */
 
 static int aligned16(const void *p)
@@ -656,8 +669,8 @@ static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
       goto fail;
     }
   } else if (!gather) {
-    route_gather(cb->stream, grid_for(cb, TK, 16), rows_of(px, P, T), c->src, NULL,
-                 c->row_start + E, (int)K, H, xr);
+    gather_pass(cb, cb->stream, rows_of(px, P, T), c->src, c->slot, TG, NULL, c->row_start + E,
+                (int)K, H, xr);
     if ((rc = launched(err, "dispatch")))
       goto fail;
   }
@@ -944,8 +957,8 @@ static int cuda_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode, in
 
   if (xr != NULL) { /* the rows of x again */
     const void *px = c->x;
-    route_gather(cb->stream, grid_for(cb, TK, 16), rows_of(&px, 1, TG), c->src, NULL,
-                 c->row_start + E, (int)K, H, xr);
+    gather_pass(cb, cb->stream, rows_of(&px, 1, TG), c->src, c->slot, TG, NULL,
+                c->row_start + E, (int)K, H, xr);
     if ((rc = launched(err, "backward's gather of x")))
       goto out;
   }
@@ -1262,8 +1275,8 @@ static int spread_forward(cuda_backend *cb, const mokk_shape *s, int64_t T,
                    p->xr, xr_bytes(TK, H, E));
     if ((rc = launched(err, "schedule")))
       goto fail;
-    route_gather(on.stream, grid_for(cb, TK, 16), rows_of(px, P, T), p->src,
-                 p->row_start + r * El, p->row_start + (r + 1) * El, (int)K, H, p->xr);
+    gather_pass(cb, on.stream, rows_of(px, P, T), p->src, p->slot, TG, p->row_start + r * El,
+                p->row_start + (r + 1) * El, (int)K, H, p->xr);
     if ((rc = launched(err, "dispatch")))
       goto fail;
     mlp routed_mlp = mlp_routed(&v, TK, r);

@@ -30,6 +30,7 @@ typedef struct cuda_knobs {
                      * MOKK_GATHER_AUTO is 2 or 0 by the step's shape (step_knobs) */
   int gather_ahead; /* blocks of the forward's dispatch beside its gate/up GEMM; 0: the
                      * dispatch runs before it on the whole GPU (MOKD_GATHER_AHEAD) */
+  int gather_tokens; /* the gather passes read x token by token (MOKD_GATHER_ORDER) */
   int store_regs;   /* the forward's and the weight gradients' epilogues store from registers
                      * (MOKD_GEMM_STORES=regs) */
   int dx_halves;    /* the backward's d_x in two column halves (MOKD_DX_HALVES; 1 default) */

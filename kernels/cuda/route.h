@@ -71,6 +71,11 @@ typedef struct route_pairs {
  * row]. */
 void route_gather(cudaStream_t st, int grid, route_rows x, const int *src, const int *lo,
                   const int *hi, int K, int64_t H, bf16 *xr);
+/* The same rows token by token: each of the `tokens` rows of x read once
+ * and stored to the rows slot gives its K pairs (those in [*lo, *hi)). */
+void route_gather_tokens(cudaStream_t st, int grid, route_rows x, const int *slot,
+                         int64_t tokens, const int *lo, const int *hi, int K, int64_t H,
+                         bf16 *xr);
 /* The same for every row of the schedule, on `blocks` blocks, meant to run
  * beside the gate/up GEMM (gemm_args.ready): row after row in schedule
  * order, ready[e] counting expert e's rows as they land (zero it first).

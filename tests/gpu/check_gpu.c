@@ -700,6 +700,65 @@ START_TEST(gather_ahead_invariance)
 }
 END_TEST
 
+/* The gather passes token by token (mokk_cuda_set_gather_tokens: a row of
+ * x read once, stored to its K rows) give the bits of the passes that walk
+ * the rows they write: the forward's dispatch before gate/up and the
+ * backward's rows of x again, on the full grid and on three blocks, in both
+ * gradient modes; with pairs and whole tokens routed nowhere (slot -1),
+ * over two virtual ranks (the rows of both) and on the spread layout (each
+ * rank's rows of the one schedule), and dsv3-wide rows (H 7168: a last
+ * batch of chunks that ends early). */
+START_TEST(gather_order_invariance)
+{
+  static const struct {
+    mokk_shape s;
+    int64_t T;
+    int P, spread;
+    uint64_t seed;
+    route_kind route;
+  } cases[] = {
+      {{.H = 256, .I = 192, .E = 4, .K = 2, .I_s = 64, .P = 1}, 290, 1, 0, 61, ROUTE_RANDOM},
+      {{.H = 512, .I = 128, .E = 16, .K = 4, .I_s = 0, .P = 1}, 700, 1, 0, 62, ROUTE_DROPS},
+      {{.H = 192, .I = 128, .E = 8, .K = 4, .I_s = 64, .P = 1}, 150, 2, 0, 63, ROUTE_RANDOM},
+      {{.H = 192, .I = 128, .E = 8, .K = 4, .I_s = 64, .P = 1}, 150, 2, 1, 64, ROUTE_DROPS},
+      {{.H = 7168, .I = 64, .E = 4, .K = 2, .I_s = 0, .P = 1}, 200, 1, 0, 65, ROUTE_RANDOM},
+  };
+  static const int blocks[] = {0, 3};
+  static const mokk_grad_mode modes[] = {MOKK_GRAD_BF16, MOKK_GRAD_FP32_ACCUM};
+  char err[2 * MOK_ERRLEN] = "";
+
+  mokk_cuda_set_gather(gpu, 0); /* gather passes, whatever the default's rule */
+  mokk_cuda_set_gather_ahead(gpu, 0);
+  for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+    moe_case c;
+    case_make(&c, &cases[k].s, cases[k].T, cases[k].seed, cases[k].route);
+    mokk_cuda_set_spread(gpu, cases[k].spread);
+    for (size_t i = 0; i < sizeof blocks / sizeof blocks[0]; i++)
+      for (size_t m = 0; m < 2; m++) {
+        moe_out rows, tokens;
+        mokk_cuda_set_max_blocks(gpu, blocks[i]);
+        /* token by token first: the spread layout keeps its rows of x in
+         * memory the pool hands out again, where the other order's run
+         * would have left the right bytes */
+        mokk_cuda_set_gather_tokens(gpu, 1);
+        ck_assert_msg(gpu_run_ranks(&c, cases[k].P, modes[m], 0.5f, &tokens, err) == 0, "%s",
+                      err);
+        mokk_cuda_set_gather_tokens(gpu, 0);
+        ck_assert_msg(gpu_run_ranks(&c, cases[k].P, modes[m], 0.5f, &rows, err) == 0, "%s",
+                      err);
+        expect_same(&tokens, &rows, &c, "the gather passes token by token");
+        out_free(&rows), out_free(&tokens);
+      }
+    case_free(&c);
+  }
+  mokk_cuda_set_gather_tokens(gpu, MOKK_GATHER_TOKENS_DEFAULT);
+  mokk_cuda_set_spread(gpu, 0);
+  mokk_cuda_set_max_blocks(gpu, 0);
+  mokk_cuda_set_gather_ahead(gpu, MOKK_GATHER_AHEAD_DEFAULT);
+  mokk_cuda_set_gather(gpu, MOKK_GATHER_AUTO);
+}
+END_TEST
+
 /* The forward's and the weight gradients' epilogues through shared memory
  * (the default) against stores from registers, the weight gradients'
  * 128 x 256 tiles through a staging area, their last stage or their last
@@ -967,6 +1026,7 @@ START_TEST(errors_env)
       {"MOKD_GEMM_STORES", "reg", "regs", "is not async or regs"},
       {"MOKD_GATHER_AHEAD", "-1", "8", "is not a number of blocks"},
       {"MOKD_GATHER_AHEAD", "16x", "0", "is not a number of blocks"},
+      {"MOKD_GATHER_ORDER", "token", "tokens", "is not rows or tokens"},
   };
   char err[2 * MOK_ERRLEN];
 
@@ -2459,6 +2519,7 @@ static Suite *gpu_suite(void)
   tcase_add_test(tc, gather_invariance);
   tcase_add_test(tc, gather_auto_rule);
   tcase_add_test(tc, gather_ahead_invariance);
+  tcase_add_test(tc, gather_order_invariance);
   tcase_add_test(tc, layer_tuning_invariance);
   tcase_add_test(tc, epilogue_invariance);
   tcase_add_test(tc, last_invariance);

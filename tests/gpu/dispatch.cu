@@ -1,6 +1,8 @@
 /* dispatch.cu - the CUDA backend's dispatch gathers (route.cu) against the
  * host, over P ranks' rows: the forward's xr is each row's token of x, bit
- * for bit; the backward's dy is bf16(router weight x d_out), bit for bit;
+ * for bit, by the rows (route_gather) and token by token
+ * (route_gather_tokens, here over the middle experts' rows, the rows
+ * before and after them left alone); the backward's dy is bf16(router weight x d_out), bit for bit;
  * the d_topk_weights that the backward's gather computes in the same pass
  * are the bits route_dtw computes on its own (a spread step's ranks take
  * that one, so the two must agree for EP invariance), and near the host's
@@ -42,12 +44,15 @@ static int one_case(int64_t T, int K, int64_t H, int E, int P, int no_route, cha
   uint32_t seed = (uint32_t)(T * 7919 + K * 131 + H + E * 17 + P);
   uint16_t *dout = (uint16_t *)malloc(P * TH * 2), *y = (uint16_t *)malloc(TK * H * 2);
   uint16_t *xr = (uint16_t *)malloc(TK * H * 2), *dy = (uint16_t *)malloc(TK * H * 2);
+  uint16_t *xt = (uint16_t *)malloc(TK * H * 2);
   int32_t *ids = (int32_t *)malloc(TK * 4);
   float *tw = (float *)malloc(TK * 4), *row_w = (float *)malloc(TK * 4);
   float *fused = (float *)malloc(TK * 4), *alone = (float *)malloc(TK * 4);
   int *slot = (int *)malloc(TK * 4), *src = (int *)malloc(TK * 4), rows = 0, rc = -1;
+  int lo = 0, hi = 0; /* route_gather_tokens' rows: experts E / 4 .. E - E / 4 - 1 */
   char *dev = NULL;
-  size_t o_dout = 0, o_y = o_dout + P * TH * 2, o_xr = o_y + TK * H * 2, o_dy = o_xr + TK * H * 2,
+  size_t o_dout = 0, o_y = o_dout + P * TH * 2, o_xr = o_y + TK * H * 2,
+         o_xt = o_xr + TK * H * 2, o_dy = o_xt + TK * H * 2,
          o_ids = o_dy + TK * H * 2, o_tw = o_ids + TK * 4, o_own = o_tw + TK * 4,
          o_cnt = o_own + TK * 4, o_rs = o_cnt + E * 4, o_to = o_rs + (E + 1) * 4,
          o_slot = o_to + route_tile_off_len(E) * 4, o_src = o_slot + TK * 4, o_rw = o_src + TK * 4,
@@ -55,7 +60,8 @@ static int one_case(int64_t T, int K, int64_t H, int E, int P, int no_route, cha
          o_scr = (o_alone + TK * 4 + 255) / 256 * 256, scratch = (size_t)256 * E * 4,
          bytes = o_scr + scratch;
 
-  if (!dout || !y || !xr || !dy || !ids || !tw || !row_w || !fused || !alone || !slot || !src) {
+  if (!dout || !y || !xr || !xt || !dy || !ids || !tw || !row_w || !fused || !alone || !slot ||
+      !src) {
     snprintf(msg, len, "out of host memory");
     goto out;
   }
@@ -95,6 +101,9 @@ static int one_case(int64_t T, int K, int64_t H, int E, int P, int no_route, cha
               *sr = (const int *)(dev + o_src);
     /* few blocks: each sums many rows, in both halves of block_sum's space */
     route_gather(0, 7, x, sr, NULL, hi, K, H, (bf16 *)(dev + o_xr));
+    const int *rs = (const int *)(dev + o_rs);
+    route_gather_tokens(0, 6, x, sl, P * T, rs + E / 4, rs + E - E / 4, K, H,
+                        (bf16 *)(dev + o_xt));
     route_gather_dy(0, 5, x, sr, NULL, hi, K, H, (const float *)(dev + o_rw),
                     (bf16 *)(dev + o_dy), own, pairs);
     for (int r = 0; r < P; r++)
@@ -104,10 +113,13 @@ static int one_case(int64_t T, int K, int64_t H, int E, int P, int no_route, cha
   CU(cudaGetLastError());
   CU(cudaDeviceSynchronize());
   CU(cudaMemcpy(&rows, dev + o_rs + E * 4, 4, cudaMemcpyDeviceToHost));
+  CU(cudaMemcpy(&lo, dev + o_rs + E / 4 * 4, 4, cudaMemcpyDeviceToHost));
+  CU(cudaMemcpy(&hi, dev + o_rs + (E - E / 4) * 4, 4, cudaMemcpyDeviceToHost));
   CU(cudaMemcpy(slot, dev + o_slot, TK * 4, cudaMemcpyDeviceToHost));
   CU(cudaMemcpy(src, dev + o_src, TK * 4, cudaMemcpyDeviceToHost));
   CU(cudaMemcpy(row_w, dev + o_rw, TK * 4, cudaMemcpyDeviceToHost));
   CU(cudaMemcpy(xr, dev + o_xr, TK * H * 2, cudaMemcpyDeviceToHost));
+  CU(cudaMemcpy(xt, dev + o_xt, TK * H * 2, cudaMemcpyDeviceToHost));
   CU(cudaMemcpy(dy, dev + o_dy, TK * H * 2, cudaMemcpyDeviceToHost));
   CU(cudaMemcpy(fused, dev + o_fused, TK * 4, cudaMemcpyDeviceToHost));
   CU(cudaMemcpy(alone, dev + o_alone, TK * 4, cudaMemcpyDeviceToHost));
@@ -118,6 +130,13 @@ static int one_case(int64_t T, int K, int64_t H, int E, int P, int no_route, cha
       if (xr[row * H + c] != d[c]) {
         snprintf(msg + strlen(msg), len - strlen(msg), "xr[%d][%lld] is not x's", row,
                  (long long)c);
+        goto out;
+      }
+      const int in = row >= lo && row < hi;
+      if (xt[row * H + c] != (in ? d[c] : (uint16_t)POISON)) {
+        snprintf(msg + strlen(msg), len - strlen(msg), "token by token, row %d [%lld] is "
+                 "0x%04x, want %s (rows %d .. %d)", row, (long long)c, xt[row * H + c],
+                 in ? "x's" : "it untouched", lo, hi - 1);
         goto out;
       }
       uint16_t want = mokk_f32_to_bf16(row_w[row] * mokk_bf16_to_f32(d[c]));
@@ -161,14 +180,15 @@ static int one_case(int64_t T, int K, int64_t H, int E, int P, int no_route, cha
   rc = 0;
 out:
   cudaFree(dev);
-  free(dout), free(y), free(xr), free(dy), free(ids), free(tw), free(row_w);
+  free(dout), free(y), free(xr), free(xt), free(dy), free(ids), free(tw), free(row_w);
   free(fused), free(alone), free(slot), free(src);
   return rc;
 }
 
 /* Cases: one token; rows shorter than a block's chunks (H 64); rows of
  * seven chunks a thread (H 7168: a batch of four and one of three); pairs
- * with no route; two and three ranks. Returns the failures; msg says the
+ * with no route; two and three ranks; token by token, every row (E 1) or
+ * rows both before and after the range. Returns the failures; msg says the
  * first. */
 extern "C" int dispatch_check(char *msg, size_t len)
 {
