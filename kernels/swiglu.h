@@ -2,7 +2,7 @@
  * time, for C11 and CUDA alike. The CPU engine's bits are defined by these
  * expressions (built with -ffp-contract=off): change them and every bitwise
  * test moves. The Hopper core's epilogues compute the same on the
- * special-function unit (gemm_sm90.cuh, swiglu_sfu), within a few ulp. */
+ * special-function unit (cuda/sm90/epilogue.cuh, swiglu_sfu), within a few ulp. */
 #ifndef MOKK_SWIGLU_H
 #define MOKK_SWIGLU_H
 

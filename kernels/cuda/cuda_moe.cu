@@ -95,7 +95,7 @@ static bool wgrad_pingpong(const cuda_backend *cb, int64_t rows_per_group)
 
 /* Rows an expert from which a weight gradient's 128 x 256 tiles store
  * through the stages of their last two k-blocks rather than their last
- * one and half a staging area (gemm_sm90.cuh, kept_out). */
+ * one and half a staging area (sm90/epilogue.cuh, kept_out). */
 #define WGRAD_KEPT_ROWS 1024
 
 /* The Hopper GEMMs that gather their rows: gate/up (A, 128 x 256 tiles,
@@ -137,7 +137,7 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
   /* Hopper. Grouped NT/NN GEMMs take 128 x 256 tiles. d_x runs on clusters
    * of two blocks where experts average more than one m-tile: the pair's
    * tiles then mostly share the expert's weight tile, loaded once for both
-   * (gemm_sm90.cuh, unit_at). On dsv3 (Nsight Compute) that took d_x from
+   * (sm90/scheduler.cuh, unit_at). On dsv3 (Nsight Compute) that took d_x from
    * 8.53 ms on 256 x 128 tiles to 7.04 (gate/up from 8.49 to 7.38, before
    * the forward moved to single blocks in counter order, below); the same
    * tall tiles on clusters ran 7.86. d_h stays on single blocks: its
@@ -162,7 +162,7 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
     order.sched = cb->k.dynamic ? cb->tile_ctr : NULL;
     order.store_regs = cb->k.store_regs;
     /* tails split where the two m-tiles run side by side: gate/up, and
-     * the forward on pairs (gemm_sm90.cuh, paired) */
+     * the forward on pairs (sm90/scheduler.cuh, paired) */
     order.ride_whole = cb->k.ride == MOKK_RIDE_WHOLE ||
                        (cb->k.ride == MOKK_RIDE_AUTO &&
                         (LAYOUT != L_NT || (EPI != E_GATEUP && cb->k.clusters != 2)));
@@ -204,7 +204,7 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
       if (tall)
         return sm90::gemm<LAYOUT, EPI, 128, false, 256>(a, a_rows, grid, cb->stream, err);
       /* An expert's tail of at most MOKK_RIDE_ROWS rows rides on its last
-       * full m-tile (gemm_sm90.cuh, riding tails) where experts average
+       * full m-tile (sm90/mma.cuh, riding tails) where experts average
        * 129-512 rows, and so a tail is a large part of an expert's work.
        * Nsight Compute, ms without / with rides: dsv3 (256 rows an expert)
        * gate/up 7.658 / 7.107, down 3.661 / 3.440, d_x 7.234 / 6.699; mid
@@ -212,7 +212,7 @@ static int gemm(cuda_backend *cb, const gemm_args *a, int64_t a_rows, char *err,
        * its tail epilogue reads g and u one value at a time (dsv3 4.974 /
        * 6.234). MOKD_GEMM_RIDE=0: off. In gate/up the tail splits
        * between an expert's last two m-tiles (gemm_args.ride_whole;
-       * gemm_sm90.cuh, riding tails): dsv3's forward, H100, two rounds,
+       * sm90/mma.cuh, riding tails): dsv3's forward, H100, two rounds,
        * 14.079, 14.090 ms whole against 13.071, 13.108 split;
        * MOKD_GEMM_RIDE=split or whole: everywhere.
        * The forward's GEMMs then run on single blocks, which take their

@@ -21,7 +21,7 @@ typedef struct cuda_knobs {
   int tiles;        /* MOKK_TILES_* of the grouped NT/NN GEMMs; auto = wide (MOKD_GEMM_TILES) */
   int wgrad_tiles;  /* MOKK_TILES_AUTO, _WIDE or _PINGPONG (MOKD_GEMM_WGRAD_TILES) */
   int clusters;     /* grouped NT/NN GEMMs on clusters of two (MOKD_GEMM_CLUSTERS): 0 none,
-                     * 1 the data gradients, 2 the forward's too, as pairs (gemm_sm90.cuh,
+                     * 1 the data gradients, 2 the forward's too, as pairs (sm90/scheduler.cuh,
                      * paired) */
   int dynamic;      /* grouped NT GEMMs take tiles from a counter (MOKD_GEMM_ORDER) */
   int ride;         /* experts' short tails ride on full m-tiles: MOKK_RIDE_* (MOKD_GEMM_RIDE) */

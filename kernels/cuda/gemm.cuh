@@ -30,7 +30,7 @@
 #define G_SMEM_BYTES (G_BM * (G_BN + 4) * 4)
 
 /* The most rows past an expert's last full 128-row m-tile that ride on that
- * tile (gemm_sm90.cuh, "riding tails") instead of taking an m-tile of their
+ * tile (sm90/mma.cuh, "riding tails") instead of taking an m-tile of their
  * own: wgmma's N of the swapped product. */
 #define MOKK_RIDE_ROWS 32
 
@@ -71,7 +71,7 @@ typedef struct gemm_args {
                              * MOKK_RIDE_ROWS rows past a group's last full m-tile rides on
                              * it (the Hopper core's cooperative tiles); NULL: no rides */
   int ride_whole;       /* riding tails: the whole tail on the group's last m-tile, rather
-                         * than half on each of its last two (gemm_sm90.cuh) */
+                         * than half on each of its last two (sm90/scheduler.cuh, tile_at) */
   int tiles_max;        /* worst-case m-tiles (NT, NN) */
   int groups_all;       /* groups of the whole schedule (every EP rank's experts) */
   void *C, *C2;
@@ -94,7 +94,7 @@ typedef struct gemm_args {
   int gather_div;
   int store_regs;       /* the Hopper core's NT and TN epilogues store from registers
                          * rather than through shared memory and the copy engine
-                         * (gemm_sm90.cuh, async_out, pingpong): to measure and check
+                         * (sm90/epilogue.cuh, async_out; pingpong): to measure and check
                          * one against the other */
   const int *ready;     /* grouped NT on the Hopper core: A's rows come from a dispatch that
                          * runs beside the GEMM (route_gather_ahead); group g's rows are in

@@ -247,7 +247,7 @@ START_TEST(tokens_not_tile_multiple)
 END_TEST
 
 /* Experts that end a few rows past a multiple of 128: their tails ride on
- * full m-tiles (gemm_sm90.cuh). 150 rows on every expert (a tail of 22),
+ * full m-tiles (sm90/mma.cuh, riding tails). 150 rows on every expert (a tail of 22),
  * 273 (a tail of 17 over two m-tiles), then about 150 an expert, with I and H of 192, whose last n-tile is
  * partly past N. */
 START_TEST(riding_tails)

@@ -13,7 +13,7 @@ extern "C" {
  * 128 x 256 or (grouped NT and NN only) 256 x 128, or 128 x 128 tiles the
  * two take in turns; the last two: 128 x 256 and 256 x 128 tiles on
  * clusters of two blocks, which share operands in NN and run neighbouring
- * tiles side by side in NT (gemm_sm90.cuh, pairs; their TN cases run
+ * tiles side by side in NT (sm90/scheduler.cuh, pairs; their TN cases run
  * without clusters); then 128 x 256 tiles on clusters with riding tails (a
  * group's last few rows multiplied on its full m-tiles, split over the last
  * two; grouped NT and NN, the rest as wide2); then on single blocks with

@@ -366,7 +366,7 @@ __device__ __forceinline__ void wgmma_256(float (&d)[128], uint64_t a, uint64_t 
 }
 
 /* D[64 x 32] += A[64 x 16] B[16 x 32], and D[64 x 16] += A[64 x 16] B[16 x 16]:
- * a riding tail's product (gemm_sm90.cuh). */
+ * a riding tail's product (mma.cuh). */
 template <int TA, int TB>
 __device__ __forceinline__ void wgmma_32(float (&d)[16], uint64_t a, uint64_t b, int acc)
 {
