@@ -417,6 +417,16 @@ static int aligned16(const void *p)
   return ((uintptr_t)p & 15) == 0;
 }
 
+/* A rank's weights, the shared expert's too where there is one (I_s > 0):
+ * the copy engine reads them in 16-byte units. */
+static int weights_aligned(const uint16_t *const (&w)[MOKK_NWEIGHTS], int64_t Is, char *err)
+{
+  for (int i = 0; i < (Is ? MOKK_NWEIGHTS : MOKK_S_GATE); i++)
+    if (!aligned16(w[i]))
+      return mokk_fail(err, MOK_EINVAL, "weight %d is not 16-byte aligned", i);
+  return 0;
+}
+
 static int check_shape(const mokk_shape *s, int64_t T, char *err)
 {
   if (s->P > MOKK_DEVICE_MAX_RANKS)
@@ -537,9 +547,8 @@ static int cuda_forward(mokk_backend *b, const mokk_shape *s, int64_t T,
     const mokk_fwd_rank *f = &ranks[r];
     if (!aligned16(f->x) || !aligned16(f->out))
       return mokk_fail(err, MOK_EINVAL, "x and out must be 16-byte aligned");
-    for (int w = 0; w < (Is ? MOKK_NWEIGHTS : MOKK_S_GATE); w++)
-      if (!aligned16(f->w[w]))
-        return mokk_fail(err, MOK_EINVAL, "weight %d is not 16-byte aligned", w);
+    if ((rc = weights_aligned(f->w, Is, err)))
+      return rc;
     px[r] = f->x;
     rd[r] = f->dev;
   }
@@ -803,9 +812,8 @@ static int cuda_backward(mokk_backend *b, mokk_ctx *ctx, mokk_grad_mode mode, in
     const mokk_bwd_rank *br = &ranks[r];
     if (!aligned16(br->d_out) || !aligned16(br->d_x))
       return mokk_fail(err, MOK_EINVAL, "d_out and d_x must be 16-byte aligned");
-    for (int w = 0; w < (Is ? MOKK_NWEIGHTS : MOKK_S_GATE); w++)
-      if (!aligned16(br->w[w]))
-        return mokk_fail(err, MOK_EINVAL, "weight %d is not 16-byte aligned", w);
+    if ((rc = weights_aligned(br->w, Is, err)))
+      return rc;
     pd[r] = br->d_out;
     rd[r] = br->dev;
   }
