@@ -1,8 +1,8 @@
 /* config.cuh - the GEMM core's fixed shapes and what a kernel instance is
  * built from: the k depth of a stage, the block's threads, the shared memory
  * a block of a given tile shape gives its stages, the kernel's parameters
- * (tensor maps and gemm_args) and the tile a block works on. Everything here
- * is a compile-time function of the template arguments, so that the ring of
+ * (tensor maps and gemm_args) and the tile a block works on. The shapes are
+ * compile-time functions of the template arguments, so that the ring of
  * stages is as deep as the 227 KiB of shared memory allow for each tile
  * shape, with no run-time branch on it. */
 #ifndef MOKK_CUDA_SM90_CONFIG_CUH

@@ -3,7 +3,8 @@
  * that the blocks running at one time read the same weight tiles), and a
  * block walks that order either statically (block b takes b, b + grid, ...)
  * or from a device counter passed through a ring in shared memory (the
- * grouped GEMMs, whose blocks would otherwise drift apart over the weights).
+ * forward's grouped GEMMs and d_h, whose blocks would otherwise drift apart
+ * over the weights: dynamic_order).
  * Clusters of two take the order in pairs. No tile's bits depend on which
  * block runs it or when (DESIGN §2). */
 #ifndef MOKK_CUDA_SM90_SCHEDULER_CUH
